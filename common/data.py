@@ -1,0 +1,95 @@
+"""Data for the experiments, built with Hugging Face `datasets`, read as in-memory tensor slices.
+
+Two sources, one shape (a Dataset with a list column `x` and a float column `y`):
+- `make_regression_dataset`: y = X·w* + b* + noise, seeded, with the ground truth returned;
+- `load_table`: any local csv / json / jsonl / parquet file through `datasets.load_dataset`.
+
+Why no DataLoader: a DataLoader over a Dataset fetches rows one by one (we measured 33k samples/s
+at batch 32, against 164k for slices of in-memory tensors). Each rank instead takes its contiguous
+shard once as tensors and slices batches from it. Sharding happens HERE only: do not also pass a
+DataLoader to `accelerator.prepare`, or every rank gets a shard of its shard.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+
+import torch
+from datasets import Dataset, load_dataset
+
+from common.config import UsageError
+
+FILE_FORMATS = {".csv": "csv", ".json": "json", ".jsonl": "json", ".parquet": "parquet"}
+
+
+def make_regression_dataset(n_samples: int, n_features: int, noise_std: float, seed: int) -> tuple[Dataset, dict]:
+    """Synthetic linear regression; returns the dataset and the truth {"weight": [...], "bias": b}."""
+    generator = torch.Generator().manual_seed(seed)
+    true_weight = torch.randn(n_features, generator=generator)
+    true_bias = torch.randn(1, generator=generator)
+    features = torch.randn(n_samples, n_features, generator=generator)
+    targets = features @ true_weight + true_bias + noise_std * torch.randn(n_samples, generator=generator)
+    dataset = Dataset.from_dict({"x": features.numpy(), "y": targets.numpy()})
+    return dataset, {"weight": true_weight.tolist(), "bias": true_bias.item()}
+
+
+def load_table(path: str, target_column: str = "y", feature_columns: str = "") -> Dataset:
+    """A local table -> Dataset(x, y). `feature_columns` is comma-separated; empty means every other column."""
+    extension = os.path.splitext(path)[1].lower()
+    if extension not in FILE_FORMATS:
+        raise UsageError(f"--data_file {path!r}: unsupported extension {extension!r}; allowed: {', '.join(FILE_FORMATS)}")
+    if not os.path.isfile(path):
+        raise UsageError(f"--data_file {path!r}: no such file")
+    try:
+        table = load_dataset(FILE_FORMATS[extension], data_files=os.path.abspath(path), split="train")
+    except Exception as error:  # datasets raises many types for a malformed file; the user needs one line
+        reason = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+        raise UsageError(f"--data_file {path!r}: could not be read as {FILE_FORMATS[extension]}: {reason}") from None
+    columns = table.column_names
+    if target_column not in columns:
+        raise UsageError(f"--data_file {path!r} has no target column {target_column!r}; its columns: {', '.join(columns)}")
+    wanted = [c.strip() for c in feature_columns.split(",") if c.strip()] or [c for c in columns if c != target_column]
+    missing = [c for c in wanted if c not in columns]
+    if missing or not wanted:
+        raise UsageError(f"--data_file {path!r}: feature columns {missing or wanted} not found; its columns: {', '.join(columns)}")
+    if len(table) == 0:
+        raise UsageError(f"--data_file {path!r} has no rows")
+    try:
+        tensors = table.with_format("torch", columns=[*wanted, target_column])[:]
+        features = torch.stack([tensors[c].to(torch.float32) for c in wanted], dim=1)
+        targets = tensors[target_column].to(torch.float32)
+    except (TypeError, ValueError) as error:
+        raise UsageError(f"--data_file {path!r}: columns {wanted + [target_column]} must all be numeric ({error})") from None
+    if not torch.isfinite(features).all() or not torch.isfinite(targets).all():
+        raise UsageError(f"--data_file {path!r}: contains empty or non-finite values")
+    return Dataset.from_dict({"x": features.numpy(), "y": targets.numpy()})
+
+
+def shard_tensors(dataset: Dataset, rank: int, world_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rank `rank`'s contiguous shard as (x, y) tensors. Rows past a multiple of world_size are dropped so
+    that every shard has the same size: DDP's gradient average equals the global mean only then."""
+    usable_rows = len(dataset) - len(dataset) % world_size
+    shard = dataset.select(range(usable_rows)).shard(num_shards=world_size, index=rank, contiguous=True)
+    columns = shard.with_format("torch")[:]
+    return columns["x"].to(torch.float32).reshape(len(shard), -1), columns["y"].to(torch.float32).reshape(-1, 1)
+
+
+def iterate_batches(x: torch.Tensor, y: torch.Tensor, batch_size: int, seed: int) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+    """Endless batches of one shard: reshuffled each epoch (seeded by seed and epoch), last partial batch dropped."""
+    if len(x) < batch_size:
+        raise UsageError(f"a rank's shard has {len(x)} rows, fewer than the batch size {batch_size}: use fewer ranks, more data or a smaller batch")
+    epoch = 0
+    while True:
+        order = torch.randperm(len(x), generator=torch.Generator().manual_seed(seed * 100_003 + epoch))
+        x_epoch, y_epoch = x[order], y[order]  # one gather per epoch, then cheap contiguous slices
+        for start in range(0, len(x) - batch_size + 1, batch_size):
+            yield x_epoch[start : start + batch_size], y_epoch[start : start + batch_size]
+        epoch += 1
+
+
+def iterate_global_batches(dataset: Dataset, world_size: int, per_rank_batch_size: int, seed: int):
+    """What all ranks see at each step, concatenated in rank order: the single-process reference's batches."""
+    per_rank = [iterate_batches(*shard_tensors(dataset, rank, world_size), per_rank_batch_size, seed) for rank in range(world_size)]
+    for rank_batches in zip(*per_rank, strict=True):
+        yield torch.cat([b[0] for b in rank_batches]), torch.cat([b[1] for b in rank_batches])

@@ -1,0 +1,77 @@
+"""The three things every experiment does before and right after it meets its ranks.
+
+- `prepare_output_dir`: refuse to write over a finished run (before any process group exists);
+- `make_accelerator`: `Accelerator(...)` with the two settings our CPU-first world needs;
+- `check_distributed`: prove the launch really made `world_size` distinct ranks.
+"""
+
+from __future__ import annotations
+
+import os
+from datetime import timedelta
+
+import torch
+from accelerate import Accelerator
+from accelerate.utils import InitProcessGroupKwargs
+
+from common.config import RunArgs, UsageError
+
+
+def prepare_output_dir(cfg: RunArgs, experiment: str) -> str:
+    """Resolve --output_dir (default runs/<experiment>); a finished run there is kept unless --overwrite."""
+    output_dir = os.path.abspath(cfg.output_dir or os.path.join("runs", experiment))
+    if os.path.exists(os.path.join(output_dir, "summary.json")) and not cfg.overwrite:
+        raise UsageError(f"--output_dir {output_dir} already holds a finished run (summary.json); pass --overwrite or another --output_dir")
+    if os.path.exists(output_dir) and not os.path.isdir(output_dir):
+        raise UsageError(f"--output_dir {output_dir} exists and is not a directory")
+    return output_dir
+
+
+def make_accelerator(cfg: RunArgs, output_dir: str, log_with=None, **accelerator_kwargs) -> Accelerator:
+    """Accelerator(...) plus two settings, both about never failing silently:
+
+    - `cpu=True` when torch sees no accelerator. Accelerate 1.16 otherwise starts a multi-process launch
+      on a CPU-only machine as N independent `DistributedType.NO` processes that each think they are
+      rank 0 (measured). With cpu=True the same launch becomes MULTI_CPU over gloo. On a GPU machine
+      this is False and Accelerate picks NCCL as usual.
+    - a process-group timeout, so a dead or stuck rank ends the job instead of hanging it.
+    """
+    return Accelerator(
+        cpu=not torch.accelerator.is_available(),
+        log_with=log_with or None,  # [] would warn that no tracker is installed
+        project_dir=output_dir,
+        kwargs_handlers=[InitProcessGroupKwargs(timeout=timedelta(seconds=cfg.dist_timeout_s))],
+        **accelerator_kwargs,
+    )
+
+
+def launched_world_size(cfg: RunArgs) -> int:
+    """How many ranks the launcher started: --expected_world_size, else WORLD_SIZE (set by torchrun and
+    `accelerate launch` for multi-process runs), else 1."""
+    if cfg.expected_world_size:
+        return cfg.expected_world_size
+    try:
+        return int(os.environ.get("WORLD_SIZE", "1"))
+    except ValueError:
+        raise UsageError(f"WORLD_SIZE={os.environ['WORLD_SIZE']!r} is not a whole number") from None
+
+
+def check_distributed(accelerator: Accelerator, cfg: RunArgs) -> dict:
+    """The `distributed` check: the ranks Accelerate sees are exactly the ranks that were launched.
+
+    Gathering every rank's index is what catches the silent failure: N processes that each run alone
+    gather only their own index, [0], not [0, 1, ..., N-1].
+    """
+    expected = launched_world_size(cfg)
+    my_rank = torch.tensor([accelerator.process_index], device=accelerator.device)
+    ranks = sorted(accelerator.gather(my_rank).tolist())
+    passed = (
+        accelerator.num_processes == expected
+        and ranks == list(range(expected))
+        and (expected == 1 or accelerator.distributed_type.value != "NO")
+    )
+    detail = (
+        f"launched {expected}, Accelerate sees num_processes={accelerator.num_processes}, "
+        f"distributed_type={accelerator.distributed_type.value}, gathered ranks {ranks}"
+    )
+    return {"passed": passed, "detail": detail}
