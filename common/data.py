@@ -55,12 +55,14 @@ def load_table(path: str, target_column: str = "y", feature_columns: str = "") -
         raise UsageError(f"--data_file {path!r}: feature columns {missing or wanted} not found; its columns: {', '.join(columns)}")
     if len(table) == 0:
         raise UsageError(f"--data_file {path!r} has no rows")
-    try:
-        tensors = table.with_format("torch", columns=[*wanted, target_column])[:]
-        features = torch.stack([tensors[c].to(torch.float32) for c in wanted], dim=1)
-        targets = tensors[target_column].to(torch.float32)
-    except (TypeError, ValueError) as error:
-        raise UsageError(f"--data_file {path!r}: columns {wanted + [target_column]} must all be numeric ({error})") from None
+    numeric = ("int", "uint", "float", "bool")
+    not_numeric = [c for c in [*wanted, target_column] if not getattr(table.features[c], "dtype", "").startswith(numeric)]
+    if not_numeric:
+        kinds = ", ".join(f"{c}: {getattr(table.features[c], 'dtype', table.features[c])}" for c in not_numeric)
+        raise UsageError(f"--data_file {path!r}: columns must all be numeric, but {kinds}")
+    tensors = table.with_format("torch", columns=[*wanted, target_column])[:]
+    features = torch.stack([tensors[c].to(torch.float32) for c in wanted], dim=1)
+    targets = tensors[target_column].to(torch.float32)
     if not torch.isfinite(features).all() or not torch.isfinite(targets).all():
         raise UsageError(f"--data_file {path!r}: contains empty or non-finite values")
     return Dataset.from_dict({"x": features.numpy(), "y": targets.numpy()})
@@ -77,15 +79,19 @@ def shard_tensors(dataset: Dataset, rank: int, world_size: int) -> tuple[torch.T
 
 def iterate_batches(x: torch.Tensor, y: torch.Tensor, batch_size: int, seed: int) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
     """Endless batches of one shard: reshuffled each epoch (seeded by seed and epoch), last partial batch dropped."""
-    if len(x) < batch_size:
+    if len(x) < batch_size:  # checked now, not at the first next(), so the error comes before training starts
         raise UsageError(f"a rank's shard has {len(x)} rows, fewer than the batch size {batch_size}: use fewer ranks, more data or a smaller batch")
-    epoch = 0
-    while True:
-        order = torch.randperm(len(x), generator=torch.Generator().manual_seed(seed * 100_003 + epoch))
-        x_epoch, y_epoch = x[order], y[order]  # one gather per epoch, then cheap contiguous slices
-        for start in range(0, len(x) - batch_size + 1, batch_size):
-            yield x_epoch[start : start + batch_size], y_epoch[start : start + batch_size]
-        epoch += 1
+
+    def endless_batches():
+        epoch = 0
+        while True:
+            order = torch.randperm(len(x), generator=torch.Generator().manual_seed(seed * 100_003 + epoch))
+            x_epoch, y_epoch = x[order], y[order]  # one gather per epoch, then cheap contiguous slices
+            for start in range(0, len(x) - batch_size + 1, batch_size):
+                yield x_epoch[start : start + batch_size], y_epoch[start : start + batch_size]
+            epoch += 1
+
+    return endless_batches()
 
 
 def iterate_global_batches(dataset: Dataset, world_size: int, per_rank_batch_size: int, seed: int):

@@ -28,7 +28,7 @@ def prepare_output_dir(cfg: RunArgs, experiment: str) -> str:
 
 
 def make_accelerator(cfg: RunArgs, output_dir: str, log_with=None, **accelerator_kwargs) -> Accelerator:
-    """Accelerator(...) plus two settings, both about never failing silently:
+    """Accelerator(...) plus two settings and one refusal, all about never failing silently:
 
     - `cpu=True` when torch sees no accelerator. Accelerate 1.16 otherwise starts a multi-process launch
       on a CPU-only machine as N independent `DistributedType.NO` processes that each think they are
@@ -36,13 +36,19 @@ def make_accelerator(cfg: RunArgs, output_dir: str, log_with=None, **accelerator
       this is False and Accelerate picks NCCL as usual.
     - a process-group timeout, so a dead or stuck rank ends the job instead of hanging it.
     """
-    return Accelerator(
+    if accelerator_kwargs.get("mixed_precision") == "":
+        accelerator_kwargs["mixed_precision"] = None  # "": whatever `accelerate launch` / its config says
+    accelerator = Accelerator(
         cpu=not torch.accelerator.is_available(),
         log_with=log_with or None,  # [] would warn that no tracker is installed
         project_dir=output_dir,
         kwargs_handlers=[InitProcessGroupKwargs(timeout=timedelta(seconds=cfg.dist_timeout_s))],
         **accelerator_kwargs,
     )
+    if accelerator.mixed_precision == "fp16" and accelerator.device.type == "cpu":
+        # Accelerate 1.16 accepts fp16 on CPU and silently trains in float32 (measured): refuse instead.
+        raise UsageError("--mixed_precision fp16 needs a GPU; on CPU use bf16 or no")
+    return accelerator
 
 
 def launched_world_size(cfg: RunArgs) -> int:

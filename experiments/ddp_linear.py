@@ -39,7 +39,13 @@ import torch.nn.functional as F
 from tqdm.auto import tqdm
 
 from common.config import TrainArgs, flag, parse_config, require, run_cli
-from common.data import iterate_batches, iterate_global_batches, load_table, make_regression_dataset, shard_tensors
+from common.data import (
+    iterate_batches,
+    iterate_global_batches,
+    load_table,
+    make_regression_dataset,
+    shard_tensors,
+)
 from common.models import build_linear
 from common.runtime import check_distributed, make_accelerator, prepare_output_dir
 from common.tracking import RunRecorder, resolve_trackers
@@ -58,7 +64,7 @@ class Config(TrainArgs):
     per_rank_batch_size: int = flag(32, "rows per rank per micro-batch; global batch = this x ranks x accumulation")
     gradient_accumulation_steps: int = flag(1, "micro-batches per optimizer step (Accelerate's accumulate())")
     lr: float = flag(0.1, "SGD learning rate (the seed's 0.1)")
-    mixed_precision: str = flag("no", "Accelerate mixed precision (bf16 works on CPU; fp16 needs a GPU)", choices=("no", "bf16", "fp16"))
+    mixed_precision: str = flag("", "no/bf16/fp16 (empty: what `accelerate launch` or its config says); bf16 runs on CPU, fp16 needs a GPU", choices=("", "no", "bf16", "fp16"))
     truth_tolerance: float = flag(0.05, "largest allowed |learned - true| of any weight or the bias")
     parity_atol: float = flag(0.0, "largest allowed |DDP - single process| parameter difference (0: 1e-5 for fp32, 5e-2 for bf16/fp16)")
 
@@ -183,7 +189,7 @@ def run(cfg: Config) -> int:
             "detail": f"max |w - w_true| = {weight_error:.4f}, |b - b_true| = {bias_error:.4f} vs {truth_name}, tolerance {cfg.truth_tolerance}",
         }
         reference = replay_single_process(cfg, dataset, world_size, initial_state, accelerator)
-        parity_atol = cfg.parity_atol or (1e-5 if cfg.mixed_precision == "no" else 5e-2)
+        parity_atol = cfg.parity_atol or (1e-5 if accelerator.mixed_precision == "no" else 5e-2)
         parity_error = max(
             (p.detach().float().cpu() - r.detach().float().cpu()).abs().max().item()
             for p, r in zip(trained.parameters(), reference.parameters(), strict=True)

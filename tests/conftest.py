@@ -1,0 +1,81 @@
+"""Shared test helpers: run an experiment for real (accelerate launch / torchrun / python) and read its results."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+CPU_DDP = str(REPO / "accelerate_configs" / "cpu_ddp.yaml")
+LAUNCH_TIMEOUT_S = 240  # a 2-rank tiny run takes ~10 s here; this only bounds a hang
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def clean_env(**overrides: str) -> dict:
+    """The test's environment: no W&B credentials or mode from the developer's shell, no accelerate
+    default config from ~/.cache, so a test sees what a fresh machine sees."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("WANDB_", "ACCELERATE_"))}
+    env.update(overrides)
+    return env
+
+
+@dataclass
+class Finished:
+    returncode: int
+    stdout: str
+    stderr: str
+    output_dir: Path
+
+    @property
+    def summary(self) -> dict:
+        return json.loads((self.output_dir / "summary.json").read_text())
+
+    @property
+    def metrics(self) -> list[dict]:
+        return [json.loads(line) for line in (self.output_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def launch(script: str, args: list[str], output_dir: Path, *, config: str | None = CPU_DDP, launcher: str = "accelerate",
+           env: dict | None = None, timeout: float = LAUNCH_TIMEOUT_S, num_processes: int | None = None) -> Finished:
+    """Run experiments/<script> through a real launcher. launcher: accelerate | torchrun | python."""
+    program = str(REPO / "experiments" / script)
+    if launcher == "accelerate":
+        command = [sys.executable, "-m", "accelerate.commands.launch"]
+        if config:
+            command += ["--config_file", config, "--main_process_port", str(free_port())]
+        if num_processes:
+            command += ["--num_processes", str(num_processes)]
+        command += [program]
+    elif launcher == "torchrun":
+        command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(num_processes or 2),
+                   "--master_port", str(free_port()), program]
+    else:
+        command = [sys.executable, program]
+    command += ["--output_dir", str(output_dir), *args]
+    if env is None:
+        home = output_dir.parent / "home"
+        home.mkdir(exist_ok=True)
+        env = clean_env(HOME=str(home))
+    run_env = env
+    done = subprocess.run(command, capture_output=True, text=True, timeout=timeout, env=run_env, cwd=REPO)
+    return Finished(done.returncode, done.stdout, done.stderr, output_dir)
+
+
+@pytest.fixture
+def home(tmp_path: Path) -> Path:
+    path = tmp_path / "home"
+    path.mkdir()
+    return path
