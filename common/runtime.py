@@ -27,7 +27,7 @@ def prepare_output_dir(cfg: RunArgs, experiment: str) -> str:
     return output_dir
 
 
-def make_accelerator(cfg: RunArgs, output_dir: str, log_with=None, **accelerator_kwargs) -> Accelerator:
+def make_accelerator(cfg: RunArgs, output_dir: str, log_with=None, backend: str | None = None, **accelerator_kwargs) -> Accelerator:
     """Accelerator(...) plus two settings and one refusal, all about never failing silently:
 
     - `cpu=True` when torch sees no accelerator. Accelerate 1.16 otherwise starts a multi-process launch
@@ -38,13 +38,16 @@ def make_accelerator(cfg: RunArgs, output_dir: str, log_with=None, **accelerator
     """
     if accelerator_kwargs.get("mixed_precision") == "":
         accelerator_kwargs["mixed_precision"] = None  # "": whatever `accelerate launch` / its config says
-    accelerator = Accelerator(
-        cpu=not torch.accelerator.is_available(),
-        log_with=log_with or None,  # [] would warn that no tracker is installed
-        project_dir=output_dir,
-        kwargs_handlers=[InitProcessGroupKwargs(timeout=timedelta(seconds=cfg.dist_timeout_s))],
-        **accelerator_kwargs,
-    )
+    try:
+        accelerator = Accelerator(
+            cpu=not torch.accelerator.is_available(),
+            log_with=log_with or None,  # [] would warn that no tracker is installed
+            project_dir=output_dir,
+            kwargs_handlers=[InitProcessGroupKwargs(backend=backend, timeout=timedelta(seconds=cfg.dist_timeout_s))],
+            **accelerator_kwargs,
+        )
+    except ValueError as error:  # e.g. "Your assigned backend mpi is not available, please use gloo"
+        raise UsageError(f"cannot start the run: {error}") from None
     if accelerator.mixed_precision == "fp16" and accelerator.device.type == "cpu":
         # Accelerate 1.16 accepts fp16 on CPU and silently trains in float32 (measured): refuse instead.
         raise UsageError("--mixed_precision fp16 needs a GPU; on CPU use bf16 or no")

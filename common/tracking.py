@@ -128,6 +128,17 @@ class RunRecorder:
             except Exception as error:
                 self._drop_trackers("table/image log", error)
 
+    def log_wandb_table_and_image(self, name: str, rows: list[dict], image_path: str | None) -> None:
+        """A W&B Table of `rows` and the PNG at `image_path`, when W&B is one of the trackers."""
+        if not (self.is_main and self.trackers_alive and "wandb" in self.tracker_notes and rows):
+            return
+        import wandb
+
+        payload = {f"{name}_table": wandb.Table(columns=list(rows[0]), data=[list(r.values()) for r in rows])}
+        if image_path:
+            payload[f"{name}_plot"] = wandb.Image(image_path)
+        self.log_tracker_only(payload)
+
     def finish(self, metrics: dict, checks: dict) -> int:
         """Write summary.json, close the trackers, return the exit code (0 passed, 1 a check failed).
 
