@@ -163,7 +163,7 @@ class RunRecorder:
             self._metrics_file.close()
             write_json_atomic(os.path.join(self.output_dir, "summary.json"), summary)
             for name, check in checks.items():
-                self.print(f"check {name:<28} {'PASS' if check['passed'] else 'FAIL'}  {check['detail']}")
+                self.print(f"check {name:<36} {'PASS' if check['passed'] else 'FAIL'}  {check['detail']}")
             self.print(f"{self.experiment}: {'PASSED' if passed else 'FAILED'} -> {os.path.join(self.output_dir, 'summary.json')}")
         verdict = [passed]
         if self.accelerator.num_processes > 1:

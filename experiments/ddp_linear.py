@@ -47,6 +47,7 @@ from common.data import (
     shard_tensors,
 )
 from common.models import build_linear
+from common.reference import max_abs_difference, train_single_process
 from common.runtime import check_distributed, make_accelerator, prepare_output_dir
 from common.tracking import RunRecorder, resolve_trackers
 
@@ -98,25 +99,13 @@ def full_data_mse(model, x, y, accelerator) -> float:
 
 
 def replay_single_process(cfg: Config, dataset, world_size: int, initial_state: dict, accelerator) -> torch.nn.Linear:
-    """The reference: the global batches of the distributed run, in one process, with no DDP.
-
-    One step = all ranks' micro-batches of that step concatenated, one mean loss over all of them
-    (32 per rank x 2 ranks x accumulation 1 = 64 rows), one SGD step."""
+    """The reference: the global batches of the distributed run, in one process, with no DDP
+    (32 per rank x 2 ranks x accumulation 1 = 64 rows per step, one mean loss over them)."""
     model = build_linear(initial_state["weight"].shape[1], seed=cfg.seed)
     model.load_state_dict(initial_state)
-    model.to(accelerator.device)
-    optimizer = torch.optim.SGD(model.parameters(), lr=cfg.lr)
     global_batches = iterate_global_batches(dataset, world_size, cfg.per_rank_batch_size, cfg.seed)
-    for _ in range(cfg.max_steps):
-        micro_batches = [next(global_batches) for _ in range(cfg.gradient_accumulation_steps)]
-        x = torch.cat([b[0] for b in micro_batches]).to(accelerator.device)
-        y = torch.cat([b[1] for b in micro_batches]).to(accelerator.device)
-        optimizer.zero_grad()
-        with accelerator.autocast():  # the same autocast the prepared model runs under
-            loss = F.mse_loss(model(x).float(), y)
-        loss.backward()
-        optimizer.step()
-    return model
+    return train_single_process(model, global_batches, cfg.max_steps, cfg.gradient_accumulation_steps, cfg.lr,
+                                accelerator.device, autocast=accelerator.autocast)
 
 
 def run(cfg: Config) -> int:
@@ -190,10 +179,7 @@ def run(cfg: Config) -> int:
         }
         reference = replay_single_process(cfg, dataset, world_size, initial_state, accelerator)
         parity_atol = cfg.parity_atol or (1e-5 if accelerator.mixed_precision == "no" else 5e-2)
-        parity_error = max(
-            (p.detach().float().cpu() - r.detach().float().cpu()).abs().max().item()
-            for p, r in zip(trained.parameters(), reference.parameters(), strict=True)
-        )
+        parity_error = max_abs_difference(trained, reference)
         metrics["parity_max_abs_diff"] = parity_error
         checks["matches_single_process"] = {
             "passed": parity_error <= parity_atol,

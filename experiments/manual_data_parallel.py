@@ -1,0 +1,268 @@
+"""manual_data_parallel: what does DDP actually do? Data parallelism by hand, proven equal to DDP.
+
+Seed 000 hand-rolls data parallelism and gets it wrong: it all-reduces a *list* of parameter copies,
+sums gradients without dividing by the number of ranks (so the step is world_size times too large),
+and calls that "moving parameters to workers". Done right, data parallelism is three moves:
+  1. start equal: broadcast rank 0's initial parameters once (here every rank deliberately
+     initialises from seed + rank, so skipping the broadcast would show);
+  2. after backward, make every rank's gradient the MEAN over ranks: all_reduce(SUM) / world_size;
+  3. step: every rank applies the same update, so the replicas stay equal forever.
+This experiment uses raw torch.distributed on purpose (it is about the API); only `ddp` uses
+Accelerate's prepared (DDP) model. Same model and data as ddp_linear (common/). --strategy:
+  per_param   one all_reduce per parameter tensor: simplest, most collectives;
+  bucketed    gradients flattened into buckets of <= --bucket_mb, one all_reduce per bucket
+              (what DDP's buckets do: fewer, larger messages);
+  overlapped  an async all_reduce launched from each parameter's grad hook DURING backward, all
+              waited for before the step (what DDP does to hide communication behind compute);
+  ddp         Accelerate's DDP, the reference; a comm hook counts its all_reduces and bytes;
+  all         every strategy from the same init on the same batches, compared.
+With --gradient_accumulation_steps k > 1 every strategy syncs only on the last micro-batch of a step
+(DDP's no_sync), and is still equal. Checks: each hand-rolled strategy ends with the same parameters
+as `ddp` and as a single-process replay of the global batches (float32, tolerance --parity_atol), and
+issues the collectives it should per step. --average_gradients false reproduces the seed's bug.
+
+Run it:
+    accelerate launch --config_file accelerate_configs/cpu_ddp.yaml experiments/manual_data_parallel.py
+    accelerate launch --config_file accelerate_configs/cpu_ddp.yaml experiments/manual_data_parallel.py --model mlp --hidden_features 512 --bucket_mb 0.5
+    torchrun --nproc_per_node 2 experiments/manual_data_parallel.py --strategy bucketed
+    accelerate launch --config_file accelerate_configs/multi_gpu_ddp.yaml experiments/manual_data_parallel.py   # NCCL
+"""
+
+from __future__ import annotations
+
+import os
+import statistics
+import sys
+import time
+from dataclasses import dataclass
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from common.config import TrainArgs, flag, parse_config, require, run_cli
+from common.data import iterate_batches, iterate_global_batches, make_regression_dataset, shard_tensors
+from common.models import build_linear, build_mlp
+from common.reference import max_abs_difference, train_single_process
+from common.runtime import check_distributed, make_accelerator, prepare_output_dir
+from common.tracking import RunRecorder, resolve_trackers
+
+EXPERIMENT = "manual_data_parallel"
+STRATEGIES = ("ddp", "per_param", "bucketed", "overlapped")  # ddp first: the others are compared with it
+
+
+@dataclass
+class Config(TrainArgs):
+    strategy: str = flag("all", "per_param, bucketed, overlapped, ddp, or all (each from the same init, compared)", choices=(*STRATEGIES, "all"))
+    model: str = flag("linear", "linear: the seed's nn.Linear(10, 1); mlp: fc1 -> ReLU -> fc2 (more, larger gradients)", choices=("linear", "mlp"))
+    hidden_features: int = flag(50, "width of the mlp's hidden layer (the seed's 50)")
+    bucket_mb: float = flag(25.0, "largest gradient bucket in MiB for `bucketed` (DDP's default bucket_cap_mb is 25)")
+    n_samples: int = flag(1000, "rows of synthetic data")
+    n_features: int = flag(10, "input features")
+    noise_std: float = flag(0.1, "noise on y = X·w* + b*")
+    per_rank_batch_size: int = flag(32, "rows per rank per micro-batch")
+    gradient_accumulation_steps: int = flag(1, "micro-batches per optimizer step; syncs only on the last one")
+    lr: float = flag(0.1, "SGD learning rate")
+    max_steps: int = flag(100, "optimizer steps per strategy")
+    average_gradients: bool = flag(True, "divide the all-reduced gradient sum by world size (false = the seed's bug)")
+    parity_atol: float = flag(1e-5, "largest allowed |strategy - reference| parameter difference (float32)")
+
+    def validate(self) -> None:
+        super().validate()
+        for name in ("hidden_features", "n_samples", "n_features", "per_rank_batch_size", "gradient_accumulation_steps"):
+            require(getattr(self, name) > 0, f"--{name} must be > 0, got {getattr(self, name)}")
+        for name in ("bucket_mb", "lr", "parity_atol"):
+            require(getattr(self, name) > 0, f"--{name} must be > 0, got {getattr(self, name)}")
+
+
+def build_model(cfg: Config, seed: int) -> torch.nn.Module:
+    if cfg.model == "linear":
+        return build_linear(cfg.n_features, seed=seed)
+    return build_mlp(cfg.n_features, cfg.hidden_features, 1, seed=seed)
+
+
+class GradientSync:
+    """The hand-rolled part of data parallelism: make every rank's .grad the mean over ranks.
+    Counts the collectives it issues and the bytes they carry (both per optimizer step)."""
+
+    def __init__(self, model: torch.nn.Module, strategy: str, bucket_mb: float, average: bool):
+        self.params = [p for p in model.parameters() if p.requires_grad]
+        self.strategy, self.average, self.world_size = strategy, average, dist.get_world_size()
+        self.collectives, self.bytes, self.pending = 0, 0, []
+        self.sync_this_micro_batch = True
+        self.buckets = self.make_buckets(bucket_mb)
+        if strategy == "overlapped":
+            for param in self.params:
+                param.register_post_accumulate_grad_hook(self.launch_during_backward)
+
+    def make_buckets(self, bucket_mb: float) -> list[list[torch.nn.Parameter]]:
+        """Consecutive parameters, in reverse order (the order backward produces their grads), up to bucket_mb."""
+        buckets, current, current_bytes = [], [], 0
+        for param in reversed(self.params):
+            size = param.numel() * param.element_size()
+            if current and current_bytes + size > bucket_mb * 2**20:
+                buckets.append(current)
+                current, current_bytes = [], 0
+            current.append(param)
+            current_bytes += size
+        return buckets + [current] if current else buckets
+
+    def launch_during_backward(self, param: torch.nn.Parameter) -> None:
+        """Grad hook (overlapped): this param's gradient is final, start its all_reduce without waiting."""
+        if self.sync_this_micro_batch:
+            self.pending.append((param, dist.all_reduce(param.grad, async_op=True)))
+            self.count(param.grad)
+
+    def count(self, tensor: torch.Tensor) -> None:
+        self.collectives += 1
+        self.bytes += tensor.numel() * tensor.element_size()
+
+    def finish(self) -> None:
+        """After the last backward of a step, before optimizer.step()."""
+        if self.strategy == "overlapped":
+            for _, work in self.pending:
+                work.wait()
+            self.pending.clear()
+        elif self.strategy == "per_param":
+            for param in self.params:
+                dist.all_reduce(param.grad)  # one tensor, SUM, in place
+                self.count(param.grad)
+        else:  # bucketed: one flat buffer per bucket, one all_reduce, copied back
+            for bucket in self.buckets:
+                flat = torch.cat([p.grad.reshape(-1) for p in bucket])
+                dist.all_reduce(flat)
+                self.count(flat)
+                for param, synced in zip(bucket, torch.split(flat, [p.numel() for p in bucket]), strict=True):
+                    param.grad.copy_(synced.view_as(param.grad))
+        if self.average:
+            for param in self.params:
+                param.grad.div_(self.world_size)  # SUM / n = mean of per-rank means = global mean
+
+
+def train_by_hand(cfg: Config, strategy: str, batches, accelerator) -> tuple[torch.nn.Module, dict]:
+    rank = dist.get_rank()
+    model = build_model(cfg, seed=cfg.seed + rank).to(accelerator.device)  # different on purpose
+    for param in model.parameters():
+        dist.broadcast(param.data, src=0)  # move 1: every replica starts as rank 0's
+    sync = GradientSync(model, strategy, cfg.bucket_mb, cfg.average_gradients)
+    optimizer = torch.optim.SGD(model.parameters(), lr=cfg.lr)
+    step_times = []
+    for _ in range(cfg.max_steps):
+        start = time.perf_counter()
+        for micro in range(cfg.gradient_accumulation_steps):
+            sync.sync_this_micro_batch = micro == cfg.gradient_accumulation_steps - 1  # no_sync before the last
+            x, y = next(batches)
+            loss = F.mse_loss(model(x), y) / cfg.gradient_accumulation_steps  # grads add up to the step's mean
+            loss.backward()
+        sync.finish()
+        optimizer.step()
+        optimizer.zero_grad()
+        step_times.append(time.perf_counter() - start)
+    stats = {"collectives_per_step": sync.collectives / cfg.max_steps, "bytes_per_step": sync.bytes / cfg.max_steps,
+             "median_step_ms": 1e3 * statistics.median(step_times), "expected_collectives_per_step":
+             len(sync.params) if strategy != "bucketed" else len(sync.buckets)}
+    return model, stats
+
+
+def train_with_ddp(cfg: Config, batches, accelerator) -> tuple[torch.nn.Module, dict]:
+    """Accelerate's prepared model; a comm hook counts what DDP all-reduces (DDP itself stays in charge)."""
+    model = build_model(cfg, seed=cfg.seed)  # rank 0's init; DDP broadcasts it to every rank anyway
+    optimizer = torch.optim.SGD(model.parameters(), lr=cfg.lr)
+    model, optimizer = accelerator.prepare(model, optimizer)
+    counted = {"collectives": 0, "bytes": 0, "inside_no_sync": 0}
+    if accelerator.num_processes > 1:
+        from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
+
+        def counting_allreduce_hook(state, bucket):
+            counted["collectives"] += 1
+            counted["inside_no_sync"] += not accelerator.sync_gradients  # must stay 0: no_sync skips the hook
+            counted["bytes"] += bucket.buffer().numel() * bucket.buffer().element_size()
+            return allreduce_hook(state, bucket)  # DDP's own default: all_reduce(bucket / world_size)
+
+        model.register_comm_hook(state=None, hook=counting_allreduce_hook)
+    step_times, start = [], time.perf_counter()
+    while len(step_times) < cfg.max_steps:
+        x, y = next(batches)
+        with accelerator.accumulate(model):  # DDP's no_sync() on every micro-batch but the last
+            accelerator.backward(F.mse_loss(model(x), y))
+            optimizer.step()
+            optimizer.zero_grad()
+        if accelerator.sync_gradients:
+            step_times.append(time.perf_counter() - start)
+            start = time.perf_counter()
+    stats = {"collectives_per_step": counted["collectives"] / cfg.max_steps, "bytes_per_step": counted["bytes"] / cfg.max_steps,
+             "median_step_ms": 1e3 * statistics.median(step_times), "all_reduces_inside_no_sync": counted["inside_no_sync"]}
+    return accelerator.unwrap_model(model), stats
+
+
+def run(cfg: Config) -> int:
+    output_dir = prepare_output_dir(cfg, EXPERIMENT)
+    log_with, init_kwargs, tracker_notes = resolve_trackers(cfg.report_to, output_dir)
+    accelerator = make_accelerator(cfg, output_dir, log_with=log_with, gradient_accumulation_steps=cfg.gradient_accumulation_steps)
+    recorder = RunRecorder(accelerator, EXPERIMENT, cfg, output_dir, init_kwargs, tracker_notes)
+    checks = {"distributed": check_distributed(accelerator, cfg)}
+    if not checks["distributed"]["passed"]:
+        return recorder.finish({}, checks)
+    own_group = not dist.is_initialized()
+    if own_group:  # one process: a 1-rank gloo group so the hand-rolled collectives still run
+        dist.init_process_group("gloo", init_method="tcp://127.0.0.1:0", rank=0, world_size=1)
+
+    dataset, _ = make_regression_dataset(cfg.n_samples, cfg.n_features, cfg.noise_std, cfg.seed)
+    rank, world_size = accelerator.process_index, accelerator.num_processes
+    shard_x, shard_y = (t.to(accelerator.device) for t in shard_tensors(dataset, rank, world_size))
+    strategies = STRATEGIES if cfg.strategy == "all" else (cfg.strategy,)
+    trained, stats = {}, {}
+    for strategy in strategies:
+        batches = iterate_batches(shard_x, shard_y, cfg.per_rank_batch_size, cfg.seed)  # same batches for each
+        if strategy == "ddp":
+            trained[strategy], stats[strategy] = train_with_ddp(cfg, batches, accelerator)
+        else:
+            trained[strategy], stats[strategy] = train_by_hand(cfg, strategy, batches, accelerator)
+        recorder.log(len(stats), {"strategy": strategy, **stats[strategy]}, console=False)
+
+    if accelerator.is_main_process:
+        reference = build_model(cfg, seed=cfg.seed)
+        global_batches = iterate_global_batches(dataset, world_size, cfg.per_rank_batch_size, cfg.seed)
+        train_single_process(reference, global_batches, cfg.max_steps, cfg.gradient_accumulation_steps, cfg.lr, accelerator.device)
+        recorder.print(f"{'strategy':<12}{'median ms/step':>15}{'all_reduces/step':>18}{'bytes/step':>12}{'max|Δ| vs 1 proc':>19}")
+        for strategy, model in trained.items():
+            stats[strategy]["diff_vs_single_process"] = max_abs_difference(model, reference)
+            if "ddp" in trained and strategy != "ddp":
+                stats[strategy]["diff_vs_ddp"] = max_abs_difference(model, trained["ddp"])
+            s = stats[strategy]
+            recorder.print(f"{strategy:<12}{s['median_step_ms']:>15.3f}{s['collectives_per_step']:>18.1f}{s['bytes_per_step']:>12,.0f}"
+                           f"{s['diff_vs_single_process']:>19.2e}")
+            checks[f"{strategy}_matches_single_process"] = {
+                "passed": s["diff_vs_single_process"] <= cfg.parity_atol,
+                "detail": f"max |{strategy} - one process| = {s['diff_vs_single_process']:.2e}, tolerance {cfg.parity_atol:.0e}",
+            }
+            if "diff_vs_ddp" in s:
+                checks[f"{strategy}_matches_ddp"] = {
+                    "passed": s["diff_vs_ddp"] <= cfg.parity_atol,
+                    "detail": f"max |{strategy} - ddp| = {s['diff_vs_ddp']:.2e}, tolerance {cfg.parity_atol:.0e}",
+                }
+            if strategy == "ddp" and world_size > 1:
+                checks["ddp_no_sync_skips_all_reduce"] = {
+                    "passed": s["all_reduces_inside_no_sync"] == 0 and s["collectives_per_step"] > 0,
+                    "detail": f"{s['all_reduces_inside_no_sync']} all_reduces on non-final micro-batches, "
+                              f"{s['collectives_per_step']:.1f} per step in all",
+                }
+            if "expected_collectives_per_step" in s:  # only the last micro-batch of a step may communicate
+                checks[f"{strategy}_syncs_once_per_step"] = {
+                    "passed": s["collectives_per_step"] == s["expected_collectives_per_step"],
+                    "detail": f"{s['collectives_per_step']:.1f} all_reduces per step, expected {s['expected_collectives_per_step']} "
+                              f"with {cfg.gradient_accumulation_steps} micro-batches per step",
+                }
+    if own_group:
+        dist.destroy_process_group()
+    return recorder.finish({"strategies": stats, "world_size": world_size}, checks)
+
+
+def main(argv: list[str] | None = None) -> int:
+    return run(parse_config(Config, argv, description=__doc__.split("\n")[0]))
+
+
+if __name__ == "__main__":
+    run_cli(main)
