@@ -13,23 +13,28 @@ def build_linear(in_features: int = 10, seed: int = 0) -> nn.Linear:
 
 
 class MLP(nn.Module):
-    """Seed 001's `fc1 10→50 / fc2 50→1` model.
+    """Seed 001's `fc1 10→50 / fc2 50→1` model, deeper on request (fc1 ... fcN).
 
     The seed applies fc2 straight after fc1, which makes the whole thing one linear map; we put a ReLU
-    between them so the two halves are a real two-layer network. `fc1` and `fc2` keep the seed's names
-    because device maps and pipeline cuts address modules by name.
+    after every layer but the last so the layers are a real network. The layers are named attributes
+    (`fc1`, `fc2`, ...) because device maps and pipeline cuts address modules by name.
     """
 
-    def __init__(self, in_features: int = 10, hidden_features: int = 50, out_features: int = 1):
+    def __init__(self, in_features: int = 10, hidden_features: int = 50, out_features: int = 1, n_layers: int = 2):
         super().__init__()
-        self.fc1 = nn.Linear(in_features, hidden_features)
-        self.act = nn.ReLU()
-        self.fc2 = nn.Linear(hidden_features, out_features)
+        widths = [in_features] + [hidden_features] * (n_layers - 1) + [out_features]
+        self.layer_names = [f"fc{i + 1}" for i in range(n_layers)]
+        for name, width_in, width_out in zip(self.layer_names, widths[:-1], widths[1:], strict=True):
+            setattr(self, name, nn.Linear(width_in, width_out))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.fc2(self.act(self.fc1(x)))
+        for index, name in enumerate(self.layer_names):
+            x = getattr(self, name)(x)
+            if index < len(self.layer_names) - 1:
+                x = torch.relu(x)
+        return x
 
 
-def build_mlp(in_features: int = 10, hidden_features: int = 50, out_features: int = 1, seed: int = 0) -> MLP:
+def build_mlp(in_features: int = 10, hidden_features: int = 50, out_features: int = 1, seed: int = 0, n_layers: int = 2) -> MLP:
     torch.manual_seed(seed)
-    return MLP(in_features, hidden_features, out_features)
+    return MLP(in_features, hidden_features, out_features, n_layers)

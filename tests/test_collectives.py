@@ -8,8 +8,8 @@ import subprocess
 import sys
 
 import pytest
-from conftest import clean_env, launch
 
+from conftest import clean_env, launch
 from experiments.collectives import VERIFY_OPS, bus_factor
 
 QUIET = ["--report_to", "none"]

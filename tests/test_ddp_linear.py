@@ -10,6 +10,7 @@ import sys
 
 import pytest
 import torch
+
 from conftest import clean_env, launch
 
 pytestmark = pytest.mark.launch

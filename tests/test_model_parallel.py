@@ -1,0 +1,96 @@
+"""model_parallel (one process, device map) and pipeline_parallel (stages on 2 gloo ranks), for real."""
+
+from __future__ import annotations
+
+import pytest
+
+from conftest import REPO, launch
+
+QUIET = ["--report_to", "none"]
+MODEL_PARALLEL_YAML = str(REPO / "accelerate_configs" / "model_parallel.yaml")
+MULTI_GPU_YAML = str(REPO / "accelerate_configs" / "multi_gpu_ddp.yaml")
+
+
+def test_auto_plan_for_two_fake_gpus_splits_respects_budgets_and_trains_like_one_device(tmp_path):
+    args = [*QUIET, "--hidden_features", "256", "--n_layers", "4", "--device_map", "auto",
+            "--max_memory", '{"0": "300KB", "1": "1MB", "cpu": "1GB"}']
+    finished = launch("model_parallel.py", args, tmp_path / "run", launcher="python")
+    assert finished.returncode == 0, finished.stderr[-3000:]
+    summary = finished.summary
+    plan = summary["metrics"]["plan"]
+    assert set(plan.values()) == {"0", "1"}  # a real split, planned by infer_auto_device_map
+    assert plan["fc1"] == "0" and plan["fc4"] == "1"
+    assert set(summary["metrics"]["placement"].values()) == {"cpu"}  # no GPUs here: fallback, with a notice
+    assert "notice: device 1 does not exist here" in finished.stdout
+    assert summary["checks"]["plan_respects_max_memory"]["passed"]
+    bytes_on_0 = sum(summary["metrics"]["module_bytes"][m] for m, d in plan.items() if d == "0")
+    assert bytes_on_0 <= 300_000
+    assert summary["checks"]["outputs_match_unsplit"]["passed"] and summary["checks"]["trains_like_one_device"]["passed"]
+
+
+def test_explicit_map_through_the_model_parallel_config(tmp_path):
+    finished = launch("model_parallel.py", [*QUIET, "--max_steps", "20"], tmp_path / "run", config=MODEL_PARALLEL_YAML)
+    assert finished.returncode == 0, finished.stderr[-3000:]
+    assert finished.summary["metrics"]["plan"] == {"fc1": "0", "fc2": "1"} and finished.summary["passed"]
+
+
+def test_cutting_the_graph_between_devices_is_caught(tmp_path):
+    finished = launch("model_parallel.py", [*QUIET, "--detach_between_devices"], tmp_path / "run", launcher="python")
+    assert finished.returncode == 1
+    checks = finished.summary["checks"]
+    assert checks["outputs_match_unsplit"]["passed"]  # forward is still right...
+    assert not checks["trains_like_one_device"]["passed"]  # ...but fc1 never learns
+
+
+def test_multi_gpu_ddp_launch_is_refused(tmp_path):
+    finished = launch("model_parallel.py", QUIET, tmp_path / "run", config=MULTI_GPU_YAML, num_processes=2)
+    assert finished.returncode != 0
+    assert "device maps and DDP replicas do not mix" in finished.stderr
+    assert not (tmp_path / "run" / "summary.json").exists()
+
+
+@pytest.mark.parametrize(
+    ("device_map", "message"),
+    [
+        ('{"fc1": 0, "fc9": 1}', "names module 'fc9', which the model does not have"),
+        ('{"fc1": 0}', "leaves fc2 unplaced"),
+        ('{"fc1": 0, "fc2": "disk"}', "'disk' is not a device index or 'cpu'"),
+        ("{fc1: 0}", "is not valid JSON"),
+    ],
+)
+def test_bad_device_maps(tmp_path, device_map, message):
+    finished = launch("model_parallel.py", [*QUIET, "--device_map", device_map], tmp_path / "run", launcher="python")
+    assert finished.returncode == 2 and message in finished.stderr and finished.stderr.strip().count("\n") == 0
+
+
+PIPE = [*QUIET, "--max_steps", "4", "--log_every", "2", "--hidden_features", "64", "--batch_size", "64",
+        "--n_samples", "512", "--bubble_microbatches", "2,4", "--bubble_steps", "1"]
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+def test_pipeline_equals_the_full_model(tmp_path, schedule):
+    finished = launch("pipeline_parallel.py", [*PIPE, "--schedule", schedule], tmp_path / "run")
+    assert finished.returncode == 0, finished.stderr[-3000:]
+    summary = finished.summary
+    assert summary["passed"] and summary["world_size"] == 2 and summary["metrics"]["stages"] == 2
+    for name in ("loss_matches_full_model", "gradients_match_full_model", "parameters_match_full_model"):
+        assert summary["checks"][name]["passed"]
+    bubbles = summary["metrics"]["bubbles"]
+    assert [b["m"] for b in bubbles] == [2, 4]
+    assert [b["gpipe_theory"] for b in bubbles] == pytest.approx([1 / 3, 1 / 5])
+    assert all(0 < b["measured_bubble"] < 1 for b in bubbles)
+    png = (tmp_path / "run" / "timeline.png").read_bytes()
+    assert png[:4] == b"\x89PNG" and len(png) > 5000
+
+
+def test_summed_micro_batch_gradients_are_caught(tmp_path):
+    finished = launch("pipeline_parallel.py", [*PIPE, "--skip_gradient_scaling", "--bubble_microbatches", ""], tmp_path / "run")
+    assert finished.returncode != 0
+    checks = finished.summary["checks"]
+    assert not checks["gradients_match_full_model"]["passed"]  # m times too large
+    assert not checks["parameters_match_full_model"]["passed"]
+
+
+def test_pipeline_needs_two_ranks(tmp_path):
+    finished = launch("pipeline_parallel.py", PIPE, tmp_path / "run", launcher="python")
+    assert finished.returncode == 2 and "a pipeline needs >= 2 ranks" in finished.stderr
