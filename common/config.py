@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import gc
 import os
 import sys
 from collections.abc import Callable, Sequence
@@ -128,8 +129,10 @@ def run_cli(main: Callable[[], int]) -> None:
         print(f"{os.path.basename(sys.argv[0])}: error: {error}", file=sys.stderr)
         code = 2
     finally:
-        # A run that stopped early must still close its process group: with gloo threads alive at exit
-        # we measured `terminate called without an active exception` aborts.
+        # Collect the run's models (DDP holds the process group) while the interpreter is fully alive,
+        # and close a group a run that stopped early left open: gloo threads alive at interpreter exit
+        # abort the process (`terminate called without an active exception`).
+        gc.collect()
         dist = sys.modules.get("torch.distributed")
         if dist is not None and dist.is_available() and dist.is_initialized():
             dist.destroy_process_group()

@@ -18,8 +18,17 @@ from common.config import RunArgs, UsageError
 
 
 def prepare_output_dir(cfg: RunArgs, experiment: str) -> str:
-    """Resolve --output_dir (default runs/<experiment>); a finished run there is kept unless --overwrite."""
-    output_dir = os.path.abspath(cfg.output_dir or os.path.join("runs", experiment))
+    """Resolve --output_dir; a finished run there is kept unless --overwrite.
+
+    Default: runs/<experiment>, or under a W&B sweep (the agent sets WANDB_SWEEP_ID and WANDB_RUN_ID)
+    one folder per trial, <folder of WANDB_SWEEP_PARAM_PATH or runs/sweeps/<sweep id>>/<run id>,
+    so trials never collide."""
+    default = os.path.join("runs", experiment)
+    sweep_id, run_id = os.environ.get("WANDB_SWEEP_ID"), os.environ.get("WANDB_RUN_ID")
+    if sweep_id and run_id:
+        param_path = os.environ.get("WANDB_SWEEP_PARAM_PATH")
+        default = os.path.join(os.path.dirname(param_path) if param_path else os.path.join("runs", "sweeps", sweep_id), run_id)
+    output_dir = os.path.abspath(cfg.output_dir or default)
     if os.path.exists(os.path.join(output_dir, "summary.json")) and not cfg.overwrite:
         raise UsageError(f"--output_dir {output_dir} already holds a finished run (summary.json); pass --overwrite or another --output_dir")
     if os.path.exists(output_dir) and not os.path.isdir(output_dir):

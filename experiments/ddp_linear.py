@@ -52,6 +52,7 @@ from common.runtime import check_distributed, make_accelerator, prepare_output_d
 from common.tracking import RunRecorder, resolve_trackers
 
 EXPERIMENT = "ddp_linear"
+SWEEP_METRICS = ("loss", "samples_per_s", "final_mse", "max_weight_error", "bias_error")  # what a sweep may optimise
 
 
 @dataclass

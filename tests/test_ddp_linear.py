@@ -36,6 +36,10 @@ def test_two_cpu_ranks_match_one_process_and_recover_the_truth(tmp_path):
     assert metrics["global_batch_size"] == 64  # 32 per rank x 2 ranks
     assert metrics["max_weight_error"] < 0.05 and metrics["parity_max_abs_diff"] <= 1e-5
     assert len(metrics["weight"]) == 10 and metrics["final_mse"] < 0.02 < metrics["initial_mse"]
+    from experiments.ddp_linear import SWEEP_METRICS
+
+    logged = {key for record in finished.metrics for key in record}
+    assert set(SWEEP_METRICS) <= logged  # what sweeps may name as their metric really is logged
     steps = [r["step"] for r in finished.metrics if "loss" in r]
     assert steps == [40, 80, 120]
     assert "step     40 | loss" in finished.stdout and "samples/s" in finished.stdout

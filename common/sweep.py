@@ -1,0 +1,265 @@
+"""Run a W&B sweep YAML with no W&B server: `python -m common.sweep sweeps/ddp_linear_lr.yaml --count 4`.
+
+What `wandb sweep` + `wandb agent` do online, done locally with W&B's own pieces:
+- the search is W&B's open-source sweep engine (`sweeps` on PyPI, what the W&B server runs):
+  grid, random and bayes propose the next trial from the finished ones;
+- each trial is the very command the agent would run: the YAML's `command:` with ${env},
+  ${interpreter}, ${program}, ${args}... expanded by wandb's own `create_sweep_command(_args)`, and the
+  agent's environment (WANDB_SWEEP_ID, WANDB_RUN_ID, WANDB_SWEEP_PARAM_PATH) plus WANDB_MODE=offline,
+  so every trial's W&B run stays syncable later with `wandb sync`;
+- every trial's summary.json is collected into a leaderboard: console table, leaderboard.csv and
+  leaderboard.png (the metric against each swept parameter), best trial named.
+Before any trial runs, the sweep is validated: YAML and W&B schema, every parameter a flag of the
+program, the metric one the program logs, the command's words one per item. Problems are one line, exit 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import dataclasses
+import importlib.util
+import json
+import math
+import os
+import subprocess
+import sys
+import time
+import warnings
+from dataclasses import dataclass
+
+import yaml
+
+from common.config import UsageError, run_cli
+
+
+def import_sweeps():
+    """W&B's sweep engine; sweeps 0.2.0 warns at import about pydantic-v1 config names (harmless)."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        import sweeps
+    return sweeps
+
+
+DEFAULT_COMMAND = ["${env}", "${interpreter}", "${program}", "${args}"]  # wandb agent's default
+ARG_MACROS = ("${args}", "${args_no_equals}", "${args_no_hyphens}", "${args_json}", "${args_json_file}", "${args_no_boolean_flags}")
+
+
+@dataclass
+class Sweep:
+    path: str
+    config: dict  # the YAML, as W&B reads it
+    program: str
+    flags: list[str]
+    metric: str
+    goal: str
+    command: list[str]
+
+
+def load_program(program: str):
+    """The experiment module behind `program:` (its Config dataclass and SWEEP_METRICS)."""
+    if not os.path.isfile(program):
+        raise UsageError(f"program {program!r} not found (run from the repository root)")
+    spec = importlib.util.spec_from_file_location(f"sweep_program_{os.path.basename(program)[:-3]}", program)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses look their module up there
+    spec.loader.exec_module(module)
+    if not hasattr(module, "Config"):
+        raise UsageError(f"program {program!r} has no Config dataclass, so its flags are unknown")
+    return module
+
+
+def validate_sweep(path: str) -> Sweep:
+    """The sweep file -> Sweep, or UsageError naming the first problem."""
+    sweeps = import_sweeps()
+
+    try:
+        with open(path) as handle:
+            config = yaml.safe_load(handle)
+    except FileNotFoundError:
+        raise UsageError(f"sweep file {path!r} not found") from None
+    except yaml.YAMLError as error:
+        raise UsageError(f"sweep file {path!r} is not valid YAML: {str(error).splitlines()[0]}") from None
+    if not isinstance(config, dict):
+        raise UsageError(f"sweep file {path!r} must be a YAML mapping with program, method, metric, parameters")
+    for key in ("program", "method", "metric", "parameters"):
+        if key not in config:
+            raise UsageError(f"sweep file {path!r} has no {key!r}")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # sweeps 0.2.0 warns about pydantic v1 config names
+        violations = sweeps.schema_violations_from_proposed_config(config)
+    if violations:
+        raise UsageError(f"sweep file {path!r} breaks W&B's sweep schema: {violations[0]}")
+    module = load_program(config["program"])
+    flags = [f.name for f in dataclasses.fields(module.Config)]
+    for name in config["parameters"]:
+        if name not in flags:
+            raise UsageError(f"sweep file {path!r}: parameter {name!r} is not a flag of {config['program']}; its flags: {', '.join(flags)}")
+    metric = config["metric"].get("name") if isinstance(config["metric"], dict) else None
+    logged = list(getattr(module, "SWEEP_METRICS", ()))
+    if metric not in logged:
+        raise UsageError(f"sweep file {path!r}: metric {metric!r} is never logged by {config['program']}; it logs: {', '.join(logged) or 'nothing sweepable'}")
+    command = config.get("command", DEFAULT_COMMAND)
+    if not isinstance(command, list) or not all(isinstance(c, str | int | float) for c in command):
+        raise UsageError(f"sweep file {path!r}: command must be a list of words")
+    for word in map(str, command):
+        if " " in word:
+            raise UsageError(f"sweep file {path!r}: command item {word!r} holds several words; give each its own item "
+                             "(the agent runs it without a shell: FileNotFoundError)")
+    if not any(str(c) in ARG_MACROS for c in command):
+        raise UsageError(f"sweep file {path!r}: command never passes ${{args}}: hyper-parameters would reach only rank 0's wandb.config")
+    return Sweep(path, config, config["program"], flags, metric, config["metric"].get("goal", "minimize"), [str(c) for c in command])
+
+
+def expand_command(sweep: Sweep, values: dict, args_json_path: str) -> list[str]:
+    """The agent's expansion of `command:` (wandb/wandb_agent.py `_command_run`), with wandb's helpers."""
+    from wandb.sdk.launch.sweeps.utils import create_sweep_command, create_sweep_command_args
+
+    sweep_vars = create_sweep_command_args({"args": {k: {"value": v} for k, v in values.items()}})
+    sweep_vars.update(interpreter=[sys.executable], program=[sweep.program], args_json_file=[args_json_path], env=["/usr/bin/env"])
+    command = []
+    for word in create_sweep_command(list(sweep.command)):
+        if word.startswith("${") and word.endswith("}"):
+            command += sweep_vars.get(word[2:-1]) or []
+        else:
+            command.append(word)
+    return command
+
+
+def read_metric(trial_dir: str, metric: str) -> float | None:
+    """The metric as W&B's summary would hold it: summary.json's final figure, else the last logged value."""
+    try:
+        with open(os.path.join(trial_dir, "summary.json")) as handle:
+            value = json.load(handle)["metrics"].get(metric)
+        if isinstance(value, int | float):
+            return float(value)
+    except (FileNotFoundError, json.JSONDecodeError, KeyError):
+        pass
+    last = None
+    try:
+        with open(os.path.join(trial_dir, "metrics.jsonl")) as handle:
+            for line in handle:
+                last = json.loads(line).get(metric, last)
+    except FileNotFoundError:
+        return None
+    return float(last) if isinstance(last, int | float) else None
+
+
+def run_sweep(sweep: Sweep, count: int, output_dir: str, trial_timeout_s: float) -> list[dict]:
+    from wandb.sdk.lib import config_util
+
+    sweeps = import_sweeps()
+
+    sweep_id = os.path.basename(output_dir)
+    runs, rows = [], []
+    for trial in range(1, count + 1):
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            proposal = sweeps.next_run(sweep.config, runs)
+        if proposal is None:
+            print(f"sweep: the {sweep.config['method']} search is exhausted after {trial - 1} trials")
+            break
+        values = {k: (float(v["value"]) if hasattr(v["value"], "dtype") else v["value"]) for k, v in proposal.config.items()}
+        run_id = f"trial{trial:03d}"
+        trial_dir = os.path.join(output_dir, run_id)
+        os.makedirs(trial_dir, exist_ok=True)
+        # As the agent does: one parameter file per run beside the others. The experiments' default
+        # --output_dir under a sweep is <folder of that file>/<WANDB_RUN_ID>, i.e. trial_dir.
+        param_path = os.path.join(output_dir, f"sweep-config-{run_id}.yaml")
+        config_util.save_config_file_from_dict(param_path, {k: {"value": v} for k, v in values.items()})
+        command = expand_command(sweep, values, os.path.join(trial_dir, "sweep-args.json"))
+        env = {**os.environ, "WANDB_MODE": "offline", "WANDB_SWEEP_ID": sweep_id, "WANDB_RUN_ID": run_id,
+               "WANDB_SWEEP_PARAM_PATH": param_path, "WANDB_PROJECT": os.environ.get("WANDB_PROJECT", sweep.config.get("project", "dist-experiments"))}
+        print(f"sweep: trial {trial}/{count} {run_id}: {' '.join(command)}", flush=True)
+        started = time.perf_counter()
+        with open(os.path.join(trial_dir, "trial.log"), "w") as log:
+            try:
+                exit_code = subprocess.run(command, env=env, stdout=log, stderr=subprocess.STDOUT, timeout=trial_timeout_s).returncode
+            except subprocess.TimeoutExpired:
+                exit_code = "timeout"
+        value = read_metric(trial_dir, sweep.metric)
+        state = sweeps.RunState.finished if exit_code == 0 and value is not None else sweeps.RunState.failed
+        proposal.state, proposal.summary_metrics = state, ({sweep.metric: value} if value is not None else {})
+        runs.append(proposal)
+        rows.append({"trial": run_id, "state": state.value, "exit_code": exit_code, sweep.metric: value, **values,
+                     "seconds": round(time.perf_counter() - started, 1), "dir": trial_dir})
+        print(f"sweep: {run_id} {state.value} (exit {exit_code}) {sweep.metric}={value}", flush=True)
+    return rows
+
+
+def write_leaderboard(sweep: Sweep, rows: list[dict], output_dir: str) -> dict | None:
+    sign = 1 if sweep.goal == "minimize" else -1
+    ranked = sorted(rows, key=lambda r: (r[sweep.metric] is None, sign * (r[sweep.metric] or 0)))
+    columns = list(dict.fromkeys(k for r in ranked for k in r))
+    with open(os.path.join(output_dir, "leaderboard.csv"), "w", newline="") as handle:
+        writer = csv.DictWriter(handle, fieldnames=columns)
+        writer.writeheader()
+        writer.writerows(ranked)
+    shown = [c for c in columns if c != "dir"]
+    widths = {c: max(len(c), *(len(format_cell(r.get(c))) for r in ranked)) for c in shown}
+    print("  ".join(c.ljust(widths[c]) for c in shown))
+    for row in ranked:
+        print("  ".join(format_cell(row.get(c)).ljust(widths[c]) for c in shown))
+    best = next((r for r in ranked if r["state"] == "finished"), None)
+    swept = [p for p in sweep.config["parameters"] if len({repr(r.get(p)) for r in rows}) > 1]
+    plot_leaderboard(sweep, rows, swept, output_dir)
+    if best:
+        print(f"best: {best['trial']} {sweep.metric}={best[sweep.metric]:.6g} with " + " ".join(f"{p}={best[p]}" for p in sweep.config["parameters"]))
+    print(f"leaderboard: {os.path.join(output_dir, 'leaderboard.csv')}, {os.path.join(output_dir, 'leaderboard.png')}")
+    print(f"W&B runs (offline): upload with `wandb sync {output_dir}/*/wandb/offline-run-*`")
+    return best
+
+
+def format_cell(value) -> str:
+    return f"{value:.6g}" if isinstance(value, float) else str(value)
+
+
+def plot_leaderboard(sweep: Sweep, rows: list[dict], swept: list[str], output_dir: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    shown = swept or list(sweep.config["parameters"])[:1]
+    figure, axes = plt.subplots(1, max(len(shown), 1), figsize=(4.5 * max(len(shown), 1), 3.5), squeeze=False)
+    for axis, param in zip(axes[0], shown, strict=False):
+        points = [(r[param], r[sweep.metric]) for r in rows if r[sweep.metric] is not None and isinstance(r.get(param), int | float)]
+        if points:
+            axis.scatter(*zip(*points, strict=True))
+            xs = [p[0] for p in points]
+            if min(xs) > 0 and max(xs) / min(xs) > 10:
+                axis.set_xscale("log")
+        axis.set(xlabel=param, ylabel=sweep.metric)
+    figure.suptitle(f"{os.path.basename(sweep.path)}: {sweep.metric} ({sweep.goal}) per trial")
+    figure.tight_layout()
+    figure.savefig(os.path.join(output_dir, "leaderboard.png"), dpi=100)
+    plt.close(figure)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m common.sweep", description=__doc__.split("\n")[0], allow_abbrev=False)
+    parser.add_argument("sweep_file", help="a W&B sweep YAML (e.g. sweeps/ddp_linear_lr.yaml)")
+    parser.add_argument("--count", type=int, default=4, help="most trials to run (grid stops earlier when exhausted)")
+    parser.add_argument("--output_dir", default="", help="folder for trials and leaderboard (default runs/sweeps/local-<name>-<time>)")
+    parser.add_argument("--trial_timeout_s", type=float, default=1800, help="kill a trial that runs longer than this")
+    parser.error = lambda message: parser.exit(2, f"{parser.prog}: error: {message}\n")  # one line, exit 2
+    args = parser.parse_args(argv)
+    if args.count <= 0:
+        raise UsageError(f"--count must be > 0, got {args.count}")
+    if args.trial_timeout_s <= 0:
+        raise UsageError(f"--trial_timeout_s must be > 0, got {args.trial_timeout_s}")
+    sweep = validate_sweep(args.sweep_file)
+    name = os.path.splitext(os.path.basename(args.sweep_file))[0]
+    output_dir = os.path.abspath(args.output_dir or os.path.join("runs", "sweeps", f"local-{name}-{time.strftime('%Y%m%d-%H%M%S')}"))
+    if os.path.exists(os.path.join(output_dir, "leaderboard.csv")):
+        raise UsageError(f"--output_dir {output_dir} already holds a finished sweep; choose another")
+    os.makedirs(output_dir, exist_ok=True)
+    rows = run_sweep(sweep, args.count, output_dir, args.trial_timeout_s)
+    best = write_leaderboard(sweep, rows, output_dir)
+    with open(os.path.join(output_dir, "sweep.json"), "w") as handle:
+        json.dump({"sweep_file": sweep.path, "config": sweep.config, "trials": rows, "best": best}, handle, indent=2, default=str)
+    return 0 if best is not None and not math.isnan(best[sweep.metric]) else 1
+
+
+if __name__ == "__main__":
+    run_cli(main)

@@ -1,0 +1,99 @@
+"""W&B sweeps: every YAML in sweeps/ is valid for its program, bad sweeps are refused before any trial,
+and an offline grid runs end to end through accelerate launch into a leaderboard."""
+
+from __future__ import annotations
+
+import csv
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from common.config import UsageError
+from common.sweep import expand_command, validate_sweep
+from conftest import REPO, clean_env
+
+SWEEP_FILES = sorted((REPO / "sweeps").glob("*.yaml"))
+
+
+@pytest.mark.parametrize("path", SWEEP_FILES, ids=lambda p: p.name)
+def test_every_sweep_file_validates(path, monkeypatch):
+    monkeypatch.chdir(REPO)
+    sweep = validate_sweep(str(path))
+    assert sweep.command[:3] == ["${env}", "accelerate", "launch"] and "${args}" in sweep.command
+    assert set(sweep.config["parameters"]) <= set(sweep.flags)
+
+
+def test_expanded_command_is_what_the_agent_runs(monkeypatch):
+    monkeypatch.chdir(REPO)
+    sweep = validate_sweep("sweeps/ddp_linear_lr.yaml")
+    command = expand_command(sweep, {"lr": 0.1, "per_rank_batch_size": 16}, "/tmp/args.json")
+    assert command == ["/usr/bin/env", "accelerate", "launch", "--config_file", "accelerate_configs/cpu_ddp.yaml",
+                       "experiments/ddp_linear.py", "--lr=0.1", "--per_rank_batch_size=16"]
+
+
+BAD = {
+    "not yaml": ("program: [unclosed\n", "is not valid YAML"),
+    "no metric": ("program: experiments/ddp_linear.py\nmethod: grid\nparameters: {lr: {values: [0.1]}}\n", "has no 'metric'"),
+    "bad method": ("program: experiments/ddp_linear.py\nmethod: grd\nmetric: {name: final_mse}\nparameters: {lr: {values: [0.1]}}\n",
+                   "breaks W&B's sweep schema: 'grd' is not one of"),
+    "not a flag": ("program: experiments/ddp_linear.py\nmethod: grid\nmetric: {name: final_mse}\nparameters: {learning_rate: {values: [0.1]}}\n",
+                   "parameter 'learning_rate' is not a flag of experiments/ddp_linear.py"),
+    "metric never logged": ("program: experiments/ddp_linear.py\nmethod: grid\nmetric: {name: val_acc}\nparameters: {lr: {values: [0.1]}}\n",
+                            "metric 'val_acc' is never logged by experiments/ddp_linear.py"),
+    "one item with two words": ("program: experiments/ddp_linear.py\nmethod: grid\nmetric: {name: final_mse}\nparameters: {lr: {values: [0.1]}}\n"
+                                "command: [\"${env}\", \"accelerate launch\", \"${program}\", \"${args}\"]\n", "holds several words"),
+    "no args": ("program: experiments/ddp_linear.py\nmethod: grid\nmetric: {name: final_mse}\nparameters: {lr: {values: [0.1]}}\n"
+                "command: [\"${env}\", \"accelerate\", \"launch\", \"${program}\"]\n", "never passes ${args}"),
+    "missing program": ("program: experiments/nope.py\nmethod: grid\nmetric: {name: final_mse}\nparameters: {lr: {values: [0.1]}}\n",
+                        "program 'experiments/nope.py' not found"),
+}
+
+
+@pytest.mark.parametrize("case", BAD, ids=list(BAD))
+def test_bad_sweeps_are_refused(case, tmp_path, monkeypatch):
+    monkeypatch.chdir(REPO)
+    text, message = BAD[case]
+    path = tmp_path / "bad.yaml"
+    path.write_text(text)
+    with pytest.raises(UsageError) as refused:
+        validate_sweep(str(path))
+    assert message in str(refused.value)
+
+
+def test_cli_refuses_a_bad_sweep_with_one_line_and_exit_2(tmp_path):
+    path = tmp_path / "bad.yaml"
+    path.write_text(BAD["not a flag"][0])
+    done = subprocess.run([sys.executable, "-m", "common.sweep", str(path), "--output_dir", str(tmp_path / "out")],
+                          capture_output=True, text=True, cwd=REPO, timeout=120, env=clean_env(HOME=str(tmp_path)))
+    assert done.returncode == 2 and done.stderr.count("\n") == 1 and "learning_rate" in done.stderr
+    assert not (tmp_path / "out" / "trial001").exists()
+
+
+def test_offline_two_trial_grid_end_to_end(tmp_path):
+    out = tmp_path / "sweep"
+    home = tmp_path / "home"
+    home.mkdir()
+    done = subprocess.run([sys.executable, "-m", "common.sweep", "sweeps/ddp_linear_lr.yaml", "--count", "2", "--output_dir", str(out)],
+                          capture_output=True, text=True, cwd=REPO, timeout=300, env=clean_env(HOME=str(home), NETRC=str(home / "none")))
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+    with open(out / "leaderboard.csv") as handle:
+        rows = list(csv.DictReader(handle))
+    assert [r["state"] for r in rows] == ["finished", "finished"]
+    assert {r["per_rank_batch_size"] for r in rows} == {"16", "32"} and {r["lr"] for r in rows} == {"0.02"}
+    assert float(rows[0]["final_mse"]) <= float(rows[1]["final_mse"])  # sorted best first (minimize)
+    assert f"best: {rows[0]['trial']}" in done.stdout
+    assert (out / "leaderboard.png").read_bytes()[:4] == b"\x89PNG"
+    for row in rows:
+        trial = Path(row["dir"])
+        summary = json.loads((trial / "summary.json").read_text())
+        assert summary["passed"] and summary["world_size"] == 2  # each trial ran on 2 ranks, every rank got the flags
+        assert summary["config"]["per_rank_batch_size"] == int(row["per_rank_batch_size"])
+        assert summary["metrics"]["final_mse"] == pytest.approx(float(row["final_mse"]))
+        run_dir = summary["trackers"]["wandb"]["run_dir"]
+        assert summary["trackers"]["wandb"]["mode"] == "offline" and row["trial"] in run_dir  # the agent's WANDB_RUN_ID
+        inspected = subprocess.run([sys.executable, "-m", "wandb", "leet", "inspect", "--summary", "--json", run_dir],
+                                   capture_output=True, text=True, timeout=60, check=True)
+        assert json.loads(inspected.stdout)["config"]["per_rank_batch_size"] == int(row["per_rank_batch_size"])
