@@ -77,19 +77,24 @@ def shard_tensors(dataset: Dataset, rank: int, world_size: int) -> tuple[torch.T
     return columns["x"].to(torch.float32).reshape(len(shard), -1), columns["y"].to(torch.float32).reshape(-1, 1)
 
 
-def iterate_batches(x: torch.Tensor, y: torch.Tensor, batch_size: int, seed: int) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
-    """Endless batches of one shard: reshuffled each epoch (seeded by seed and epoch), last partial batch dropped."""
+def iterate_batches(x: torch.Tensor, y: torch.Tensor, batch_size: int, seed: int, start_batch: int = 0) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+    """Endless batches of one shard: reshuffled each epoch (seeded by seed and epoch), last partial batch
+    dropped. `start_batch` skips that many batches (a resumed run continues where the checkpoint was),
+    computing the epoch and offset rather than producing the skipped batches."""
     if len(x) < batch_size:  # checked now, not at the first next(), so the error comes before training starts
         raise UsageError(f"a rank's shard has {len(x)} rows, fewer than the batch size {batch_size}: use fewer ranks, more data or a smaller batch")
 
+    batches_per_epoch = len(x) // batch_size
+
     def endless_batches():
-        epoch = 0
+        epoch, first = divmod(start_batch, batches_per_epoch)
         while True:
             order = torch.randperm(len(x), generator=torch.Generator().manual_seed(seed * 100_003 + epoch))
             x_epoch, y_epoch = x[order], y[order]  # one gather per epoch, then cheap contiguous slices
-            for start in range(0, len(x) - batch_size + 1, batch_size):
+            for index in range(first, batches_per_epoch):
+                start = index * batch_size
                 yield x_epoch[start : start + batch_size], y_epoch[start : start + batch_size]
-            epoch += 1
+            epoch, first = epoch + 1, 0
 
     return endless_batches()
 

@@ -17,7 +17,7 @@ from accelerate.utils import InitProcessGroupKwargs
 from common.config import RunArgs, UsageError
 
 
-def prepare_output_dir(cfg: RunArgs, experiment: str) -> str:
+def prepare_output_dir(cfg: RunArgs, experiment: str, resuming: bool = False) -> str:
     """Resolve --output_dir; a finished run there is kept unless --overwrite.
 
     Default: runs/<experiment>, or under a W&B sweep (the agent sets WANDB_SWEEP_ID and WANDB_RUN_ID)
@@ -29,8 +29,8 @@ def prepare_output_dir(cfg: RunArgs, experiment: str) -> str:
         param_path = os.environ.get("WANDB_SWEEP_PARAM_PATH")
         default = os.path.join(os.path.dirname(param_path) if param_path else os.path.join("runs", "sweeps", sweep_id), run_id)
     output_dir = os.path.abspath(cfg.output_dir or default)
-    if os.path.exists(os.path.join(output_dir, "summary.json")) and not cfg.overwrite:
-        raise UsageError(f"--output_dir {output_dir} already holds a finished run (summary.json); pass --overwrite or another --output_dir")
+    if os.path.exists(os.path.join(output_dir, "summary.json")) and not (cfg.overwrite or resuming):
+        raise UsageError(f"--output_dir {output_dir} already holds a finished run (summary.json); pass --overwrite, --resume_from_checkpoint or another --output_dir")
     if os.path.exists(output_dir) and not os.path.isdir(output_dir):
         raise UsageError(f"--output_dir {output_dir} exists and is not a directory")
     return output_dir

@@ -70,7 +70,8 @@ def resolve_trackers(report_to: str, output_dir: str) -> tuple[list[str], dict, 
 class RunRecorder:
     """config.json / metrics.jsonl / summary.json plus the trackers, all on the main process."""
 
-    def __init__(self, accelerator, experiment: str, cfg, output_dir: str, init_kwargs: dict, tracker_notes: dict):
+    def __init__(self, accelerator, experiment: str, cfg, output_dir: str, init_kwargs: dict, tracker_notes: dict,
+                 resume_step: int | None = None):
         self.accelerator = accelerator
         self.experiment = experiment
         self.cfg = cfg
@@ -84,7 +85,15 @@ class RunRecorder:
             return
         os.makedirs(output_dir, exist_ok=True)
         write_json_atomic(os.path.join(output_dir, "config.json"), dataclasses.asdict(cfg))
+        kept = []
+        if resume_step is not None and os.path.exists(self.metrics_path):
+            # A resumed run keeps what happened up to its checkpoint and drops what the killed run logged
+            # after it, so metrics.jsonl holds every step exactly once.
+            with open(self.metrics_path) as handle:
+                kept = [line for line in handle if _step_of(line) <= resume_step]
         self._metrics_file = open(self.metrics_path, "w")  # noqa: SIM115 - kept open for the whole run
+        self._metrics_file.writelines(kept)
+        self._metrics_file.flush()
         if self.trackers_alive:
             try:
                 accelerator.init_trackers(cfg.project, config=dataclasses.asdict(cfg), init_kwargs={**init_kwargs})
@@ -187,6 +196,14 @@ class RunRecorder:
             self.accelerator.wait_for_everyone()
         self.accelerator.free_memory()
         self.accelerator.state.destroy_process_group()
+
+
+def _step_of(line: str) -> float:
+    """The step of a metrics.jsonl line; a line cut short by a kill counts as never written."""
+    try:
+        return json.loads(line).get("step", 0) if line.endswith("\n") else float("inf")
+    except json.JSONDecodeError:
+        return float("inf")
 
 
 def format_console_line(step: int, metrics: dict) -> str:

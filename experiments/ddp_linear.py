@@ -22,6 +22,9 @@ Run it (results in runs/ddp_linear/: summary.json, metrics.jsonl, config.json, W
     torchrun --nproc_per_node 2 experiments/ddp_linear.py                                # same, plain torchrun
     # many nodes: edit accelerate_configs/multi_node_ddp.yaml (machine_rank, main_process_ip) on each node
     accelerate launch --config_file accelerate_configs/multi_node_ddp.yaml experiments/ddp_linear.py
+    # checkpoints, resume and elastic restarts (common/reliability.py; README "When things go wrong")
+    TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 torchrun --standalone --nproc_per_node 2 --max-restarts 3 \
+        experiments/ddp_linear.py --checkpoint_every 100 --resume_from_checkpoint latest
 """
 
 from __future__ import annotations
@@ -38,7 +41,7 @@ import torch
 import torch.nn.functional as F
 from tqdm.auto import tqdm
 
-from common.config import TrainArgs, flag, parse_config, require, run_cli
+from common.config import flag, parse_config, require, run_cli
 from common.data import (
     iterate_batches,
     iterate_global_batches,
@@ -48,6 +51,14 @@ from common.data import (
 )
 from common.models import build_linear
 from common.reference import max_abs_difference, train_single_process
+from common.reliability import (
+    Heartbeat,
+    ResumableArgs,
+    explain_timeout,
+    find_checkpoint,
+    inject_fault,
+    save_checkpoint,
+)
 from common.runtime import check_distributed, make_accelerator, prepare_output_dir
 from common.tracking import RunRecorder, resolve_trackers
 
@@ -56,7 +67,7 @@ SWEEP_METRICS = ("loss", "samples_per_s", "final_mse", "max_weight_error", "bias
 
 
 @dataclass
-class Config(TrainArgs):
+class Config(ResumableArgs):
     n_samples: int = flag(1000, "rows of synthetic data (the seed's 1000)")
     n_features: int = flag(10, "input features of synthetic data (the seed's nn.Linear(10, 1))")
     noise_std: float = flag(0.1, "standard deviation of the noise added to y = X·w* + b*")
@@ -110,13 +121,14 @@ def replay_single_process(cfg: Config, dataset, world_size: int, initial_state: 
 
 
 def run(cfg: Config) -> int:
-    output_dir = prepare_output_dir(cfg, EXPERIMENT)
+    output_dir = prepare_output_dir(cfg, EXPERIMENT, resuming=bool(cfg.resume_from_checkpoint))
+    checkpoint, start_step = find_checkpoint(cfg, output_dir)
     log_with, init_kwargs, tracker_notes = resolve_trackers(cfg.report_to, output_dir)
     accelerator = make_accelerator(
         cfg, output_dir, log_with=log_with,
         gradient_accumulation_steps=cfg.gradient_accumulation_steps, mixed_precision=cfg.mixed_precision,
     )
-    recorder = RunRecorder(accelerator, EXPERIMENT, cfg, output_dir, init_kwargs, tracker_notes)
+    recorder = RunRecorder(accelerator, EXPERIMENT, cfg, output_dir, init_kwargs, tracker_notes, resume_step=start_step if checkpoint else None)
     checks = {"distributed": check_distributed(accelerator, cfg)}
     if not checks["distributed"]["passed"]:  # training on a broken launch would only waste time
         return recorder.finish({}, checks)
@@ -125,38 +137,54 @@ def run(cfg: Config) -> int:
         dataset, truth = load_data(cfg)
     rank, world_size = accelerator.process_index, accelerator.num_processes
     shard_x, shard_y = (t.to(accelerator.device) for t in shard_tensors(dataset, rank, world_size))
-    batches = iterate_batches(shard_x, shard_y, cfg.per_rank_batch_size, cfg.seed)
+    # A resumed run skips the micro-batches the checkpointed steps consumed: same data order as one long run.
+    batches = iterate_batches(shard_x, shard_y, cfg.per_rank_batch_size, cfg.seed, start_batch=start_step * cfg.gradient_accumulation_steps)
 
     model = build_linear(shard_x.shape[1], seed=cfg.seed)  # same seed on every rank, and DDP broadcasts rank 0's anyway
     initial_state = copy.deepcopy(model.state_dict())
     optimizer = torch.optim.SGD(model.parameters(), lr=cfg.lr)
     model, optimizer = accelerator.prepare(model, optimizer)
     initial_mse = full_data_mse(model, shard_x, shard_y, accelerator)
+    if checkpoint:
+        accelerator.load_state(checkpoint)  # model, optimizer and every rank's RNG states
+        recorder.print(f"resumed from {checkpoint} at step {start_step}")
+    heartbeat = Heartbeat(output_dir, rank, world_size)
 
     global_batch_size = cfg.per_rank_batch_size * world_size * cfg.gradient_accumulation_steps
-    progress = tqdm(total=cfg.max_steps, desc=EXPERIMENT, disable=not accelerator.is_main_process)
-    step, window_loss, window_micro_batches = 0, torch.zeros((), device=accelerator.device), 0
+    progress = tqdm(total=cfg.max_steps, initial=start_step, desc=EXPERIMENT, disable=not accelerator.is_main_process)
+    step, window_loss, window_micro_batches = start_step, torch.zeros((), device=accelerator.device), 0
     train_start = window_start = time.perf_counter()
+    interval = {}
     while step < cfg.max_steps:
         x, y = next(batches)
-        with accelerator.accumulate(model):  # no all-reduce until the last micro-batch of a step
-            loss = F.mse_loss(model(x), y)
-            accelerator.backward(loss)
-            optimizer.step()
-            optimizer.zero_grad()
+        if window_micro_batches % cfg.gradient_accumulation_steps == 0:
+            heartbeat.entering(step + 1)
+        try:
+            with accelerator.accumulate(model):  # no all-reduce until the last micro-batch of a step
+                loss = F.mse_loss(model(x), y)
+                accelerator.backward(loss)
+                optimizer.step()
+                optimizer.zero_grad()
+        except RuntimeError as error:  # a timed-out collective: say which rank is behind
+            raise explain_timeout(error, heartbeat, cfg, step) from None
         window_loss += loss.detach()
         window_micro_batches += 1
         if not accelerator.sync_gradients:
             continue
         step += 1
         progress.update(1)
+        heartbeat.finished(step)
         if step % cfg.log_every == 0 or step == cfg.max_steps:
             mean_loss = accelerator.reduce(window_loss / window_micro_batches, "mean").item()
-            elapsed = time.perf_counter() - window_start
             samples = window_micro_batches * cfg.per_rank_batch_size * world_size
-            recorder.log(step, {"loss": mean_loss, "samples_per_s": samples / elapsed})
+            interval = {"loss": mean_loss, "samples_per_s": samples / (time.perf_counter() - window_start)}
+            if step < cfg.max_steps:  # the last interval goes out below, with the final figures
+                recorder.log(step, interval)
             window_loss.zero_()
             window_micro_batches, window_start = 0, time.perf_counter()
+        if cfg.checkpoint_every and step % cfg.checkpoint_every == 0 and step < cfg.max_steps:
+            save_checkpoint(accelerator, output_dir, step, cfg.keep_checkpoints)
+        inject_fault(cfg, step, rank)
     progress.close()
     train_time_s = time.perf_counter() - train_start
     final_mse = full_data_mse(model, shard_x, shard_y, accelerator)
@@ -165,11 +193,12 @@ def run(cfg: Config) -> int:
     weight, bias = trained.weight.detach().float().cpu().squeeze(0), trained.bias.detach().float().cpu()
     weight_error = (weight - torch.tensor(truth["weight"])).abs().max().item()
     bias_error = abs(bias.item() - truth["bias"])
+    steps_run = cfg.max_steps - start_step
     metrics = {
         "weight": weight.tolist(), "bias": bias.item(), "true_weight": truth["weight"], "true_bias": truth["bias"],
         "max_weight_error": weight_error, "bias_error": bias_error, "initial_mse": initial_mse, "final_mse": final_mse,
-        "global_batch_size": global_batch_size, "train_time_s": train_time_s,
-        "samples_per_s": cfg.max_steps * global_batch_size / train_time_s,
+        "global_batch_size": global_batch_size, "train_time_s": train_time_s, "resumed_from_step": start_step,
+        "samples_per_s": steps_run * global_batch_size / train_time_s if steps_run else 0.0,
     }
     checks["loss_decreased"] = {"passed": final_mse < initial_mse, "detail": f"full-data MSE {initial_mse:.5f} -> {final_mse:.5f}"}
     if accelerator.is_main_process:
@@ -186,7 +215,7 @@ def run(cfg: Config) -> int:
             "passed": parity_error <= parity_atol,
             "detail": f"max |DDP - one process| over all parameters = {parity_error:.2e}, tolerance {parity_atol:.0e}, {cfg.max_steps} steps of global batch {global_batch_size}",
         }
-    recorder.log(step, {"final_mse": final_mse, "max_weight_error": weight_error, "bias_error": bias_error}, console=False)
+    recorder.log(step, {**interval, "final_mse": final_mse, "max_weight_error": weight_error, "bias_error": bias_error})
     return recorder.finish(metrics, checks)
 
 
