@@ -36,7 +36,8 @@ def prepare_output_dir(cfg: RunArgs, experiment: str, resuming: bool = False) ->
     return output_dir
 
 
-def make_accelerator(cfg: RunArgs, output_dir: str, log_with=None, backend: str | None = None, **accelerator_kwargs) -> Accelerator:
+def make_accelerator(cfg: RunArgs, output_dir: str, log_with=None, backend: str | None = None, extra_handlers=(),
+                     **accelerator_kwargs) -> Accelerator:
     """Accelerator(...) plus two settings and one refusal, all about never failing silently:
 
     - `cpu=True` when torch sees no accelerator. Accelerate 1.16 otherwise starts a multi-process launch
@@ -52,7 +53,7 @@ def make_accelerator(cfg: RunArgs, output_dir: str, log_with=None, backend: str 
             cpu=not torch.accelerator.is_available(),
             log_with=log_with or None,  # [] would warn that no tracker is installed
             project_dir=output_dir,
-            kwargs_handlers=[InitProcessGroupKwargs(backend=backend, timeout=timedelta(seconds=cfg.dist_timeout_s))],
+            kwargs_handlers=[InitProcessGroupKwargs(backend=backend, timeout=timedelta(seconds=cfg.dist_timeout_s)), *extra_handlers],
             **accelerator_kwargs,
         )
     except ValueError as error:  # e.g. "Your assigned backend mpi is not available, please use gloo"

@@ -154,7 +154,7 @@ def run(cfg: Config) -> int:
     progress = tqdm(total=cfg.max_steps, initial=start_step, desc=EXPERIMENT, disable=not accelerator.is_main_process)
     step, window_loss, window_micro_batches = start_step, torch.zeros((), device=accelerator.device), 0
     train_start = window_start = time.perf_counter()
-    interval = {}
+    interval, first_step_unix_time = {}, None
     while step < cfg.max_steps:
         x, y = next(batches)
         if window_micro_batches % cfg.gradient_accumulation_steps == 0:
@@ -172,6 +172,7 @@ def run(cfg: Config) -> int:
         if not accelerator.sync_gradients:
             continue
         step += 1
+        first_step_unix_time = first_step_unix_time or time.time()  # benchmarks/startup.py reads it
         progress.update(1)
         heartbeat.finished(step)
         if step % cfg.log_every == 0 or step == cfg.max_steps:
@@ -198,6 +199,7 @@ def run(cfg: Config) -> int:
         "weight": weight.tolist(), "bias": bias.item(), "true_weight": truth["weight"], "true_bias": truth["bias"],
         "max_weight_error": weight_error, "bias_error": bias_error, "initial_mse": initial_mse, "final_mse": final_mse,
         "global_batch_size": global_batch_size, "train_time_s": train_time_s, "resumed_from_step": start_step,
+        "first_step_unix_time": first_step_unix_time,
         "samples_per_s": steps_run * global_batch_size / train_time_s if steps_run else 0.0,
     }
     checks["loss_decreased"] = {"passed": final_mse < initial_mse, "detail": f"full-data MSE {initial_mse:.5f} -> {final_mse:.5f}"}

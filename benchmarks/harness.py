@@ -1,0 +1,46 @@
+"""What the benchmark scripts share: start a worker under torchrun and read back its JSON figures.
+
+Every distributed benchmark is one script with two roles: the driver (what you run) starts
+`torchrun --nproc_per_node N <script> --worker ...`, the workers measure side by side in one run and
+rank 0 writes its figures to a JSON file that the driver returns. Threads: 1 per rank, as torchrun sets.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import tempfile
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def spawn(script: str, nproc: int, args: list[str], timeout_s: float = 900) -> dict:
+    with tempfile.TemporaryDirectory() as folder:
+        result_path = os.path.join(folder, "result.json")
+        command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc), "--master_port", str(free_port()),
+                   os.path.join(REPO, "benchmarks", script), "--worker", "--result", result_path, *args]
+        env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": REPO}
+        done = subprocess.run(command, capture_output=True, text=True, timeout=timeout_s, env=env, cwd=REPO)
+        if done.returncode != 0:
+            raise RuntimeError(f"{script} workers failed ({done.returncode}):\n{done.stderr[-3000:]}")
+        with open(result_path) as handle:
+            return json.load(handle)
+
+
+def write_result(path: str, payload: dict) -> None:
+    with open(path, "w") as handle:
+        json.dump(payload, handle, indent=2)
+
+
+def median(values: list[float]) -> float:
+    ordered = sorted(values)
+    return ordered[len(ordered) // 2]

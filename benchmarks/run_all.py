@@ -1,0 +1,77 @@
+"""Run every benchmark, write benchmarks/results.json and the README's benchmark table.
+
+    python -m benchmarks.run_all            # full: the figures in the README (a few minutes)
+    python -m benchmarks.run_all --quick    # seconds per benchmark: checks every figure is produced
+
+Each benchmark measures its comparison side by side in one run; nothing here is a timed test.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from benchmarks import collective_harness, data_path, scaling, startup, step_overhead
+from benchmarks.harness import REPO
+
+BENCHMARKS = {"step_overhead": step_overhead, "data_path": data_path, "scaling": scaling,
+              "collective_harness": collective_harness, "startup": startup}
+START, END = "<!-- benchmarks:start -->", "<!-- benchmarks:end -->"
+
+
+def machine() -> dict:
+    import accelerate
+    import torch
+
+    return {"cpus": os.cpu_count(), "python": platform.python_version(), "torch": torch.__version__,
+            "accelerate": accelerate.__version__, "processor": platform.processor() or platform.machine()}
+
+
+def table(results: dict) -> str:
+    m = results["machine"]
+    so, dp, sc, ch, st = (results[k] for k in BENCHMARKS)
+    lines = [f"Measured by `python -m benchmarks.run_all` on {m['cpus']} CPU cores, torch {m['torch']}, accelerate {m['accelerate']}"
+             f"{' (quick mode)' if results['quick'] else ''}.", "",
+             "| benchmark | figure | target | met |", "|---|---|---|---|",
+             f"| 1. step overhead (2 ranks, 1 thread each) | bare DDP {so['bare_steps_per_s']:.0f} steps/s, Accelerate + common/ {so['accelerate_steps_per_s']:.0f} steps/s: ratio **{so['ratio']:.3f}** | ≥ 0.95 | {'yes' if so['met'] else 'no'} |"]
+    for batch in (32, 1024):
+        d = dp[f"batch_{batch}"]
+        lines.append(f"| 2. data path, batch {batch} | common/ {d['common_iterator']:,.0f} samples/s; raw slicing {d['raw_slicing']:,.0f}; raw shuffled {d['raw_shuffled_slicing']:,.0f}; DataLoader over Dataset {d['dataloader']:,.0f}: common/ / raw = **{d['ratio_vs_raw']:.2f}** | ≥ 0.9 × raw | {'yes' if d['met'] else 'no'} |")
+    for name, row in sc["two_ranks"].items():
+        lines.append(f"| 3. scaling, MLP width {sc['width']}, {name} | 1 rank {sc['one_rank_samples_per_s']:,.0f} samples/s, 2 ranks {row['samples_per_s']:,.0f}: efficiency **{row['efficiency']:.2f}** | (measured) | – |")
+    lines.append(f"| 4. collective harness | max \\|harness / bare loop − 1\\| = **{100 * ch['max_abs_overhead']:.1f}%** over {len(ch['rows'])} op × size rows; best busbw {max(r['busbw_pct_of_memcpy'] for r in ch['rows']):.1f}% of memcpy ({ch['memcpy_gbps']:.1f} GB/s) | < 5% | {'yes' if ch['met'] else 'no'} |")
+    imports = ", ".join(f"{k} {v:.2f} s" for k, v in st["imports_s"].items())
+    lines.append(f"| 5. start-up | `accelerate launch` → first step (2 ranks): **{st['launch_to_first_step_s']:.1f} s**; imports per process: {imports}; wandb imported when not the tracker: {'yes' if st['wandb_imported_without_wandb_tracker'] else 'no'} | (measured) | – |")
+    return "\n".join(lines)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--quick", action="store_true", help="seconds per benchmark; does not touch the README")
+    parser.add_argument("--output", default=os.path.join(REPO, "benchmarks", "results.json"), help="where to write the figures")
+    args = parser.parse_args()
+    results = {"quick": args.quick, "machine": machine()}
+    for name, module in BENCHMARKS.items():
+        results[name] = module.run(quick=args.quick)
+    with open(args.output, "w") as handle:
+        json.dump(results, handle, indent=2)
+    rendered = table(results)
+    print(rendered)
+    if not args.quick:
+        readme_path = os.path.join(REPO, "README.md")
+        with open(readme_path) as handle:
+            readme = handle.read()
+        if START in readme and END in readme:
+            head, rest = readme.split(START, 1)
+            readme = head + START + "\n" + rendered + "\n" + END + rest.split(END, 1)[1]
+            with open(readme_path, "w") as handle:
+                handle.write(readme)
+
+
+if __name__ == "__main__":
+    main()

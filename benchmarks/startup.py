@@ -1,0 +1,68 @@
+"""Benchmark 5: how long from `accelerate launch` to the first training step, and where does it go?
+
+- import cost per package, each measured in a fresh interpreter, in the order an experiment imports
+  them (torch, then accelerate, datasets, wandb on top), median of a few runs;
+- end to end: wall time from starting `accelerate launch` (2 CPU ranks) to ddp_linear's first
+  training step (the experiment records the wall-clock time of its first step in summary.json);
+- whether wandb is imported at all when it is not the tracker (it must not be).
+
+    python benchmarks/startup.py [--quick]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from benchmarks.harness import REPO, free_port, median
+
+IMPORT_CHAIN = [("torch", "import torch"), ("accelerate", "import torch; import accelerate"),
+                ("datasets", "import torch; import accelerate; import datasets"),
+                ("wandb", "import torch; import accelerate; import datasets; import wandb")]
+
+
+def seconds_to_run(code: str) -> float:
+    done = subprocess.run([sys.executable, "-c", f"import time; t = time.perf_counter(); {code}; print(time.perf_counter() - t)"],
+                          capture_output=True, text=True, check=True)
+    return float(done.stdout.strip().splitlines()[-1])
+
+
+def run(quick: bool = False) -> dict:
+    repeats = 1 if quick else 3
+    cumulative = {name: median([seconds_to_run(code) for _ in range(repeats)]) for name, code in IMPORT_CHAIN}
+    names = [n for n, _ in IMPORT_CHAIN]
+    imports = {name: cumulative[name] - (cumulative[names[i - 1]] if i else 0.0) for i, name in enumerate(names)}
+    wandb_loaded = subprocess.run([sys.executable, "-c", "import sys; sys.argv = ['x', '--help']\n"
+                                   "import runpy\ntry:\n    runpy.run_path('experiments/ddp_linear.py', run_name='not_main')\nfinally:\n"
+                                   "    print('wandb' in sys.modules)"], capture_output=True, text=True, cwd=REPO).stdout.strip().splitlines()[-1] == "True"
+    launches = []
+    for _ in range(repeats):
+        with tempfile.TemporaryDirectory() as folder:
+            started = time.time()
+            subprocess.run([sys.executable, "-m", "accelerate.commands.launch", "--config_file", os.path.join(REPO, "accelerate_configs", "cpu_ddp.yaml"),
+                            "--main_process_port", str(free_port()), os.path.join(REPO, "experiments", "ddp_linear.py"),
+                            "--output_dir", folder, "--report_to", "none", "--max_steps", "5"], capture_output=True, check=True, cwd=REPO)
+            with open(os.path.join(folder, "summary.json")) as handle:
+                launches.append(json.load(handle)["metrics"]["first_step_unix_time"] - started)
+    result = {"imports_s": imports, "launch_to_first_step_s": median(launches), "wandb_imported_without_wandb_tracker": wandb_loaded}
+    print("startup: imports " + ", ".join(f"{k} {v:.2f} s" for k, v in imports.items())
+          + f"; accelerate launch -> first step (2 ranks) {result['launch_to_first_step_s']:.2f} s; "
+          f"wandb imported when not the tracker: {wandb_loaded}")
+    return result
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--quick", action="store_true", help="seconds, not minutes: checks the figures are well-formed")
+    run(parser.parse_args().quick)
+
+
+if __name__ == "__main__":
+    main()
