@@ -48,7 +48,8 @@ def run(quick: bool = False) -> dict:
             started = time.time()
             subprocess.run([sys.executable, "-m", "accelerate.commands.launch", "--config_file", os.path.join(REPO, "accelerate_configs", "cpu_ddp.yaml"),
                             "--main_process_port", str(free_port()), os.path.join(REPO, "experiments", "ddp_linear.py"),
-                            "--output_dir", folder, "--report_to", "none", "--max_steps", "5"], capture_output=True, check=True, cwd=REPO)
+                            "--output_dir", folder, "--report_to", "none", "--max_steps", "5"], capture_output=True, cwd=REPO)
+            # 5 steps do not recover the truth (exit 1): only the recorded first-step time matters here
             with open(os.path.join(folder, "summary.json")) as handle:
                 launches.append(json.load(handle)["metrics"]["first_step_unix_time"] - started)
     result = {"imports_s": imports, "launch_to_first_step_s": median(launches), "wandb_imported_without_wandb_tracker": wandb_loaded}

@@ -14,6 +14,7 @@
 from __future__ import annotations
 
 import json
+import mmap
 import os
 import shutil
 import sys
@@ -108,16 +109,21 @@ class Heartbeat:
 
     The value is the last finished step s, or s + 0.5 while the rank is inside step s + 1 (where the
     collectives are). A rank that timed out waiting in step 51 reads 50.5 for itself; a peer that
-    died or hung after step 50 reads 50.0: that peer is named. One 16-byte pwrite per call (~µs)."""
+    died or hung after step 50 reads 50.0: that peer is named."""
 
     def __init__(self, output_dir: str, rank: int, world_size: int):
         self.folder, self.rank, self.world_size = os.path.join(output_dir, "heartbeat"), rank, world_size
         os.makedirs(self.folder, exist_ok=True)
-        self.fd = os.open(os.path.join(self.folder, f"rank{rank}"), os.O_RDWR | os.O_CREAT, 0o644)
+        with open(os.path.join(self.folder, f"rank{rank}"), "wb") as handle:
+            handle.write(b" " * 16)
+        with open(os.path.join(self.folder, f"rank{rank}"), "r+b") as handle:
+            # A memory map: a beat is a 16-byte store into the page cache, no system call (a pwrite per
+            # beat cost ~0.1 ms per step here); other ranks of this host read it through the same cache.
+            self.page = mmap.mmap(handle.fileno(), 16)
         self.finished(0)
 
     def _write(self, value: float) -> None:
-        os.pwrite(self.fd, f"{value:>15.1f}\n".encode(), 0)
+        self.page[:16] = f"{value:>15.1f}\n".encode()
 
     def finished(self, step: int) -> None:
         self._write(step)

@@ -79,3 +79,24 @@ def home(tmp_path: Path) -> Path:
     path = tmp_path / "home"
     path.mkdir()
     return path
+
+
+def run_main_in_process(main, argv: list[str], capsys) -> tuple[int, str]:
+    """An experiment's main(argv) in this process, exit code and stderr as `run_cli` gives them: for
+    bad-input tests, which need no second process (a subprocess costs ~3 s of `import torch`)."""
+    from accelerate.state import AcceleratorState
+
+    from common.config import UsageError
+
+    AcceleratorState._reset_state(True)  # each call starts from a fresh Accelerate state, as a new process would
+    capsys.readouterr()
+    try:
+        code = main(argv)
+    except SystemExit as stop:
+        code = stop.code
+    except UsageError as error:
+        print(f"error: {error}", file=sys.stderr)
+        code = 2
+    finally:
+        AcceleratorState._reset_state(True)
+    return code, capsys.readouterr().err

@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from conftest import clean_env, launch
+from conftest import clean_env, launch, run_main_in_process
 from experiments.collectives import VERIFY_OPS, bus_factor
 
 QUIET = ["--report_to", "none"]
@@ -94,6 +94,13 @@ def test_bus_factors_follow_nccl_tests():
         (["--backend", "nccl2"], "invalid choice: 'nccl2'"),
     ],
 )
-def test_bad_input(tmp_path, args, message):
-    finished = launch("collectives.py", [*QUIET, *args], tmp_path / "run", launcher="python")
-    assert finished.returncode == 2 and message in finished.stderr and finished.stderr.count("\n") == 1
+def test_bad_input(tmp_path, args, message, capsys):
+    from experiments.collectives import main
+
+    code, stderr = run_main_in_process(main, [*QUIET, "--output_dir", str(tmp_path / "run"), *args], capsys)
+    assert code == 2 and message in stderr and stderr.count("\n") == 1
+
+
+def test_bad_input_from_the_command_line_is_one_line(tmp_path):
+    finished = launch("collectives.py", [*QUIET, "--ops", "alltoall"], tmp_path / "run", launcher="python")
+    assert finished.returncode == 2 and finished.stderr.count("\n") == 1 and "Traceback" not in finished.stderr

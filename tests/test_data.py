@@ -102,3 +102,19 @@ def test_bad_tables_are_usage_errors(tmp_path, content, name, kwargs, message):
         path.write_text(content)
     with pytest.raises(UsageError, match=message.replace("[", r"\[").replace("]", r"\]").replace("(", r"\(")):
         load_table(str(path), **kwargs)
+
+
+@pytest.mark.parametrize("batch_size", [32, 256])
+def test_small_and_large_batches_follow_the_same_seeded_order(batch_size):
+    """Small batches slice a gathered epoch, large ones gather per batch: the rows must be the same."""
+    x = torch.arange(2048, dtype=torch.float32).reshape(1024, 2)
+    y = torch.arange(1024, dtype=torch.float32).reshape(1024, 1)
+    batches = iterate_batches(x, y, batch_size, seed=7)
+    for epoch in range(2):
+        order = torch.randperm(1024, generator=torch.Generator().manual_seed(7 * 100_003 + epoch))
+        for start in range(0, 1024 - batch_size + 1, batch_size):
+            xb, yb = next(batches)
+            assert torch.equal(xb, x[order][start : start + batch_size]) and torch.equal(yb, y[order][start : start + batch_size])
+    resumed = iterate_batches(x, y, batch_size, seed=7, start_batch=1024 // batch_size + 1)  # epoch 1, batch 1
+    order = torch.randperm(1024, generator=torch.Generator().manual_seed(7 * 100_003 + 1))
+    assert torch.equal(next(resumed)[0], x[order][batch_size : 2 * batch_size])

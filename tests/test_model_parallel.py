@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from conftest import REPO, launch
+from conftest import REPO, launch, run_main_in_process
 
 QUIET = ["--report_to", "none"]
 MODEL_PARALLEL_YAML = str(REPO / "accelerate_configs" / "model_parallel.yaml")
@@ -58,9 +58,11 @@ def test_multi_gpu_ddp_launch_is_refused(tmp_path):
         ("{fc1: 0}", "is not valid JSON"),
     ],
 )
-def test_bad_device_maps(tmp_path, device_map, message):
-    finished = launch("model_parallel.py", [*QUIET, "--device_map", device_map], tmp_path / "run", launcher="python")
-    assert finished.returncode == 2 and message in finished.stderr and finished.stderr.strip().count("\n") == 0
+def test_bad_device_maps(tmp_path, device_map, message, capsys):
+    from experiments.model_parallel import main
+
+    code, stderr = run_main_in_process(main, [*QUIET, "--output_dir", str(tmp_path / "run"), "--device_map", device_map], capsys)
+    assert code == 2 and message in stderr and stderr.strip().count("\n") == 0
 
 
 PIPE = [*QUIET, "--max_steps", "4", "--log_every", "2", "--hidden_features", "64", "--batch_size", "64",
@@ -91,6 +93,8 @@ def test_summed_micro_batch_gradients_are_caught(tmp_path):
     assert not checks["parameters_match_full_model"]["passed"]
 
 
-def test_pipeline_needs_two_ranks(tmp_path):
-    finished = launch("pipeline_parallel.py", PIPE, tmp_path / "run", launcher="python")
-    assert finished.returncode == 2 and "a pipeline needs >= 2 ranks" in finished.stderr
+def test_pipeline_needs_two_ranks(tmp_path, capsys):
+    from experiments.pipeline_parallel import main
+
+    code, stderr = run_main_in_process(main, [*PIPE, "--output_dir", str(tmp_path / "run")], capsys)
+    assert code == 2 and "a pipeline needs >= 2 ranks" in stderr

@@ -16,14 +16,14 @@ import pytest
 
 from common.config import UsageError
 from common.reliability import ResumableArgs, find_checkpoint
-from conftest import CPU_DDP, REPO, clean_env, free_port, launch
+from conftest import CPU_DDP, REPO, clean_env, free_port, launch, run_main_in_process
 
-LONG = ["--report_to", "none", "--max_steps", "3000", "--log_every", "500", "--checkpoint_every", "500"]
+LONG = ["--report_to", "none", "--max_steps", "2000", "--log_every", "400", "--checkpoint_every", "400"]
 
 
 @pytest.fixture(scope="module")
 def clean_run(tmp_path_factory):
-    """The uninterrupted reference: 3000 steps on 2 ranks."""
+    """The uninterrupted reference: 2000 steps on 2 ranks."""
     finished = launch("ddp_linear.py", LONG, tmp_path_factory.mktemp("clean") / "run")
     assert finished.returncode == 0, finished.stderr[-3000:]
     return finished
@@ -42,7 +42,7 @@ def test_sigkill_then_resume_is_bitwise_equal_and_logs_each_step_once(clean_run,
     victim = subprocess.Popen(command, cwd=REPO, env=clean_env(HOME=str(home)), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
                               start_new_session=True)
     deadline = time.monotonic() + 120
-    while not (out / "checkpoints" / "step_00001000").exists():
+    while not (out / "checkpoints" / "step_00000800").exists():
         assert victim.poll() is None and time.monotonic() < deadline, "the run ended before its second checkpoint"
         time.sleep(0.02)
     os.killpg(victim.pid, signal.SIGKILL)  # the whole process group: launcher and both ranks
@@ -52,34 +52,34 @@ def test_sigkill_then_resume_is_bitwise_equal_and_logs_each_step_once(clean_run,
     resumed = launch("ddp_linear.py", [*LONG, "--resume_from_checkpoint", "latest"], out)
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     summary = resumed.summary
-    assert summary["metrics"]["resumed_from_step"] >= 1000
+    assert summary["metrics"]["resumed_from_step"] >= 800
     assert same_parameters(summary["metrics"], clean_run.summary["metrics"])
     steps = [r["step"] for r in resumed.metrics]
-    assert steps == [500, 1000, 1500, 2000, 2500, 3000]  # each step exactly once
+    assert steps == [400, 800, 1200, 1600, 2000]  # each step exactly once
     checkpoints = sorted(p.name for p in (out / "checkpoints").iterdir())
     assert len(checkpoints) <= 2 and not any(name.endswith(".partial") for name in checkpoints)  # --keep_checkpoints 2
 
 
 def test_elastic_restart_recovers_an_injected_crash(clean_run, tmp_path):
-    """torchrun --standalone --max-restarts 1 + --resume_from_checkpoint latest: rank 1 dies after step 1200 in the first
-    attempt; torchrun restarts both ranks, they resume from step 1000 and finish equal to the clean run."""
+    """torchrun --standalone --max-restarts 1 + --resume_from_checkpoint latest: rank 1 dies after step 1000 in the first
+    attempt; torchrun restarts both ranks, they resume from step 800 and finish equal to the clean run."""
     out = tmp_path / "run"
     home = tmp_path / "home"
     home.mkdir()
     env = clean_env(HOME=str(home), TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1")
-    args = [*LONG, "--resume_from_checkpoint", "latest", "--fail_at_step", "1200", "--fail_rank", "1"]
+    args = [*LONG, "--resume_from_checkpoint", "latest", "--fail_at_step", "1000", "--fail_rank", "1"]
     # --standalone (c10d rendezvous on a free port) plus TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1: with the static
     # rendezvous, restarted ranks sometimes connected to the dead attempt's addresses (pytorch/pytorch#135712).
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", "--max-restarts", "1",
                str(REPO / "experiments" / "ddp_linear.py"), "--output_dir", str(out), *args]
     done = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=240)
     assert done.returncode == 0, done.stderr[-3000:]
-    assert "rank 1: injected failure after step 1200" in done.stderr
+    assert "rank 1: injected failure after step 1000" in done.stderr
     summary = json.loads((out / "summary.json").read_text())
-    assert summary["passed"] and summary["metrics"]["resumed_from_step"] == 1000
+    assert summary["passed"] and summary["metrics"]["resumed_from_step"] == 800
     assert same_parameters(summary["metrics"], clean_run.summary["metrics"])
     steps = [json.loads(line)["step"] for line in (out / "metrics.jsonl").read_text().splitlines()]
-    assert steps == [500, 1000, 1500, 2000, 2500, 3000]
+    assert steps == [400, 800, 1200, 1600, 2000]
 
 
 def test_a_dead_rank_ends_the_job_fast_and_is_named(tmp_path):
@@ -132,10 +132,12 @@ def test_half_written_checkpoints_are_never_latest(tmp_path):
         find_checkpoint(ResumableArgs(resume_from_checkpoint=str(root / "step_00000300")), str(tmp_path))
 
 
-def test_data_file_without_the_target_column(tmp_path):
+def test_data_file_without_the_target_column(tmp_path, capsys):
+    from experiments.ddp_linear import main
+
     (tmp_path / "t.csv").write_text("a,b\n1,2\n3,4\n")
-    finished = launch("ddp_linear.py", ["--report_to", "none", "--data_file", str(tmp_path / "t.csv")], tmp_path / "run", launcher="python")
-    assert finished.returncode == 2 and "has no target column 'y'; its columns: a, b" in finished.stderr
+    code, stderr = run_main_in_process(main, ["--report_to", "none", "--output_dir", str(tmp_path / "run"), "--data_file", str(tmp_path / "t.csv")], capsys)
+    assert code == 2 and "has no target column 'y'; its columns: a, b" in stderr
 
 
 @pytest.mark.parametrize("config_text", [None, "distributed_type: [oops\n"], ids=["missing", "malformed"])

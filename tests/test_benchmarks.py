@@ -1,0 +1,42 @@
+"""The benchmarks in --quick mode: every figure is produced and well-formed (no speed is asserted:
+targets are met in the full run, whose table is in the README)."""
+
+from __future__ import annotations
+
+import json
+import math
+import subprocess
+import sys
+
+from conftest import REPO, clean_env
+
+
+def positive(value) -> bool:
+    return isinstance(value, int | float) and math.isfinite(value) and value > 0
+
+
+def test_run_all_quick_writes_every_figure(tmp_path):
+    output = tmp_path / "results.json"
+    done = subprocess.run([sys.executable, "-m", "benchmarks.run_all", "--quick", "--output", str(output)], cwd=REPO,
+                          capture_output=True, text=True, timeout=300, env=clean_env(HOME=str(tmp_path)))
+    assert done.returncode == 0, done.stderr[-3000:]
+    results = json.loads(output.read_text())
+    assert results["quick"] is True and results["machine"]["cpus"] >= 1 and results["machine"]["torch"].startswith("2.13")
+    step = results["step_overhead"]
+    assert step["world_size"] == 2 and positive(step["bare_steps_per_s"]) and positive(step["accelerate_steps_per_s"])
+    assert step["ratio"] == step["accelerate_steps_per_s"] / step["bare_steps_per_s"]
+    for batch in ("batch_32", "batch_1024"):
+        row = results["data_path"][batch]
+        assert all(positive(row[k]) for k in ("common_iterator", "raw_slicing", "raw_shuffled_slicing", "dataloader"))
+    scaling = results["scaling"]
+    assert positive(scaling["one_rank_samples_per_s"])
+    assert set(scaling["two_ranks"]) == {"ddp", "ddp_accumulation_4"}  # the bucket variants run in full mode only
+    assert all(positive(r["samples_per_s"]) and positive(r["efficiency"]) for r in scaling["two_ranks"].values())
+    harness = results["collective_harness"]
+    assert positive(harness["memcpy_gbps"]) and len(harness["rows"]) == 4
+    assert all(positive(r["harness_us"]) and positive(r["bare_us"]) for r in harness["rows"])
+    startup = results["startup"]
+    assert set(startup["imports_s"]) == {"torch", "accelerate", "datasets", "wandb"}
+    assert 0 < startup["launch_to_first_step_s"] < 120
+    assert startup["wandb_imported_without_wandb_tracker"] is False  # W&B is imported only when it is the tracker
+    assert "| 1. step overhead" in done.stdout and "| 5. start-up" in done.stdout
