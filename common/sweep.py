@@ -178,10 +178,13 @@ def run_sweep(sweep: Sweep, count: int, output_dir: str, trial_timeout_s: float)
             except subprocess.TimeoutExpired:
                 exit_code = "timeout"
         value = read_metric(trial_dir, sweep.metric)
-        state = sweeps.RunState.finished if exit_code == 0 and value is not None else sweeps.RunState.failed
+        # Exit 1 means the run completed but one of its checks failed (e.g. an lr too small to recover the
+        # truth): its metric is real and the search should learn from it. Anything else is a failed trial.
+        state = sweeps.RunState.finished if exit_code in (0, 1) and value is not None else sweeps.RunState.failed
+        checks_passed = exit_code == 0
         proposal.state, proposal.summary_metrics = state, ({sweep.metric: value} if value is not None else {})
         runs.append(proposal)
-        rows.append({"trial": run_id, "state": state.value, "exit_code": exit_code, sweep.metric: value, **values,
+        rows.append({"trial": run_id, "state": state.value, "checks_passed": checks_passed, "exit_code": exit_code, sweep.metric: value, **values,
                      "seconds": round(time.perf_counter() - started, 1), "dir": trial_dir})
         print(f"sweep: {run_id} {state.value} (exit {exit_code}) {sweep.metric}={value}", flush=True)
     return rows

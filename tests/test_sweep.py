@@ -81,7 +81,7 @@ def test_offline_two_trial_grid_end_to_end(tmp_path):
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
     with open(out / "leaderboard.csv") as handle:
         rows = list(csv.DictReader(handle))
-    assert [r["state"] for r in rows] == ["finished", "finished"]
+    assert [r["state"] for r in rows] == ["finished", "finished"] and {r["checks_passed"] for r in rows} == {"True"}
     assert {r["per_rank_batch_size"] for r in rows} == {"16", "32"} and {r["lr"] for r in rows} == {"0.02"}
     assert float(rows[0]["final_mse"]) <= float(rows[1]["final_mse"])  # sorted best first (minimize)
     assert f"best: {rows[0]['trial']}" in done.stdout
