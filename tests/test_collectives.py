@@ -16,7 +16,7 @@ QUIET = ["--report_to", "none"]
 
 
 def test_two_ranks_verify_every_op_and_list_what_gloo_refuses(tmp_path):
-    finished = launch("collectives.py", QUIET, tmp_path / "run")
+    finished = launch("collectives.py", [*QUIET, "--backend", "gloo"], tmp_path / "run")
     assert finished.returncode == 0, finished.stderr[-3000:]
     summary = finished.summary
     assert summary["passed"] and summary["world_size"] == 2 and summary["metrics"]["backend"] == "gloo"
