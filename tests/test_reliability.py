@@ -60,7 +60,8 @@ def test_sigkill_then_resume_is_bitwise_equal_and_logs_each_step_once(clean_run,
     assert len(checkpoints) <= 2 and not any(name.endswith(".partial") for name in checkpoints)  # --keep_checkpoints 2
 
 
-def test_elastic_restart_recovers_an_injected_crash(clean_run, tmp_path):
+@pytest.mark.parametrize("launcher", ["torchrun", "accelerate"])
+def test_elastic_restart_recovers_an_injected_crash(clean_run, tmp_path, launcher):
     """torchrun --standalone --max-restarts 1 + --resume_from_checkpoint latest: rank 1 dies after step 1000 in the first
     attempt; torchrun restarts both ranks, they resume from step 800 and finish equal to the clean run."""
     out = tmp_path / "run"
@@ -68,10 +69,14 @@ def test_elastic_restart_recovers_an_injected_crash(clean_run, tmp_path):
     home.mkdir()
     env = clean_env(HOME=str(home), TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1")
     args = [*LONG, "--resume_from_checkpoint", "latest", "--fail_at_step", "1000", "--fail_rank", "1"]
-    # --standalone (c10d rendezvous on a free port) plus TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1: with the static
-    # rendezvous, restarted ranks sometimes connected to the dead attempt's addresses (pytorch/pytorch#135712).
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", "--max-restarts", "1",
-               str(REPO / "experiments" / "ddp_linear.py"), "--output_dir", str(out), *args]
+    # c10d rendezvous plus TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1: with the static rendezvous restarted ranks
+    # connected to the dead attempt's addresses; without the variable they hung (pytorch/pytorch#135712).
+    if launcher == "torchrun":
+        command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", "--max-restarts", "1"]
+    else:
+        command = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", CPU_DDP, "--main_process_port", str(free_port()),
+                   "--rdzv_backend", "c10d", "--max_restarts", "1"]
+    command += [str(REPO / "experiments" / "ddp_linear.py"), "--output_dir", str(out), *args]
     done = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=240)
     assert done.returncode == 0, done.stderr[-3000:]
     assert "rank 1: injected failure after step 1000" in done.stderr
