@@ -1,7 +1,7 @@
 """Benchmark 5: how long from `accelerate launch` to the first training step, and where does it go?
 
-- import cost per package, each measured in a fresh interpreter, in the order an experiment imports
-  them (torch, then accelerate, datasets, wandb on top), median of a few runs;
+- import cost per package, in a fresh interpreter, in the order an experiment imports them (torch,
+  then accelerate, datasets, wandb on top: each figure is that package's own share), median of runs;
 - end to end: wall time from starting `accelerate launch` (2 CPU ranks) to ddp_linear's first
   training step (the experiment records the wall-clock time of its first step in summary.json);
 - whether wandb is imported at all when it is not the tracker (it must not be).
@@ -23,22 +23,26 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from benchmarks.harness import REPO, free_port, median
 
-IMPORT_CHAIN = [("torch", "import torch"), ("accelerate", "import torch; import accelerate"),
-                ("datasets", "import torch; import accelerate; import datasets"),
-                ("wandb", "import torch; import accelerate; import datasets; import wandb")]
+IMPORT_CHAIN = ("torch", "accelerate", "datasets", "wandb")
+TIME_IMPORTS = (
+    "import importlib, json, time\n"
+    "seconds = {}\n"
+    f"for name in {IMPORT_CHAIN!r}:\n"
+    "    started = time.perf_counter(); importlib.import_module(name); seconds[name] = time.perf_counter() - started\n"
+    "print(json.dumps(seconds))\n"
+)
 
 
-def seconds_to_run(code: str) -> float:
-    done = subprocess.run([sys.executable, "-c", f"import time; t = time.perf_counter(); {code}; print(time.perf_counter() - t)"],
-                          capture_output=True, text=True, check=True)
-    return float(done.stdout.strip().splitlines()[-1])
+def import_seconds() -> dict:
+    """Each package's own import cost, imported in a fresh interpreter in the order an experiment does."""
+    done = subprocess.run([sys.executable, "-c", TIME_IMPORTS], capture_output=True, text=True, check=True)
+    return json.loads(done.stdout.strip().splitlines()[-1])
 
 
 def run(quick: bool = False) -> dict:
     repeats = 1 if quick else 3
-    cumulative = {name: median([seconds_to_run(code) for _ in range(repeats)]) for name, code in IMPORT_CHAIN}
-    names = [n for n, _ in IMPORT_CHAIN]
-    imports = {name: cumulative[name] - (cumulative[names[i - 1]] if i else 0.0) for i, name in enumerate(names)}
+    samples = [import_seconds() for _ in range(repeats)]
+    imports = {name: median([sample[name] for sample in samples]) for name in IMPORT_CHAIN}
     wandb_loaded = subprocess.run([sys.executable, "-c", "import sys; sys.argv = ['x', '--help']\n"
                                    "import runpy\ntry:\n    runpy.run_path('experiments/ddp_linear.py', run_name='not_main')\nfinally:\n"
                                    "    print('wandb' in sys.modules)"], capture_output=True, text=True, cwd=REPO).stdout.strip().splitlines()[-1] == "True"
