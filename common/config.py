@@ -64,13 +64,18 @@ class TrainArgs(RunArgs):
 
     def validate(self) -> None:
         super().validate()
-        require(self.max_steps > 0, f"--max_steps must be > 0, got {self.max_steps}")
-        require(self.log_every > 0, f"--log_every must be > 0, got {self.log_every}")
+        require_positive(self, "max_steps", "log_every")
 
 
 def require(condition: bool, message: str) -> None:
     if not condition:
         raise UsageError(message)
+
+
+def require_positive(cfg, *names: str) -> None:
+    """Every named flag must be > 0: `--name must be > 0, got value` for the first that is not."""
+    for name in names:
+        require(getattr(cfg, name) > 0, f"--{name} must be > 0, got {getattr(cfg, name)}")
 
 
 class _OneLineParser(argparse.ArgumentParser):

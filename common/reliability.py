@@ -21,7 +21,7 @@ import sys
 import time
 from dataclasses import dataclass
 
-from common.config import TrainArgs, UsageError, flag, require
+from common.config import TrainArgs, UsageError, flag, require, require_positive
 
 CHECKPOINT_PREFIX = "step_"
 
@@ -40,7 +40,7 @@ class ResumableArgs(TrainArgs):
         super().validate()
         for name in ("checkpoint_every", "fail_at_step", "hang_at_step", "fail_rank", "hang_rank"):
             require(getattr(self, name) >= 0, f"--{name} must be >= 0, got {getattr(self, name)}")
-        require(self.keep_checkpoints > 0, f"--keep_checkpoints must be > 0, got {self.keep_checkpoints}")
+        require_positive(self, "keep_checkpoints")
 
 
 def checkpoint_root(output_dir: str) -> str:

@@ -40,7 +40,7 @@ import torch
 import torch.distributed as dist
 from torch.utils.benchmark import Timer
 
-from common.config import RunArgs, UsageError, flag, parse_config, require, run_cli
+from common.config import RunArgs, UsageError, flag, parse_config, require, require_positive, run_cli
 from common.runtime import check_distributed, make_accelerator, prepare_output_dir
 from common.tracking import RunRecorder, resolve_trackers
 
@@ -84,8 +84,8 @@ class Config(RunArgs):
             value = getattr(self, name)
             require(value >= 64 and value & (value - 1) == 0, f"--{name} must be a power of two >= 64, got {value}")
         require(self.min_bytes <= self.max_bytes, f"--min_bytes {self.min_bytes} must be <= --max_bytes {self.max_bytes}")
-        for name in ("count", "warmup", "iters", "repeats"):
-            require(getattr(self, name) > 0 or name == "warmup" and self.warmup == 0, f"--{name} must be > 0, got {getattr(self, name)}")
+        require_positive(self, "count", "iters", "repeats")
+        require(self.warmup >= 0, f"--warmup must be >= 0, got {self.warmup}")
 
     def op_list(self) -> list[str]:
         return [op.strip() for op in self.ops.split(",") if op.strip()] or list(BENCH_OPS if self.bench else VERIFY_OPS)

@@ -41,7 +41,7 @@ import torch
 import torch.nn.functional as F
 from tqdm.auto import tqdm
 
-from common.config import flag, parse_config, require, run_cli
+from common.config import flag, parse_config, require, require_positive, run_cli
 from common.data import (
     iterate_batches,
     iterate_global_batches,
@@ -83,11 +83,9 @@ class Config(ResumableArgs):
 
     def validate(self) -> None:
         super().validate()
-        for name in ("n_samples", "n_features", "per_rank_batch_size", "gradient_accumulation_steps"):
-            require(getattr(self, name) > 0, f"--{name} must be > 0, got {getattr(self, name)}")
-        require(self.lr > 0, f"--lr must be > 0, got {self.lr}")
+        require_positive(self, "n_samples", "n_features", "per_rank_batch_size", "gradient_accumulation_steps", "lr")
         require(self.noise_std >= 0, f"--noise_std must be >= 0, got {self.noise_std}")
-        require(self.truth_tolerance > 0, f"--truth_tolerance must be > 0, got {self.truth_tolerance}")
+        require_positive(self, "truth_tolerance")
         require(self.parity_atol >= 0, f"--parity_atol must be >= 0, got {self.parity_atol}")
 
 

@@ -42,7 +42,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from common.config import TrainArgs, flag, parse_config, require, run_cli
+from common.config import TrainArgs, flag, parse_config, require_positive, run_cli
 from common.data import iterate_batches, iterate_global_batches, make_regression_dataset, shard_tensors
 from common.models import build_linear, build_mlp
 from common.reference import max_abs_difference, train_single_process
@@ -71,10 +71,8 @@ class Config(TrainArgs):
 
     def validate(self) -> None:
         super().validate()
-        for name in ("hidden_features", "n_samples", "n_features", "per_rank_batch_size", "gradient_accumulation_steps"):
-            require(getattr(self, name) > 0, f"--{name} must be > 0, got {getattr(self, name)}")
-        for name in ("bucket_mb", "lr", "parity_atol"):
-            require(getattr(self, name) > 0, f"--{name} must be > 0, got {getattr(self, name)}")
+        require_positive(self, "hidden_features", "n_samples", "n_features", "per_rank_batch_size", "gradient_accumulation_steps",
+                         "bucket_mb", "lr", "parity_atol")
 
 
 def build_model(cfg: Config, seed: int) -> torch.nn.Module:

@@ -41,7 +41,7 @@ import torch.nn.functional as F
 from accelerate import infer_auto_device_map
 from accelerate.utils import compute_module_sizes, convert_file_size_to_int
 
-from common.config import TrainArgs, UsageError, flag, parse_config, require, run_cli
+from common.config import TrainArgs, UsageError, flag, parse_config, require, require_positive, run_cli
 from common.data import iterate_batches, make_regression_dataset, shard_tensors
 from common.models import build_mlp
 from common.reference import max_abs_difference
@@ -67,8 +67,7 @@ class Config(TrainArgs):
 
     def validate(self) -> None:
         super().validate()
-        for name in ("n_features", "hidden_features", "n_samples", "batch_size"):
-            require(getattr(self, name) > 0, f"--{name} must be > 0, got {getattr(self, name)}")
+        require_positive(self, "n_features", "hidden_features", "n_samples", "batch_size")
         require(self.n_layers >= 2, f"--n_layers must be >= 2 (something to split), got {self.n_layers}")
         require(self.lr > 0 and self.parity_atol > 0, f"--lr and --parity_atol must be > 0, got {self.lr}, {self.parity_atol}")
 

@@ -42,7 +42,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
 
-from common.config import TrainArgs, UsageError, flag, parse_config, require, run_cli
+from common.config import TrainArgs, UsageError, flag, parse_config, require, require_positive, run_cli
 from common.data import iterate_batches, make_regression_dataset, shard_tensors
 from common.models import build_mlp
 from common.runtime import check_distributed, make_accelerator, prepare_output_dir
@@ -73,8 +73,7 @@ class Config(TrainArgs):
 
     def validate(self) -> None:
         super().validate()
-        for name in ("n_microbatches", "n_layers", "hidden_features", "n_features", "n_samples", "batch_size", "bubble_steps"):
-            require(getattr(self, name) > 0, f"--{name} must be > 0, got {getattr(self, name)}")
+        require_positive(self, "n_microbatches", "n_layers", "hidden_features", "n_features", "n_samples", "batch_size", "bubble_steps")
         require(self.lr > 0 and self.parity_atol > 0, "--lr and --parity_atol must be > 0")
         for m in [self.n_microbatches, *self.bubble_values()]:
             require(self.batch_size % m == 0, f"--batch_size {self.batch_size} must split evenly into {m} micro-batches")
