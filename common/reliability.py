@@ -47,16 +47,21 @@ def checkpoint_root(output_dir: str) -> str:
     return os.path.join(output_dir, "checkpoints")
 
 
+def complete_checkpoints(output_dir: str) -> list[str]:
+    """Names of the complete checkpoints (renamed from .partial, with step.json), oldest first."""
+    root = checkpoint_root(output_dir)
+    if not os.path.isdir(root):
+        return []
+    return sorted(name for name in os.listdir(root) if name.startswith(CHECKPOINT_PREFIX) and not name.endswith(".partial")
+                  and os.path.isfile(os.path.join(root, name, "step.json")))
+
+
 def find_checkpoint(cfg: ResumableArgs, output_dir: str) -> tuple[str | None, int]:
     """(checkpoint folder, its step), or (None, 0) to start from scratch."""
     if not cfg.resume_from_checkpoint:
         return None, 0
     if cfg.resume_from_checkpoint == "latest":
-        complete = sorted(
-            name for name in (os.listdir(checkpoint_root(output_dir)) if os.path.isdir(checkpoint_root(output_dir)) else [])
-            if name.startswith(CHECKPOINT_PREFIX) and not name.endswith(".partial")
-            and os.path.isfile(os.path.join(checkpoint_root(output_dir), name, "step.json"))
-        )
+        complete = complete_checkpoints(output_dir)
         if not complete:
             return None, 0
         path = os.path.join(checkpoint_root(output_dir), complete[-1])
@@ -85,8 +90,7 @@ def save_checkpoint(accelerator, output_dir: str, step: int, keep: int) -> str:
             json.dump({"step": step}, handle)
         shutil.rmtree(final, ignore_errors=True)
         os.replace(partial, final)  # atomic on one filesystem: the checkpoint exists whole or not at all
-        complete = sorted(n for n in os.listdir(checkpoint_root(output_dir)) if n.startswith(CHECKPOINT_PREFIX) and not n.endswith(".partial"))
-        for old in complete[:-keep]:
+        for old in complete_checkpoints(output_dir)[:-keep]:
             shutil.rmtree(os.path.join(checkpoint_root(output_dir), old), ignore_errors=True)
     accelerator.wait_for_everyone()
     return final
@@ -148,7 +152,7 @@ class Heartbeat:
                          else f"rank {r} (never reported)" for r in behind)
 
 
-def explain_timeout(error: RuntimeError, heartbeat: Heartbeat, cfg: TrainArgs, step: int) -> UsageError | RuntimeError:
+def explain_timeout(error: RuntimeError, heartbeat: Heartbeat, cfg: TrainArgs, step: int) -> RuntimeError:
     """A gloo/NCCL timeout says nothing about who is missing; name the laggards."""
     text = str(error)
     if "imed out" not in text and "imeout" not in text and "closed" not in text:

@@ -79,6 +79,16 @@ def make_accelerator(cfg: RunArgs, output_dir: str, log_with=None, backend: str 
     return accelerator
 
 
+def one_rank_group_if_needed() -> bool:
+    """Experiments about the raw torch.distributed API need a process group even in one process, where
+    Accelerate makes none: a 1-rank gloo group on a port the OS picks. True when it made one (the caller
+    destroys it)."""
+    if torch.distributed.is_initialized():
+        return False
+    torch.distributed.init_process_group("gloo", init_method="tcp://127.0.0.1:0", rank=0, world_size=1)
+    return True
+
+
 def launched_world_size(cfg: RunArgs) -> int:
     """How many ranks the launcher started: --expected_world_size, else WORLD_SIZE (set by torchrun and
     `accelerate launch` for multi-process runs), else 1."""

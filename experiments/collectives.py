@@ -41,7 +41,7 @@ import torch.distributed as dist
 from torch.utils.benchmark import Timer
 
 from common.config import RunArgs, UsageError, flag, parse_config, require, require_positive, run_cli
-from common.runtime import check_distributed, make_accelerator, prepare_output_dir
+from common.runtime import check_distributed, make_accelerator, one_rank_group_if_needed, prepare_output_dir
 from common.tracking import RunRecorder, resolve_trackers
 
 EXPERIMENT = "collectives"
@@ -339,11 +339,7 @@ def run(cfg: Config) -> int:
     checks = {"distributed": check_distributed(accelerator, cfg)}
     if not checks["distributed"]["passed"]:
         return recorder.finish({}, checks)
-    own_group = not dist.is_initialized()
-    if own_group:
-        # One process: Accelerate makes no process group, but the API needs one. A 1-rank gloo group on
-        # an unused local port (port 0 = let the OS pick) lets every call run, trivially.
-        dist.init_process_group("gloo", init_method="tcp://127.0.0.1:0", rank=0, world_size=1)
+    own_group = one_rank_group_if_needed()  # one process: a 1-rank gloo group, so every call still runs
     if cfg.backend and dist.get_backend() != cfg.backend:
         raise UsageError(f"--backend {cfg.backend}: the process group uses {dist.get_backend()}")
     checks_run, metrics = (run_bench if cfg.bench else run_verify)(cfg, accelerator, recorder)

@@ -46,7 +46,7 @@ from common.config import TrainArgs, flag, parse_config, require_positive, run_c
 from common.data import iterate_batches, iterate_global_batches, make_regression_dataset, shard_tensors
 from common.models import build_linear, build_mlp
 from common.reference import max_abs_difference, train_single_process
-from common.runtime import check_distributed, make_accelerator, prepare_output_dir
+from common.runtime import check_distributed, make_accelerator, one_rank_group_if_needed, prepare_output_dir
 from common.tracking import RunRecorder, resolve_trackers
 
 EXPERIMENT = "manual_data_parallel"
@@ -203,9 +203,7 @@ def run(cfg: Config) -> int:
     checks = {"distributed": check_distributed(accelerator, cfg)}
     if not checks["distributed"]["passed"]:
         return recorder.finish({}, checks)
-    own_group = not dist.is_initialized()
-    if own_group:  # one process: a 1-rank gloo group so the hand-rolled collectives still run
-        dist.init_process_group("gloo", init_method="tcp://127.0.0.1:0", rank=0, world_size=1)
+    own_group = one_rank_group_if_needed()  # one process: a 1-rank gloo group, so the hand-rolled collectives still run
 
     dataset, _ = make_regression_dataset(cfg.n_samples, cfg.n_features, cfg.noise_std, cfg.seed)
     rank, world_size = accelerator.process_index, accelerator.num_processes
