@@ -17,7 +17,7 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from benchmarks.harness import median, spawn, write_result
+from benchmarks.harness import benchmark_parser, median, spawn, write_result
 
 
 def worker(args) -> None:
@@ -74,10 +74,7 @@ def run(quick: bool = False) -> dict:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--quick", action="store_true", help="seconds, not minutes: checks the figures are well-formed")
-    parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
-    parser.add_argument("--result", default="", help=argparse.SUPPRESS)
+    parser = benchmark_parser(__doc__, has_workers=True)
     parser.add_argument("--sizes", nargs="+", type=int, default=[65536], help=argparse.SUPPRESS)
     parser.add_argument("--iters", type=int, default=20, help=argparse.SUPPRESS)
     parser.add_argument("--repeats", type=int, default=5, help=argparse.SUPPRESS)

@@ -14,14 +14,13 @@ which copies nothing, is reported beside it.
 
 from __future__ import annotations
 
-import argparse
 import os
 import sys
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from benchmarks.harness import median
+from benchmarks.harness import benchmark_parser, median
 
 
 def run(quick: bool = False) -> dict:
@@ -85,8 +84,7 @@ def run(quick: bool = False) -> dict:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--quick", action="store_true", help="seconds, not minutes: checks the figures are well-formed")
+    parser = benchmark_parser(__doc__)
     run(parser.parse_args().quick)
 
 

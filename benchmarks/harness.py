@@ -7,6 +7,7 @@ rank 0 writes its figures to a JSON file that the driver returns. Threads: 1 per
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import socket
@@ -34,6 +35,16 @@ def spawn(script: str, nproc: int, args: list[str], timeout_s: float = 900) -> d
             raise RuntimeError(f"{script} workers failed ({done.returncode}):\n{done.stderr[-3000:]}")
         with open(result_path) as handle:
             return json.load(handle)
+
+
+def benchmark_parser(doc: str, has_workers: bool = False) -> argparse.ArgumentParser:
+    """Every benchmark's command line: --quick, plus the hidden --worker / --result that `spawn` passes."""
+    parser = argparse.ArgumentParser(description=doc.split("\n")[0])
+    parser.add_argument("--quick", action="store_true", help="seconds, not minutes: checks the figures are well-formed")
+    if has_workers:
+        parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+        parser.add_argument("--result", default="", help=argparse.SUPPRESS)
+    return parser
 
 
 def write_result(path: str, payload: dict) -> None:

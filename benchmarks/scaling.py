@@ -17,7 +17,7 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from benchmarks.harness import spawn, write_result
+from benchmarks.harness import benchmark_parser, spawn, write_result
 
 
 def worker(args) -> None:
@@ -70,11 +70,8 @@ def run(quick: bool = False, width: int = 1024) -> dict:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--quick", action="store_true", help="seconds, not minutes: checks the figures are well-formed")
+    parser = benchmark_parser(__doc__, has_workers=True)
     parser.add_argument("--width", type=int, default=1024, help="hidden width of the MLP (compute per step grows as width^2)")
-    parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
-    parser.add_argument("--result", default="", help=argparse.SUPPRESS)
     parser.add_argument("--batch", type=int, default=64, help=argparse.SUPPRESS)
     parser.add_argument("--steps", type=int, default=40, help=argparse.SUPPRESS)
     parser.add_argument("--accumulation", type=int, default=1, help=argparse.SUPPRESS)

@@ -11,7 +11,6 @@
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import subprocess
@@ -21,7 +20,7 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from benchmarks.harness import REPO, free_port, median
+from benchmarks.harness import REPO, benchmark_parser, free_port, median
 
 IMPORT_CHAIN = ("torch", "accelerate", "datasets", "wandb")
 TIME_IMPORTS = (
@@ -64,8 +63,7 @@ def run(quick: bool = False) -> dict:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--quick", action="store_true", help="seconds, not minutes: checks the figures are well-formed")
+    parser = benchmark_parser(__doc__)
     run(parser.parse_args().quick)
 
 
