@@ -47,6 +47,15 @@ def benchmark_parser(doc: str, has_workers: bool = False) -> argparse.ArgumentPa
     return parser
 
 
+def run_worker(worker, args) -> None:
+    """A worker process's whole life: measure, then common/'s shutdown (`run_cli`): its models are
+    collected while the process group is alive, then the group is destroyed. Ending on Accelerate's
+    end_training() instead aborted a rank ("terminate called without an active exception") in the suite."""
+    from common.config import run_cli
+
+    run_cli(lambda: worker(args) or 0)
+
+
 def write_result(path: str, payload: dict) -> None:
     with open(path, "w") as handle:
         json.dump(payload, handle, indent=2)

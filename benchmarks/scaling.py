@@ -17,7 +17,7 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from benchmarks.harness import benchmark_parser, spawn, write_result
+from benchmarks.harness import benchmark_parser, run_worker, spawn, write_result
 
 
 def worker(args) -> None:
@@ -53,7 +53,7 @@ def worker(args) -> None:
     if accelerator.is_main_process:
         samples = args.steps * args.accumulation * args.batch * accelerator.num_processes
         write_result(args.result, {"world_size": accelerator.num_processes, "samples_per_s": samples / elapsed})
-    accelerator.end_training()
+    accelerator.wait_for_everyone()  # then run_worker's shutdown: no rank tears down while another still works
 
 
 def run(quick: bool = False, width: int = 1024) -> dict:
@@ -78,7 +78,7 @@ def main() -> None:
     parser.add_argument("--bucket_mb", type=float, default=0, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker:
-        worker(args)
+        run_worker(worker, args)
     else:
         run(args.quick, args.width)
 

@@ -18,7 +18,7 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from benchmarks.harness import benchmark_parser, median, spawn, write_result
+from benchmarks.harness import benchmark_parser, median, run_worker, spawn, write_result
 
 
 def worker(args) -> None:
@@ -90,7 +90,7 @@ def worker(args) -> None:
         write_result(args.result, {"world_size": world, "steps_per_round": args.steps, "rounds": args.rounds,
                                    "bare_steps_per_s": bare, "accelerate_steps_per_s": accel, "ratio": accel / bare,
                                    "target": 0.95, "met": accel / bare >= 0.95})
-    accelerator.end_training()
+    accelerator.wait_for_everyone()  # then run_worker's shutdown: no rank tears down while another still works
 
 
 def run(quick: bool = False) -> dict:
@@ -107,7 +107,7 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=9, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker:
-        worker(args)
+        run_worker(worker, args)
     else:
         run(args.quick)
 

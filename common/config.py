@@ -141,4 +141,8 @@ def run_cli(main: Callable[[], int]) -> None:
         dist = sys.modules.get("torch.distributed")
         if dist is not None and dist.is_available() and dist.is_initialized():
             dist.destroy_process_group()
+        # What is left lives until exit anyway: frozen objects are skipped by the collections the
+        # interpreter runs at shutdown, which took 0.5 s per process with torch + datasets loaded
+        # (0.1 s frozen). Results and trackers are closed explicitly by then; atexit handlers still run.
+        gc.freeze()
     sys.exit(code)

@@ -84,6 +84,19 @@ def home(tmp_path: Path) -> Path:
 def run_main_in_process(main, argv: list[str], capsys) -> tuple[int, str]:
     """An experiment's main(argv) in this process, exit code and stderr as `run_cli` gives them: for
     bad-input tests, which need no second process (a subprocess costs ~3 s of `import torch`)."""
+    code, _stdout, stderr = _main_in_process(main, argv, capsys)
+    return code, stderr
+
+
+def run_in_process(main, args: list[str], output_dir: Path, capsys) -> Finished:
+    """A one-process run (`python experiments/<script>`) without the second interpreter: same main(),
+    same output files, ~0.3 s instead of ~3 s of imports. Multi-rank runs always go through a launcher."""
+    code, stdout, stderr = _main_in_process(main, ["--output_dir", str(output_dir), *args], capsys)
+    return Finished(code, stdout, stderr, output_dir)
+
+
+def _main_in_process(main, argv: list[str], capsys) -> tuple[int, str, str]:
+    import torch.distributed as dist
     from accelerate.state import AcceleratorState
 
     from common.config import UsageError
@@ -98,5 +111,8 @@ def run_main_in_process(main, argv: list[str], capsys) -> tuple[int, str]:
         print(f"error: {error}", file=sys.stderr)
         code = 2
     finally:
+        if dist.is_initialized():  # what run_cli does at the end of a real process
+            dist.destroy_process_group()
         AcceleratorState._reset_state(True)
-    return code, capsys.readouterr().err
+    captured = capsys.readouterr()
+    return code, captured.out, captured.err

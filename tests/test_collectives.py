@@ -9,8 +9,8 @@ import sys
 
 import pytest
 
-from conftest import clean_env, launch, run_main_in_process
-from experiments.collectives import VERIFY_OPS, bus_factor
+from conftest import clean_env, launch, run_in_process, run_main_in_process
+from experiments.collectives import VERIFY_OPS, bus_factor, main
 
 QUIET = ["--report_to", "none"]
 
@@ -28,8 +28,8 @@ def test_two_ranks_verify_every_op_and_list_what_gloo_refuses(tmp_path):
     assert summary["metrics"]["verified"] == sum(s == "ok" for s in statuses.values()) >= 45
 
 
-def test_one_process_runs_the_api_on_a_one_rank_group(tmp_path):
-    finished = launch("collectives.py", QUIET, tmp_path / "run", launcher="python")
+def test_one_process_runs_the_api_on_a_one_rank_group(tmp_path, capsys):
+    finished = run_in_process(main, QUIET, tmp_path / "run", capsys)
     assert finished.returncode == 0, finished.stderr[-3000:]
     summary = finished.summary
     assert summary["passed"] and summary["world_size"] == 1 and "send_recv" not in summary["checks"]
@@ -95,8 +95,6 @@ def test_bus_factors_follow_nccl_tests():
     ],
 )
 def test_bad_input(tmp_path, args, message, capsys):
-    from experiments.collectives import main
-
     code, stderr = run_main_in_process(main, [*QUIET, "--output_dir", str(tmp_path / "run"), *args], capsys)
     assert code == 2 and message in stderr and stderr.count("\n") == 1
 

@@ -11,7 +11,8 @@ import sys
 import pytest
 import torch
 
-from conftest import clean_env, launch, run_main_in_process
+from conftest import clean_env, launch, run_in_process, run_main_in_process
+from experiments.ddp_linear import main
 
 pytestmark = pytest.mark.launch
 TINY = ["--max_steps", "120", "--log_every", "40", "--report_to", "none"]
@@ -114,11 +115,11 @@ def test_single_process_reference_tells_apart_a_different_run(two_rank_run):
     assert (wrong.weight.detach().squeeze(0) - learned).abs().max() > 1e-3
 
 
-def test_finished_run_is_not_overwritten(tmp_path):
-    first = launch("ddp_linear.py", TINY, tmp_path / "run", config=None)
+def test_finished_run_is_not_overwritten(tmp_path, capsys):
+    first = run_in_process(main, TINY, tmp_path / "run", capsys)
     assert first.returncode == 0
     before = (tmp_path / "run" / "summary.json").read_text()
-    again = launch("ddp_linear.py", TINY, tmp_path / "run", launcher="python")
+    again = run_in_process(main, TINY, tmp_path / "run", capsys)
     assert again.returncode == 2
     assert again.stderr.strip().count("\n") == 0 and "already holds a finished run" in again.stderr
     assert (tmp_path / "run" / "summary.json").read_text() == before
@@ -141,8 +142,6 @@ def test_finished_run_is_not_overwritten(tmp_path):
     ],
 )
 def test_bad_input_one_line_exit_2(tmp_path, args, message, capsys):
-    from experiments.ddp_linear import main
-
     code, stderr = run_main_in_process(main, ["--report_to", "none", "--output_dir", str(tmp_path / "run"), *args], capsys)
     assert code == 2, stderr
     assert stderr.strip().count("\n") == 0 and message in stderr

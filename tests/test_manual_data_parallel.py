@@ -3,7 +3,8 @@ single-process replay, no_sync is honoured, and the seed's sum-not-average bug i
 
 from __future__ import annotations
 
-from conftest import launch
+from conftest import launch, run_in_process
+from experiments.manual_data_parallel import main
 
 QUIET = ["--report_to", "none", "--max_steps", "60"]
 
@@ -48,7 +49,7 @@ def test_summing_without_averaging_is_caught(tmp_path):
     assert finished.summary["metrics"]["strategies"]["per_param"]["diff_vs_single_process"] > 1e-3
 
 
-def test_one_strategy_on_one_process(tmp_path):
-    finished = launch("manual_data_parallel.py", [*QUIET, "--strategy", "overlapped"], tmp_path / "run", launcher="python")
+def test_one_strategy_on_one_process(tmp_path, capsys):
+    finished = run_in_process(main, [*QUIET, "--strategy", "overlapped"], tmp_path / "run", capsys)
     assert finished.returncode == 0, finished.stderr[-3000:]
     assert set(finished.summary["checks"]) == {"distributed", "overlapped_matches_single_process", "overlapped_syncs_once_per_step"}

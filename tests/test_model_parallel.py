@@ -4,17 +4,18 @@ from __future__ import annotations
 
 import pytest
 
-from conftest import REPO, launch, run_main_in_process
+from conftest import REPO, launch, run_in_process, run_main_in_process
+from experiments.model_parallel import main as model_parallel_main
 
 QUIET = ["--report_to", "none"]
 MODEL_PARALLEL_YAML = str(REPO / "accelerate_configs" / "model_parallel.yaml")
 MULTI_GPU_YAML = str(REPO / "accelerate_configs" / "multi_gpu_ddp.yaml")
 
 
-def test_auto_plan_for_two_fake_gpus_splits_respects_budgets_and_trains_like_one_device(tmp_path):
+def test_auto_plan_for_two_fake_gpus_splits_respects_budgets_and_trains_like_one_device(tmp_path, capsys):
     args = [*QUIET, "--hidden_features", "256", "--n_layers", "4", "--device_map", "auto",
             "--max_memory", '{"0": "300KB", "1": "1MB", "cpu": "1GB"}']
-    finished = launch("model_parallel.py", args, tmp_path / "run", launcher="python")
+    finished = run_in_process(model_parallel_main, args, tmp_path / "run", capsys)
     assert finished.returncode == 0, finished.stderr[-3000:]
     summary = finished.summary
     plan = summary["metrics"]["plan"]
@@ -34,8 +35,8 @@ def test_explicit_map_through_the_model_parallel_config(tmp_path):
     assert finished.summary["metrics"]["plan"] == {"fc1": "0", "fc2": "1"} and finished.summary["passed"]
 
 
-def test_cutting_the_graph_between_devices_is_caught(tmp_path):
-    finished = launch("model_parallel.py", [*QUIET, "--detach_between_devices"], tmp_path / "run", launcher="python")
+def test_cutting_the_graph_between_devices_is_caught(tmp_path, capsys):
+    finished = run_in_process(model_parallel_main, [*QUIET, "--detach_between_devices"], tmp_path / "run", capsys)
     assert finished.returncode == 1
     checks = finished.summary["checks"]
     assert checks["outputs_match_unsplit"]["passed"]  # forward is still right...
@@ -59,9 +60,7 @@ def test_multi_gpu_ddp_launch_is_refused(tmp_path):
     ],
 )
 def test_bad_device_maps(tmp_path, device_map, message, capsys):
-    from experiments.model_parallel import main
-
-    code, stderr = run_main_in_process(main, [*QUIET, "--output_dir", str(tmp_path / "run"), "--device_map", device_map], capsys)
+    code, stderr = run_main_in_process(model_parallel_main, [*QUIET, "--output_dir", str(tmp_path / "run"), "--device_map", device_map], capsys)
     assert code == 2 and message in stderr and stderr.strip().count("\n") == 0
 
 
