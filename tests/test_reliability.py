@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from common.config import UsageError
-from common.reliability import ResumableArgs, find_checkpoint
+from common.reliability import Heartbeat, ResumableArgs, find_checkpoint
 from conftest import CPU_DDP, REPO, clean_env, free_port, launch, run_main_in_process
 
 # Long enough to kill between checkpoints (~1 s of steps here), short enough that five runs stay cheap.
@@ -160,3 +160,13 @@ def test_bad_accelerate_config_is_refused_by_the_launcher(tmp_path, config_text)
 
 def test_slurm_script_is_valid_bash():
     subprocess.run(["bash", "-n", str(REPO / "scripts" / "slurm_ddp.sbatch")], check=True)
+
+
+def test_heartbeats_name_the_rank_that_is_behind(tmp_path):
+    rank0, rank1 = Heartbeat(str(tmp_path), 0, 2), Heartbeat(str(tmp_path), 1, 2)
+    rank1.finished(30)
+    rank0.entering(31)  # rank 0 waits inside step 31 for rank 1, which never came
+    assert rank0.laggards() == "rank 1 (finished step 30, never entered step 31)"
+    assert rank1.laggards() == "none visible from here (the stuck rank may be on another node)"
+    (tmp_path / "heartbeat" / "rank1").unlink()
+    assert rank0.laggards() == "rank 1 (never reported)"
