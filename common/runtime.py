@@ -2,13 +2,14 @@
 
 - `prepare_output_dir`: refuse to write over a finished run (before any process group exists);
 - `make_accelerator`: `Accelerator(...)` with the two settings our CPU-first world needs (and one
-  measured per-step cost of Accelerate's removed, see `cache_lomo_lookup`);
+  measured per-step cost of Accelerate's removed, see `remove_per_step_lookups`);
 - `check_distributed`: prove the launch really made `world_size` distinct ranks.
 """
 
 from __future__ import annotations
 
 import functools
+import inspect
 import os
 from datetime import timedelta
 
@@ -38,16 +39,41 @@ def prepare_output_dir(cfg: RunArgs, experiment: str, resuming: bool = False) ->
     return output_dir
 
 
-def cache_lomo_lookup() -> None:
-    """Accelerate 1.16's AcceleratedOptimizer.step() asks `is_lomo_available()` twice per step, and that is
-    an uncached importlib.util.find_spec over sys.path: we measured optimizer.step() + zero_grad() at
-    135 µs against 19 µs for the bare torch optimizer, about 10% of a 2-rank step of ddp_linear
-    (benchmarks/step_overhead.py). Whether a package is installed cannot change during a run, so the
-    answer is cached: 34 µs. Remove once Accelerate caches it itself."""
+def remove_per_step_lookups() -> None:
+    """Two answers Accelerate 1.16 recomputes on every optimizer step, computed once instead.
+
+    - AcceleratedOptimizer.step() asks `is_lomo_available()` twice per step: an uncached
+      importlib.util.find_spec over sys.path. We measured optimizer.step() + zero_grad() at 135 µs
+      against 19 µs for the bare torch optimizer. Whether a package is installed cannot change during
+      a run, so the answer is cached.
+    - AcceleratedOptimizer.zero_grad() calls `inspect.signature(optimizer.zero_grad)` on every call,
+      25-35 µs here, to learn whether it takes `set_to_none`: asked once per optimizer instead (the
+      same method otherwise, line for line; only for the version whose code it repeats).
+    Both were a few % of ddp_linear's 0.8 ms 2-rank step (benchmarks/step_overhead.py). Remove once
+    Accelerate caches them itself."""
+    import accelerate
     import accelerate.optimizer
 
     if not hasattr(accelerate.optimizer.is_lomo_available, "cache_info"):
         accelerate.optimizer.is_lomo_available = functools.cache(accelerate.optimizer.is_lomo_available)
+    if accelerate.__version__ == "1.16.0":
+        accelerate.optimizer.AcceleratedOptimizer.zero_grad = _zero_grad_asking_the_signature_once
+
+
+def _zero_grad_asking_the_signature_once(self, set_to_none=None):
+    """accelerate 1.16.0's AcceleratedOptimizer.zero_grad, with its signature check done once per optimizer."""
+    if self.gradient_state.sync_gradients:
+        accept_arg = self.__dict__.get("_zero_grad_takes_set_to_none")
+        if accept_arg is None:
+            accept_arg = self._zero_grad_takes_set_to_none = "set_to_none" in inspect.signature(self.optimizer.zero_grad).parameters
+        if accept_arg:
+            if set_to_none is None:
+                set_to_none = True
+            self.optimizer.zero_grad(set_to_none=set_to_none)
+        else:
+            if set_to_none is not None:
+                raise ValueError("`set_to_none` for Optimizer.zero_grad` is not supported by this optimizer.")
+            self.optimizer.zero_grad()
 
 
 def make_accelerator(cfg: RunArgs, output_dir: str, log_with=None, backend: str | None = None, extra_handlers=(),
@@ -60,7 +86,7 @@ def make_accelerator(cfg: RunArgs, output_dir: str, log_with=None, backend: str 
       this is False and Accelerate picks NCCL as usual.
     - a process-group timeout, so a dead or stuck rank ends the job instead of hanging it.
     """
-    cache_lomo_lookup()
+    remove_per_step_lookups()
     if accelerator_kwargs.get("mixed_precision") == "":
         accelerator_kwargs["mixed_precision"] = None  # "": whatever `accelerate launch` / its config says
     try:

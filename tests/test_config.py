@@ -68,3 +68,39 @@ def test_require_raises_usage_error():
     with pytest.raises(UsageError, match="boom"):
         require(False, "boom")
     require(True, "never raised")
+
+
+def test_accelerated_optimizer_zero_grad_still_behaves_after_the_lookups_are_cached(tmp_path):
+    """runtime.remove_per_step_lookups replaces AcceleratedOptimizer.zero_grad (its signature check asked
+    once): set_to_none still defaults to True, False still zeroes in place, and an optimizer whose
+    zero_grad takes no set_to_none still refuses one."""
+    import torch
+    from accelerate.state import AcceleratorState
+
+    from common.config import RunArgs
+    from common.runtime import make_accelerator
+
+    AcceleratorState._reset_state(True)
+    try:
+        accelerator = make_accelerator(RunArgs(), str(tmp_path))
+        model = accelerator.prepare(torch.nn.Linear(3, 1))
+        optimizer = accelerator.prepare(torch.optim.SGD(model.parameters(), lr=0.1))
+        for set_to_none, expected in ((None, None), (False, 0.0)):
+            model(torch.ones(2, 3)).sum().backward()
+            if set_to_none is None:
+                optimizer.zero_grad()
+            else:
+                optimizer.zero_grad(set_to_none=set_to_none)
+            grad = model.weight.grad
+            assert grad is None if expected is None else torch.equal(grad, torch.zeros_like(model.weight))
+
+        class NoSetToNone(torch.optim.SGD):
+            def zero_grad(self):
+                super().zero_grad()
+
+        plain = accelerator.prepare(NoSetToNone(model.parameters(), lr=0.1))
+        plain.zero_grad()
+        with pytest.raises(ValueError, match="set_to_none"):
+            plain.zero_grad(set_to_none=True)
+    finally:
+        AcceleratorState._reset_state(True)
