@@ -1,9 +1,14 @@
 """Benchmark 1: does Accelerate + common/ cost anything per training step?
 
 ddp_linear's training step (Accelerate's prepared DDP model, accumulate(), backward(), our batch
-iterator and heartbeat) against a bare torch.distributed DDP loop: same model, batch, data, 2 CPU
-ranks with 1 thread each, in ONE run, in many short rounds whose order alternates (ABBA) so drift and
-order effects hit both; medians over rounds. Figure: steps/s of each and the ratio accelerate / bare (target >= 0.95).
+iterator, heartbeat and loss window) against a bare torch.distributed DDP loop: same model, batch and
+data, 2 CPU ranks with 1 thread each, in ONE run. The loops take turns step by step (ABBA order), each
+step timed alone; a step's time is the slowest rank's, and each loop's figure is its median step.
+Rounds of many steps per loop were too noisy here: two identical bare DDP loops measured 636 and 989
+steps/s back to back. Two more loops locate the cost:
+- bare_again: a second, identical bare loop: the noise floor of the comparison (should read 1.00);
+- bare_plus_common: the bare loop plus common/'s per-step work (iterator, heartbeat, loss window).
+Figure: steps/s of each, the ratio accelerate / bare (target >= 0.95) and the overhead in µs per step.
 
     python benchmarks/step_overhead.py [--quick]
 """
@@ -18,7 +23,9 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from benchmarks.harness import benchmark_parser, median, run_worker, spawn, write_result
+from benchmarks.harness import benchmark_parser, run_worker, spawn, write_result
+
+LOOPS = ("bare", "bare_again", "bare_plus_common", "accelerate")
 
 
 def worker(args) -> None:
@@ -39,28 +46,40 @@ def worker(args) -> None:
     dataset, _ = make_regression_dataset(1000, 10, 0.1, 0)
     x, y = shard_tensors(dataset, rank, world)
 
-    bare_model = DistributedDataParallel(build_linear(10, seed=0))  # the bare loop: torch only
-    bare_optimizer = torch.optim.SGD(bare_model.parameters(), lr=0.1)
-    bare_x, bare_y = x.clone(), y.clone()
+    def bare_loop(with_common: bool):
+        """One step per call of a torch-only DDP loop; with_common adds what common/ does per step."""
+        model = DistributedDataParallel(build_linear(10, seed=0))
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+        batches, heartbeat = iterate_batches(x, y, 32, 0), Heartbeat(os.path.join(folder, str(with_common)), rank, world)
+        window_loss, step = torch.zeros(()), 0
 
-    plain = build_linear(10, seed=0)
-    model, optimizer = accelerator.prepare(plain, torch.optim.SGD(plain.parameters(), lr=0.1))
-    batches = iterate_batches(x, y, 32, 0)
-    heartbeat = Heartbeat(folder, rank, world)
-    window_loss = torch.zeros(())
-
-    def bare_steps(n: int) -> None:
-        for i in range(n):
-            start = (i * 32) % (len(bare_x) - 32)
-            xb, yb = bare_x[start : start + 32], bare_y[start : start + 32]  # raw slicing, no iterator
-            loss = F.mse_loss(bare_model(xb), yb)
-            bare_optimizer.zero_grad()
+        def one_step():
+            nonlocal step
+            if with_common:
+                xb, yb = next(batches)
+                heartbeat.entering(step + 1)
+            else:
+                start = (step * 32) % (len(x) - 32)
+                xb, yb = x[start : start + 32], y[start : start + 32]  # raw slicing, no iterator
+            loss = F.mse_loss(model(xb), yb)
+            optimizer.zero_grad()
             loss.backward()
-            bare_optimizer.step()
+            optimizer.step()
+            step += 1
+            if with_common:
+                window_loss.add_(loss.detach())
+                heartbeat.finished(step)
 
-    def accelerate_steps(n: int) -> None:  # the body of ddp_linear's loop
-        nonlocal window_loss
-        for step in range(n):
+        return one_step
+
+    def accelerate_loop():  # the body of ddp_linear's training loop
+        plain = build_linear(10, seed=0)
+        model, optimizer = accelerator.prepare(plain, torch.optim.SGD(plain.parameters(), lr=0.1))
+        batches, heartbeat = iterate_batches(x, y, 32, 0), Heartbeat(os.path.join(folder, "accelerate"), rank, world)
+        window_loss, step = torch.zeros(()), 0
+
+        def one_step():
+            nonlocal step
             xb, yb = next(batches)
             heartbeat.entering(step + 1)
             with accelerator.accumulate(model):
@@ -68,43 +87,52 @@ def worker(args) -> None:
                 accelerator.backward(loss)
                 optimizer.step()
                 optimizer.zero_grad()
-            window_loss += loss.detach()
-            heartbeat.finished(step + 1)
+            window_loss.add_(loss.detach())
+            step += 1
+            heartbeat.finished(step)
 
-    rates = {"bare": [], "accelerate": []}
-    bare_steps(50)
-    accelerate_steps(50)  # warm-up both
-    for round_index in range(args.rounds):
-        # ABBA order: on 2 busy cores a loop's speed drifts by +-30% between rounds (two identical bare DDP
-        # models measured 636 and 989 steps/s back to back); alternating who goes first cancels order effects.
-        order = (("bare", bare_steps), ("accelerate", accelerate_steps))
-        for name, fn in order if round_index % 2 == 0 else order[::-1]:
-            dist.barrier()
+        return one_step
+
+    loops = {"bare": bare_loop(False), "bare_again": bare_loop(False), "bare_plus_common": bare_loop(True), "accelerate": accelerate_loop()}
+    seconds = {name: [] for name in LOOPS}
+    for turn in range(args.warmup + args.steps):
+        # ABBA: a loop's step never always follows the same other loop, so caches and order effects hit all alike
+        for name in LOOPS if turn % 2 == 0 else LOOPS[::-1]:
             started = time.perf_counter()
-            fn(args.steps)
-            elapsed = torch.tensor([time.perf_counter() - started], dtype=torch.float64)
-            dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
-            rates[name].append(args.steps / elapsed.item())
+            loops[name]()
+            if turn >= args.warmup:
+                seconds[name].append(time.perf_counter() - started)
+    step_s = {}
+    for name in LOOPS:
+        per_step = torch.tensor(seconds[name], dtype=torch.float64)
+        dist.all_reduce(per_step, op=dist.ReduceOp.MAX)  # a DDP step is as slow as its slowest rank
+        step_s[name] = per_step.median().item()
     if rank == 0:
-        bare, accel = median(rates["bare"]), median(rates["accelerate"])
-        write_result(args.result, {"world_size": world, "steps_per_round": args.steps, "rounds": args.rounds,
-                                   "bare_steps_per_s": bare, "accelerate_steps_per_s": accel, "ratio": accel / bare,
-                                   "target": 0.95, "met": accel / bare >= 0.95})
+        ratio = step_s["bare"] / step_s["accelerate"]
+        write_result(args.result, {
+            "world_size": world, "steps_per_loop": args.steps,
+            **{f"{name}_steps_per_s": 1 / step_s[name] for name in LOOPS},
+            "ratio": ratio, "noise_floor_ratio": step_s["bare"] / step_s["bare_again"],
+            "overhead_us": {"common": 1e6 * (step_s["bare_plus_common"] - step_s["bare"]),
+                            "accelerate_and_common": 1e6 * (step_s["accelerate"] - step_s["bare"])},
+            "target": 0.95, "met": ratio >= 0.95,
+        })
     accelerator.wait_for_everyone()  # then run_worker's shutdown: no rank tears down while another still works
 
 
 def run(quick: bool = False) -> dict:
-    args = ["--steps", "100" if quick else "200", "--rounds", "4" if quick else "40"]
-    result = spawn("step_overhead.py", 2, args)
-    print(f"step overhead: bare DDP {result['bare_steps_per_s']:.0f} steps/s, Accelerate + common/ "
-          f"{result['accelerate_steps_per_s']:.0f} steps/s, ratio {result['ratio']:.3f} (target >= 0.95)")
+    result = spawn("step_overhead.py", 2, ["--steps", "300" if quick else "6000", "--warmup", "50" if quick else "300"])
+    print(f"step overhead: bare DDP {result['bare_steps_per_s']:.0f} steps/s (again: {result['bare_again_steps_per_s']:.0f}), "
+          f"+ common/ {result['bare_plus_common_steps_per_s']:.0f}, Accelerate + common/ {result['accelerate_steps_per_s']:.0f} steps/s: "
+          f"ratio {result['ratio']:.3f} (target >= 0.95; noise floor {result['noise_floor_ratio']:.3f}); "
+          f"overhead per step: common/ {result['overhead_us']['common']:.0f} µs, Accelerate + common/ {result['overhead_us']['accelerate_and_common']:.0f} µs")
     return result
 
 
 def main() -> None:
     parser = benchmark_parser(__doc__, has_workers=True)
-    parser.add_argument("--steps", type=int, default=1000, help=argparse.SUPPRESS)
-    parser.add_argument("--rounds", type=int, default=9, help=argparse.SUPPRESS)
+    parser.add_argument("--steps", type=int, default=6000, help=argparse.SUPPRESS)
+    parser.add_argument("--warmup", type=int, default=300, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker:
         run_worker(worker, args)

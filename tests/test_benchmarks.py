@@ -23,8 +23,14 @@ def test_run_all_quick_writes_every_figure(tmp_path):
     results = json.loads(output.read_text())
     assert results["quick"] is True and results["machine"]["cpus"] >= 1 and results["machine"]["torch"].startswith("2.13")
     step = results["step_overhead"]
-    assert step["world_size"] == 2 and positive(step["bare_steps_per_s"]) and positive(step["accelerate_steps_per_s"])
-    assert step["ratio"] == step["accelerate_steps_per_s"] / step["bare_steps_per_s"]
+    loops = ("bare", "bare_again", "bare_plus_common", "accelerate")
+    assert step["world_size"] == 2 and all(positive(step[f"{loop}_steps_per_s"]) for loop in loops)
+    assert math.isclose(step["ratio"], step["accelerate_steps_per_s"] / step["bare_steps_per_s"])
+    assert math.isclose(step["noise_floor_ratio"], step["bare_again_steps_per_s"] / step["bare_steps_per_s"])
+    per_step_us = {loop: 1e6 / step[f"{loop}_steps_per_s"] for loop in loops}
+    assert math.isclose(step["overhead_us"]["common"], per_step_us["bare_plus_common"] - per_step_us["bare"])
+    assert math.isclose(step["overhead_us"]["accelerate_and_common"], per_step_us["accelerate"] - per_step_us["bare"])
+    assert step["met"] is (step["ratio"] >= 0.95)
     for batch in ("batch_32", "batch_1024"):
         row = results["data_path"][batch]
         assert all(positive(row[k]) for k in ("common_iterator", "raw_slicing", "raw_shuffled_slicing", "dataloader"))
@@ -34,7 +40,9 @@ def test_run_all_quick_writes_every_figure(tmp_path):
     assert all(positive(r["samples_per_s"]) and positive(r["efficiency"]) for r in scaling["two_ranks"].values())
     harness = results["collective_harness"]
     assert positive(harness["memcpy_gbps"]) and len(harness["rows"]) == 4
-    assert all(positive(r["harness_us"]) and positive(r["bare_us"]) for r in harness["rows"])
+    assert all(positive(r[k]) for r in harness["rows"] for k in ("harness_us", "bare_us", "bare_again_us", "busbw_gbps"))
+    assert all(math.isfinite(harness[k]) for k in ("overhead", "noise_floor", "max_row_overhead", "max_row_noise_floor"))
+    assert harness["max_row_overhead"] == max(r["overhead"] for r in harness["rows"]) and harness["met"] is (harness["overhead"] < 0.05)
     startup = results["startup"]
     assert set(startup["imports_s"]) == {"torch", "accelerate", "datasets", "wandb"}
     assert 0 < startup["launch_to_first_step_s"] < 120
