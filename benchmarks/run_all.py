@@ -39,7 +39,8 @@ def table(results: dict) -> str:
              f"{' (quick mode)' if results['quick'] else ''}.", "",
              "| benchmark | figure | target | met |", "|---|---|---|---|",
              f"| 1. step overhead (2 ranks, 1 thread each, median step) | bare DDP {so['bare_steps_per_s']:.0f} steps/s (the same loop again: {so['bare_again_steps_per_s']:.0f}, noise floor {so['noise_floor_ratio']:.3f}); "
-             f"+ common/ {so['bare_plus_common_steps_per_s']:.0f} (+{so['overhead_us']['common']:.0f} µs/step); Accelerate + common/ {so['accelerate_steps_per_s']:.0f} (+{so['overhead_us']['accelerate_and_common']:.0f} µs/step): "
+             f"+ common/ {so['bare_plus_common_steps_per_s']:.0f} (+{so['overhead_us']['common']:.0f} µs/step); Accelerate + common/ {so['accelerate_steps_per_s']:.0f} (+{so['overhead_us']['accelerate_and_common']:.0f} µs/step: "
+             f"prepared model {so['overhead_us']['prepared_model']:+.0f}, backward() + optimizer {so['overhead_us']['backward_and_optimizer']:+.0f}, accumulate() {so['overhead_us']['accumulate']:+.0f}): "
              f"ratio **{so['ratio']:.3f}** | ≥ 0.95 | {'yes' if so['met'] else 'no'} |"]
     for batch in (32, 1024):
         d = dp[f"batch_{batch}"]

@@ -7,7 +7,10 @@ step timed alone; a step's time is the slowest rank's, and each loop's figure is
 Rounds of many steps per loop were too noisy here: two identical bare DDP loops measured 636 and 989
 steps/s back to back. Two more loops locate the cost:
 - bare_again: a second, identical bare loop: the noise floor of the comparison (should read 1.00);
-- bare_plus_common: the bare loop plus common/'s per-step work (iterator, heartbeat, loss window).
+- bare_plus_common: the bare loop plus common/'s per-step work (iterator, heartbeat, loss window);
+- accelerate_model: bare_plus_common on Accelerate's prepared DDP model (torch's optimizer, loss.backward());
+- accelerate_no_accumulate: that plus accelerator.backward() and the AcceleratedOptimizer.
+So accelerate - accelerate_no_accumulate is accumulate()'s cost, and so on down to bare.
 Figure: steps/s of each, the ratio accelerate / bare (target >= 0.95) and the overhead in µs per step.
 
     python benchmarks/step_overhead.py [--quick]
@@ -16,6 +19,7 @@ Figure: steps/s of each, the ratio accelerate / bare (target >= 0.95) and the ov
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import sys
 import tempfile
@@ -25,7 +29,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from benchmarks.harness import benchmark_parser, run_worker, spawn, write_result
 
-LOOPS = ("bare", "bare_again", "bare_plus_common", "accelerate")
+LOOPS = ("bare", "bare_again", "bare_plus_common", "accelerate_model", "accelerate_no_accumulate", "accelerate")
 
 
 def worker(args) -> None:
@@ -72,19 +76,23 @@ def worker(args) -> None:
 
         return one_step
 
-    def accelerate_loop():  # the body of ddp_linear's training loop
+    def accelerate_loop(name: str):
+        """"accelerate" is the body of ddp_linear's training loop; the other two leave parts of Accelerate out."""
         plain = build_linear(10, seed=0)
         model, optimizer = accelerator.prepare(plain, torch.optim.SGD(plain.parameters(), lr=0.1))
-        batches, heartbeat = iterate_batches(x, y, 32, 0), Heartbeat(os.path.join(folder, "accelerate"), rank, world)
+        if name == "accelerate_model":
+            optimizer = optimizer.optimizer  # the torch optimizer the AcceleratedOptimizer wraps
+        backward = (lambda loss: loss.backward()) if name == "accelerate_model" else accelerator.backward
+        batches, heartbeat = iterate_batches(x, y, 32, 0), Heartbeat(os.path.join(folder, name), rank, world)
         window_loss, step = torch.zeros(()), 0
 
         def one_step():
             nonlocal step
             xb, yb = next(batches)
             heartbeat.entering(step + 1)
-            with accelerator.accumulate(model):
+            with accelerator.accumulate(model) if name == "accelerate" else contextlib.nullcontext():
                 loss = F.mse_loss(model(xb), yb)
-                accelerator.backward(loss)
+                backward(loss)
                 optimizer.step()
                 optimizer.zero_grad()
             window_loss.add_(loss.detach())
@@ -93,7 +101,8 @@ def worker(args) -> None:
 
         return one_step
 
-    loops = {"bare": bare_loop(False), "bare_again": bare_loop(False), "bare_plus_common": bare_loop(True), "accelerate": accelerate_loop()}
+    loops = {"bare": bare_loop(False), "bare_again": bare_loop(False), "bare_plus_common": bare_loop(True),
+             **{name: accelerate_loop(name) for name in LOOPS[3:]}}
     seconds = {name: [] for name in LOOPS}
     for turn in range(args.warmup + args.steps):
         # ABBA: a loop's step never always follows the same other loop, so caches and order effects hit all alike
@@ -114,6 +123,9 @@ def worker(args) -> None:
             **{f"{name}_steps_per_s": 1 / step_s[name] for name in LOOPS},
             "ratio": ratio, "noise_floor_ratio": step_s["bare"] / step_s["bare_again"],
             "overhead_us": {"common": 1e6 * (step_s["bare_plus_common"] - step_s["bare"]),
+                            "prepared_model": 1e6 * (step_s["accelerate_model"] - step_s["bare_plus_common"]),
+                            "backward_and_optimizer": 1e6 * (step_s["accelerate_no_accumulate"] - step_s["accelerate_model"]),
+                            "accumulate": 1e6 * (step_s["accelerate"] - step_s["accelerate_no_accumulate"]),
                             "accelerate_and_common": 1e6 * (step_s["accelerate"] - step_s["bare"])},
             "target": 0.95, "met": ratio >= 0.95,
         })
@@ -125,7 +137,7 @@ def run(quick: bool = False) -> dict:
     print(f"step overhead: bare DDP {result['bare_steps_per_s']:.0f} steps/s (again: {result['bare_again_steps_per_s']:.0f}), "
           f"+ common/ {result['bare_plus_common_steps_per_s']:.0f}, Accelerate + common/ {result['accelerate_steps_per_s']:.0f} steps/s: "
           f"ratio {result['ratio']:.3f} (target >= 0.95; noise floor {result['noise_floor_ratio']:.3f}); "
-          f"overhead per step: common/ {result['overhead_us']['common']:.0f} µs, Accelerate + common/ {result['overhead_us']['accelerate_and_common']:.0f} µs")
+          f"overhead per step: " + ", ".join(f"{part} {us:.0f} µs" for part, us in result["overhead_us"].items()))
     return result
 
 

@@ -23,13 +23,15 @@ def test_run_all_quick_writes_every_figure(tmp_path):
     results = json.loads(output.read_text())
     assert results["quick"] is True and results["machine"]["cpus"] >= 1 and results["machine"]["torch"].startswith("2.13")
     step = results["step_overhead"]
-    loops = ("bare", "bare_again", "bare_plus_common", "accelerate")
+    loops = ("bare", "bare_again", "bare_plus_common", "accelerate_model", "accelerate_no_accumulate", "accelerate")
     assert step["world_size"] == 2 and all(positive(step[f"{loop}_steps_per_s"]) for loop in loops)
     assert math.isclose(step["ratio"], step["accelerate_steps_per_s"] / step["bare_steps_per_s"])
     assert math.isclose(step["noise_floor_ratio"], step["bare_again_steps_per_s"] / step["bare_steps_per_s"])
     per_step_us = {loop: 1e6 / step[f"{loop}_steps_per_s"] for loop in loops}
     assert math.isclose(step["overhead_us"]["common"], per_step_us["bare_plus_common"] - per_step_us["bare"])
     assert math.isclose(step["overhead_us"]["accelerate_and_common"], per_step_us["accelerate"] - per_step_us["bare"])
+    parts = ("common", "prepared_model", "backward_and_optimizer", "accumulate")
+    assert math.isclose(sum(step["overhead_us"][part] for part in parts), step["overhead_us"]["accelerate_and_common"])
     assert step["met"] is (step["ratio"] >= 0.95)
     for batch in ("batch_32", "batch_1024"):
         row = results["data_path"][batch]
