@@ -5,7 +5,7 @@ iterator, heartbeat and loss window) against a bare torch.distributed DDP loop: 
 data, 2 CPU ranks with 1 thread each, in ONE run. The loops take turns step by step (ABBA order), each
 step timed alone; a step's time is the slowest rank's, and each loop's figure is its median step.
 Rounds of many steps per loop were too noisy here: two identical bare DDP loops measured 636 and 989
-steps/s back to back. Two more loops locate the cost:
+steps/s back to back. Four more loops locate the cost:
 - bare_again: a second, identical bare loop: the noise floor of the comparison (should read 1.00);
 - bare_plus_common: the bare loop plus common/'s per-step work (iterator, heartbeat, loss window);
 - accelerate_model: bare_plus_common on Accelerate's prepared DDP model (torch's optimizer, loss.backward());
@@ -83,6 +83,7 @@ def worker(args) -> None:
         if name == "accelerate_model":
             optimizer = optimizer.optimizer  # the torch optimizer the AcceleratedOptimizer wraps
         backward = (lambda loss: loss.backward()) if name == "accelerate_model" else accelerator.backward
+        step_context = (lambda: accelerator.accumulate(model)) if name == "accelerate" else contextlib.nullcontext
         batches, heartbeat = iterate_batches(x, y, 32, 0), Heartbeat(os.path.join(folder, name), rank, world)
         window_loss, step = torch.zeros(()), 0
 
@@ -90,7 +91,7 @@ def worker(args) -> None:
             nonlocal step
             xb, yb = next(batches)
             heartbeat.entering(step + 1)
-            with accelerator.accumulate(model) if name == "accelerate" else contextlib.nullcontext():
+            with step_context():
                 loss = F.mse_loss(model(xb), yb)
                 backward(loss)
                 optimizer.step()
@@ -102,7 +103,7 @@ def worker(args) -> None:
         return one_step
 
     loops = {"bare": bare_loop(False), "bare_again": bare_loop(False), "bare_plus_common": bare_loop(True),
-             **{name: accelerate_loop(name) for name in LOOPS[3:]}}
+             **{name: accelerate_loop(name) for name in ("accelerate_model", "accelerate_no_accumulate", "accelerate")}}
     seconds = {name: [] for name in LOOPS}
     for turn in range(args.warmup + args.steps):
         # ABBA: a loop's step never always follows the same other loop, so caches and order effects hit all alike
