@@ -20,7 +20,7 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from benchmarks.harness import benchmark_parser, median
+from benchmarks.workers import benchmark_parser, median
 
 
 def run(quick: bool = False) -> dict:

@@ -16,11 +16,11 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from benchmarks import collective_harness, data_path, scaling, startup, step_overhead
-from benchmarks.harness import REPO
+from benchmarks import collective_bench_overhead, data_path, scaling, startup, step_overhead
+from benchmarks.workers import REPO
 
 BENCHMARKS = {"step_overhead": step_overhead, "data_path": data_path, "scaling": scaling,
-              "collective_harness": collective_harness, "startup": startup}
+              "collective_bench_overhead": collective_bench_overhead, "startup": startup}
 START, END = "<!-- benchmarks:start -->", "<!-- benchmarks:end -->"
 
 
@@ -41,7 +41,8 @@ def table(results: dict) -> str:
              f"| 1. step overhead (2 ranks, 1 thread each, median step) | bare DDP {so['bare_steps_per_s']:.0f} steps/s (the same loop again: {so['bare_again_steps_per_s']:.0f}, noise floor {so['noise_floor_ratio']:.3f}); "
              f"+ common/ {so['bare_plus_common_steps_per_s']:.0f} (+{so['overhead_us']['common']:.0f} µs/step); Accelerate + common/ {so['accelerate_steps_per_s']:.0f} (+{so['overhead_us']['accelerate_and_common']:.0f} µs/step: "
              f"prepared model {so['overhead_us']['prepared_model']:+.0f}, backward() + optimizer {so['overhead_us']['backward_and_optimizer']:+.0f}, accumulate() {so['overhead_us']['accumulate']:+.0f}): "
-             f"ratio **{so['ratio']:.3f}** | ≥ 0.95 | {'yes' if so['met'] else 'no'} |"]
+             f"ratio **{so['ratio']:.3f}**. Not what the experiments run: the same step with Accelerate's two per-step lookups cached, "
+             f"{so['accelerate_cached_lookups_steps_per_s']:.0f} steps/s ({so['overhead_us']['lookups_saved_by_caching']:+.0f} µs/step saved) | ≥ 0.95 | {'yes' if so['met'] else 'no'} |"]
     for batch in (32, 1024):
         d = dp[f"batch_{batch}"]
         lines.append(f"| 2. data path, batch {batch} | common/ {d['common_iterator']:,.0f} samples/s; raw slicing {d['raw_slicing']:,.0f}; raw shuffled {d['raw_shuffled_slicing']:,.0f}; DataLoader over Dataset {d['dataloader']:,.0f}: common/ / raw shuffled = **{d['ratio_vs_raw_shuffled']:.2f}** (/ unshuffled {d['ratio_vs_raw']:.2f}) | ≥ 0.9 × raw (same work) | {'yes' if d['met'] else 'no'} |")

@@ -17,10 +17,10 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from benchmarks.harness import benchmark_parser, run_worker, spawn, write_result
+from benchmarks.workers import benchmark_parser, run_worker, spawn, write_result
 
 
-def worker(args) -> None:
+def worker(args):
     import tempfile
 
     import torch
@@ -53,7 +53,7 @@ def worker(args) -> None:
     if accelerator.is_main_process:
         samples = args.steps * args.accumulation * args.batch * accelerator.num_processes
         write_result(args.result, {"world_size": accelerator.num_processes, "samples_per_s": samples / elapsed})
-    accelerator.wait_for_everyone()  # then run_worker's shutdown: no rank tears down while another still works
+    return accelerator  # run_worker shuts it down
 
 
 def run(quick: bool = False, width: int = 1024) -> dict:

@@ -20,7 +20,7 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from benchmarks.harness import REPO, benchmark_parser, free_port, median
+from benchmarks.workers import REPO, benchmark_parser, free_port, median
 
 IMPORT_CHAIN = ("torch", "accelerate", "datasets", "wandb")
 TIME_IMPORTS = (

@@ -10,7 +10,12 @@ steps/s back to back. Four more loops locate the cost:
 - bare_plus_common: the bare loop plus common/'s per-step work (iterator, heartbeat, loss window);
 - accelerate_model: bare_plus_common on Accelerate's prepared DDP model (torch's optimizer, loss.backward());
 - accelerate_no_accumulate: that plus accelerator.backward() and the AcceleratedOptimizer.
-So accelerate - accelerate_no_accumulate is accumulate()'s cost, and so on down to bare.
+So accelerate - accelerate_no_accumulate is accumulate()'s cost, and so on down to bare. And one
+variant that is NOT what the experiments run:
+- accelerate_cached_lookups: `accelerate` with two answers Accelerate 1.16 recomputes every step
+  asked once (`is_lomo_available()`, an uncached importlib search, twice per optimizer.step(); the
+  signature check in AcceleratedOptimizer.zero_grad()). Applied around this loop's steps only, so the
+  experiments, and the `accelerate` row, run Accelerate as shipped.
 Figure: steps/s of each, the ratio accelerate / bare (target >= 0.95) and the overhead in µs per step.
 
     python benchmarks/step_overhead.py [--quick]
@@ -27,12 +32,42 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from benchmarks.harness import benchmark_parser, run_worker, spawn, write_result
+from benchmarks.workers import benchmark_parser, run_worker, spawn, write_result
 
-LOOPS = ("bare", "bare_again", "bare_plus_common", "accelerate_model", "accelerate_no_accumulate", "accelerate")
+LOOPS = ("bare", "bare_again", "bare_plus_common", "accelerate_model", "accelerate_no_accumulate", "accelerate",
+         "accelerate_cached_lookups")
 
 
-def worker(args) -> None:
+@contextlib.contextmanager
+def lookups_asked_once():
+    """Accelerate 1.16's two per-step lookups answered once (the `accelerate_cached_lookups` variant).
+    Whether a package is installed, or what an optimizer's zero_grad accepts, cannot change mid-run."""
+    import functools
+    import inspect
+
+    import accelerate.optimizer as accelerated
+
+    lookup, zero_grad = accelerated.is_lomo_available, accelerated.AcceleratedOptimizer.zero_grad
+    cached_lookup = lookups_asked_once.__dict__.setdefault("cached", functools.cache(lookup))
+
+    def zero_grad_asking_once(self, set_to_none=None):  # accelerate 1.16.0's zero_grad, signature asked once
+        if self.gradient_state.sync_gradients:
+            takes = self.__dict__.get("_takes_set_to_none")
+            if takes is None:
+                takes = self._takes_set_to_none = "set_to_none" in inspect.signature(self.optimizer.zero_grad).parameters
+            if takes:
+                self.optimizer.zero_grad(set_to_none=True if set_to_none is None else set_to_none)
+            else:
+                self.optimizer.zero_grad()
+
+    accelerated.is_lomo_available, accelerated.AcceleratedOptimizer.zero_grad = cached_lookup, zero_grad_asking_once
+    try:
+        yield
+    finally:
+        accelerated.is_lomo_available, accelerated.AcceleratedOptimizer.zero_grad = lookup, zero_grad
+
+
+def worker(args):
     import torch
     import torch.distributed as dist
     import torch.nn.functional as F
@@ -83,7 +118,8 @@ def worker(args) -> None:
         if name == "accelerate_model":
             optimizer = optimizer.optimizer  # the torch optimizer the AcceleratedOptimizer wraps
         backward = (lambda loss: loss.backward()) if name == "accelerate_model" else accelerator.backward
-        step_context = (lambda: accelerator.accumulate(model)) if name == "accelerate" else contextlib.nullcontext
+        with_accumulate = name in ("accelerate", "accelerate_cached_lookups")
+        step_context = (lambda: accelerator.accumulate(model)) if with_accumulate else contextlib.nullcontext
         batches, heartbeat = iterate_batches(x, y, 32, 0), Heartbeat(os.path.join(folder, name), rank, world)
         window_loss, step = torch.zeros(()), 0
 
@@ -99,19 +135,25 @@ def worker(args) -> None:
             window_loss.add_(loss.detach())
             step += 1
             heartbeat.finished(step)
+            if name == args.slow_loop:  # a deliberately slowed loop, which the figures must show
+                until = time.perf_counter() + args.slow_us * 1e-6
+                while time.perf_counter() < until:
+                    pass
 
         return one_step
 
     loops = {"bare": bare_loop(False), "bare_again": bare_loop(False), "bare_plus_common": bare_loop(True),
-             **{name: accelerate_loop(name) for name in ("accelerate_model", "accelerate_no_accumulate", "accelerate")}}
+             **{name: accelerate_loop(name) for name in LOOPS[3:]}}
     seconds = {name: [] for name in LOOPS}
     for turn in range(args.warmup + args.steps):
         # ABBA: a loop's step never always follows the same other loop, so caches and order effects hit all alike
         for name in LOOPS if turn % 2 == 0 else LOOPS[::-1]:
-            started = time.perf_counter()
-            loops[name]()
+            with lookups_asked_once() if name == "accelerate_cached_lookups" else contextlib.nullcontext():
+                started = time.perf_counter()
+                loops[name]()
+                elapsed = time.perf_counter() - started
             if turn >= args.warmup:
-                seconds[name].append(time.perf_counter() - started)
+                seconds[name].append(elapsed)
     step_s = {}
     for name in LOOPS:
         per_step = torch.tensor(seconds[name], dtype=torch.float64)
@@ -127,14 +169,16 @@ def worker(args) -> None:
                             "prepared_model": 1e6 * (step_s["accelerate_model"] - step_s["bare_plus_common"]),
                             "backward_and_optimizer": 1e6 * (step_s["accelerate_no_accumulate"] - step_s["accelerate_model"]),
                             "accumulate": 1e6 * (step_s["accelerate"] - step_s["accelerate_no_accumulate"]),
+                            "lookups_saved_by_caching": 1e6 * (step_s["accelerate"] - step_s["accelerate_cached_lookups"]),
                             "accelerate_and_common": 1e6 * (step_s["accelerate"] - step_s["bare"])},
             "target": 0.95, "met": ratio >= 0.95,
         })
-    accelerator.wait_for_everyone()  # then run_worker's shutdown: no rank tears down while another still works
+    return accelerator  # run_worker shuts it down
 
 
-def run(quick: bool = False) -> dict:
-    result = spawn("step_overhead.py", 2, ["--steps", "300" if quick else "6000", "--warmup", "50" if quick else "300"])
+def run(quick: bool = False, slow_loop: str = "", slow_us: float = 0.0) -> dict:
+    result = spawn("step_overhead.py", 2, ["--steps", "300" if quick else "6000", "--warmup", "50" if quick else "300",
+                                           "--slow_loop", slow_loop, "--slow_us", str(slow_us)])
     print(f"step overhead: bare DDP {result['bare_steps_per_s']:.0f} steps/s (again: {result['bare_again_steps_per_s']:.0f}), "
           f"+ common/ {result['bare_plus_common_steps_per_s']:.0f}, Accelerate + common/ {result['accelerate_steps_per_s']:.0f} steps/s: "
           f"ratio {result['ratio']:.3f} (target >= 0.95; noise floor {result['noise_floor_ratio']:.3f}); "
@@ -146,11 +190,13 @@ def main() -> None:
     parser = benchmark_parser(__doc__, has_workers=True)
     parser.add_argument("--steps", type=int, default=6000, help=argparse.SUPPRESS)
     parser.add_argument("--warmup", type=int, default=300, help=argparse.SUPPRESS)
+    parser.add_argument("--slow_loop", default="", choices=("", *LOOPS[3:]), help="for tests: slow this loop down on purpose")
+    parser.add_argument("--slow_us", type=float, default=0.0, help="for tests: by this many µs per step")
     args = parser.parse_args()
     if args.worker:
         run_worker(worker, args)
     else:
-        run(args.quick)
+        run(args.quick, args.slow_loop, args.slow_us)
 
 
 if __name__ == "__main__":

@@ -11,11 +11,12 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import gc
+import math
 import os
 import sys
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, TypeVar
+from typing import Any, ClassVar, TypeVar
 
 C = TypeVar("C")
 
@@ -27,14 +28,33 @@ class UsageError(Exception):
     """Bad input found after parsing (a data file, a device map, an output dir): exit 2, one line."""
 
 
-def flag(default: Any, help: str, choices: Sequence[Any] | None = None) -> Any:
-    """A dataclass field that is also a CLI flag."""
-    return field(default=default, metadata={"help": help, "choices": choices})
+def flag(default: Any, help: str, choices: Sequence[Any] | None = None, positional: bool = False) -> Any:
+    """A dataclass field that is also a CLI flag (`positional`: a bare argument, as a tool's input file)."""
+    return field(default=default, metadata={"help": help, "choices": choices, "positional": positional})
+
+
+MAX_TIMEOUT_S = 7 * 24 * 3600  # a week: longer is a typo, and torch's timedelta arithmetic overflows near 1e300
+MAX_SEED = 2**31 - 1  # the data order's generator is seeded with seed * 100_003 + epoch, which must fit int64
 
 
 @dataclass
 class RunArgs:
-    """Flags every experiment has (the project's contract)."""
+    """Flags every experiment has (the project's contract).
+
+    Two class attributes (not flags) tell the tools about an experiment's Config:
+    - `sweep_metrics`: what a W&B sweep may optimise (logged to metrics.jsonl or in summary.json's
+      metrics); `tools/sweep.py` refuses any other metric before the first trial;
+    - `result_neutral`: flags that do not change what the run computes (where output goes, logging,
+      timeouts, fault injection). Every other flag is part of the run's trajectory: a resume whose
+      trajectory differs from its checkpoint's is refused, naming the field.
+    """
+
+    sweep_metrics: ClassVar[tuple[str, ...]] = ()
+    result_neutral: ClassVar[tuple[str, ...]] = (
+        "output_dir", "report_to", "project", "overwrite", "expected_world_size", "dist_timeout_s", "log_every",
+        "checkpoint_every", "keep_checkpoints", "resume_from_checkpoint", "fail_at_step", "fail_rank", "hang_at_step",
+        "hang_rank",
+    )
 
     output_dir: str = flag("", "folder for summary.json, metrics.jsonl, config.json and tracker files (default runs/<experiment>)")
     seed: int = flag(0, "seed for data, initial weights and shuffling; the same on every rank")
@@ -51,8 +71,16 @@ class RunArgs:
         for tracker in trackers or ["<empty>"]:
             if tracker not in allowed:
                 raise UsageError(f"--report_to {self.report_to!r}: unknown tracker {tracker!r}; allowed: {', '.join(allowed)}")
+        if "all" in trackers and len(trackers) > 1:
+            raise UsageError(f"--report_to {self.report_to!r}: 'all' already means every installed tracker; pass it alone")
         require(self.expected_world_size >= 0, f"--expected_world_size must be >= 0, got {self.expected_world_size}")
-        require(self.dist_timeout_s > 0, f"--dist_timeout_s must be > 0, got {self.dist_timeout_s}")
+        require(0 < self.dist_timeout_s <= MAX_TIMEOUT_S and math.isfinite(self.dist_timeout_s),
+                f"--dist_timeout_s must be > 0 and <= {MAX_TIMEOUT_S} (a week), got {self.dist_timeout_s}")
+        require(0 <= self.seed <= MAX_SEED, f"--seed must be between 0 and {MAX_SEED}, got {self.seed}")
+
+    def trajectory(self) -> dict:
+        """The flags that determine what the run computes: everything but `result_neutral`."""
+        return {k: v for k, v in dataclasses.asdict(self).items() if k not in self.result_neutral}
 
 
 @dataclass
@@ -94,15 +122,29 @@ def _parse_bool(text: str) -> bool:
     raise argparse.ArgumentTypeError(f"invalid boolean value: {text!r} (allowed: true/false)")
 
 
-def build_parser(config_cls: type, description: str | None = None) -> argparse.ArgumentParser:
+class _DefaultsOnceFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Shows `(default: X)` after each flag's help, unless the help already says what the default is."""
+
+    def _get_help_string(self, action):
+        if "default" in (action.help or "") or action.default is argparse.SUPPRESS:
+            return action.help
+        return super()._get_help_string(action)
+
+
+def build_parser(config_cls: type, description: str | None = None, prog: str | None = None) -> argparse.ArgumentParser:
     parser = _OneLineParser(
+        prog=prog,
         description=description,
         allow_abbrev=False,  # --lr must not silently match --lr_warmup
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        formatter_class=_DefaultsOnceFormatter,
     )
     for f in dataclasses.fields(config_cls):
         kind = {"int": int, "float": float, "str": str, "bool": bool}[f.type if isinstance(f.type, str) else f.type.__name__]
-        kwargs: dict[str, Any] = {"default": f.default, "help": f.metadata.get("help", ""), "dest": f.name}
+        kwargs: dict[str, Any] = {"default": f.default, "help": f.metadata.get("help", "")}
+        if f.metadata.get("positional"):
+            parser.add_argument(f.name, type=kind, **kwargs)
+            continue
+        kwargs["dest"] = f.name
         if kind is bool:
             # `--overwrite` alone means true; `--overwrite false` is accepted too (sweeps pass values).
             kwargs.update(nargs="?", const=True, type=_parse_bool, metavar="BOOL")
@@ -114,9 +156,10 @@ def build_parser(config_cls: type, description: str | None = None) -> argparse.A
     return parser
 
 
-def parse_config(config_cls: type[C], argv: Sequence[str] | None = None, description: str | None = None) -> C:
+def parse_config(config_cls: type[C], argv: Sequence[str] | None = None, description: str | None = None,
+                 prog: str | None = None) -> C:
     """Flags -> validated config; any problem is one line on stderr and exit 2."""
-    parser = build_parser(config_cls, description)
+    parser = build_parser(config_cls, description, prog)
     namespace = parser.parse_args(argv)
     cfg = config_cls(**vars(namespace))
     try:

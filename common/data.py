@@ -23,6 +23,17 @@ from common.config import UsageError
 FILE_FORMATS = {".csv": "csv", ".json": "json", ".jsonl": "json", ".parquet": "parquet"}
 
 
+def require_memory(flag_name: str, bytes_needed: float) -> None:
+    """Refuse, naming the flag, a size whose tensors cannot fit in the memory this machine has free
+    (instead of a MemoryError traceback, or the kernel killing the run halfway)."""
+    import psutil
+
+    available = psutil.virtual_memory().available
+    if bytes_needed > available:
+        raise UsageError(f"--{flag_name}: the data would need about {bytes_needed / 2**30:.1f} GiB of memory, "
+                         f"this machine has {available / 2**30:.1f} GiB free; use a smaller --{flag_name}")
+
+
 def make_regression_dataset(n_samples: int, n_features: int, noise_std: float, seed: int) -> tuple[Dataset, dict]:
     """Synthetic linear regression; returns the dataset and the truth {"weight": [...], "bias": b}."""
     generator = torch.Generator().manual_seed(seed)
@@ -50,6 +61,8 @@ def load_table(path: str, target_column: str = "y", feature_columns: str = "") -
     if target_column not in columns:
         raise UsageError(f"--data_file {path!r} has no target column {target_column!r}; its columns: {', '.join(columns)}")
     wanted = [c.strip() for c in feature_columns.split(",") if c.strip()] or [c for c in columns if c != target_column]
+    if target_column in wanted:
+        raise UsageError(f"--feature_columns lists the target column {target_column!r}: a model that sees its target learns nothing")
     missing = [c for c in wanted if c not in columns]
     if missing or not wanted:
         raise UsageError(f"--data_file {path!r}: feature columns {missing or wanted} not found; its columns: {', '.join(columns)}")

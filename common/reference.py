@@ -13,18 +13,20 @@ import torch
 import torch.nn.functional as F
 
 
-def train_single_process(model: torch.nn.Module, global_batches, steps: int, micro_batches_per_step: int, lr: float,
-                         device, autocast=nullcontext) -> torch.nn.Module:
-    """SGD on `model` in place over `steps` steps of `micro_batches_per_step` global batches each."""
+def train_single_process(model: torch.nn.Module, global_batches, steps: int, micro_batches_per_step: int, device,
+                         make_optimizer, loss_fn=F.mse_loss, autocast=nullcontext) -> torch.nn.Module:
+    """Train `model` in place: each step concatenates `micro_batches_per_step` global batches (tuples of
+    tensors: inputs first, target last) into ONE batch, one loss over all of it, one optimizer step.
+    `make_optimizer(parameters)` builds the optimizer the distributed run uses (SGD, AdamW, ...);
+    `loss_fn(output, target)` must be a mean over the batch, as the distributed run's is."""
     model.to(device)
-    optimizer = torch.optim.SGD(model.parameters(), lr=lr)
+    optimizer = make_optimizer(model.parameters())
     for _ in range(steps):
         micro_batches = [next(global_batches) for _ in range(micro_batches_per_step)]
-        x = torch.cat([b[0] for b in micro_batches]).to(device)
-        y = torch.cat([b[1] for b in micro_batches]).to(device)
+        *inputs, target = (torch.cat(parts).to(device) for parts in zip(*micro_batches, strict=True))
         optimizer.zero_grad()
         with autocast():  # the same autocast the distributed model runs under, if any
-            loss = F.mse_loss(model(x).float(), y)
+            loss = loss_fn(model(*inputs).float(), target)
         loss.backward()
         optimizer.step()
     return model

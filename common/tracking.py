@@ -12,9 +12,11 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import netrc
 import os
 import platform
+from dataclasses import dataclass, field
 from urllib.parse import urlparse
 
 from tqdm.auto import tqdm
@@ -22,13 +24,44 @@ from tqdm.auto import tqdm
 from common.config import UsageError
 
 
+def json_safe(value, path: str = "", non_finite: list | None = None):
+    """`value` with every NaN / inf float replaced by None (strict JSON has no NaN: most parsers reject
+    Python's bare `NaN` token), and the dotted paths of what was replaced appended to `non_finite`."""
+    if isinstance(value, float) and not math.isfinite(value):
+        if non_finite is not None:
+            non_finite.append(path)
+        return None
+    if isinstance(value, dict):
+        return {k: json_safe(v, f"{path}.{k}" if path else str(k), non_finite) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [json_safe(v, f"{path}[{i}]", non_finite) for i, v in enumerate(value)]
+    return value
+
+
+def strict_json(payload: dict, **dump_kwargs) -> str:
+    """json.dumps that never writes NaN: non-finite numbers become null, listed under `non_finite`."""
+    non_finite: list = []
+    safe = json_safe(payload, non_finite=non_finite)
+    if non_finite:
+        safe["non_finite"] = {"null_means": "the value was NaN or infinite", "fields": non_finite}
+    return json.dumps(safe, allow_nan=False, default=str, **dump_kwargs)
+
+
 def write_json_atomic(path: str, payload: dict) -> None:
     """Write to a temporary name, then rename: a reader never sees half a file."""
     temporary_path = f"{path}.tmp{os.getpid()}"
-    with open(temporary_path, "w") as handle:
-        json.dump(payload, handle, indent=2, default=str)
-        handle.write("\n")
-    os.replace(temporary_path, path)
+    try:
+        with open(temporary_path, "w") as handle:
+            handle.write(strict_json(payload, indent=2) + "\n")
+        os.replace(temporary_path, path)
+    except OSError as error:
+        raise_write_error(path, error)
+
+
+def raise_write_error(path: str, error: OSError):
+    """A failed write (disk full, folder gone) as one line naming the file."""
+    reason = "disk full" if error.errno == 28 else (error.strerror or str(error))
+    raise UsageError(f"could not write {path}: {reason}") from None
 
 
 def wandb_has_credentials() -> bool:
@@ -42,10 +75,23 @@ def wandb_has_credentials() -> bool:
         return False
 
 
-def resolve_trackers(report_to: str, output_dir: str) -> tuple[list[str], dict, dict]:
-    """--report_to -> (log_with for Accelerator, init_kwargs for init_trackers, notes for summary.json).
+@dataclass
+class TrackerPlan:
+    """What --report_to resolved to: `log_with` for Accelerator, `init_kwargs` for init_trackers,
+    `notes` for summary.json (W&B mode, run folder, a tracker that failed)."""
 
-    Called on every rank before the Accelerator exists, so a missing tracker is exit 2, not a crash.
+    log_with: list[str]
+    init_kwargs: dict = field(default_factory=dict)
+    notes: dict = field(default_factory=dict)
+
+
+WANDB_ID_FILE = "wandb_run_id"  # in --output_dir: the W&B run a resumed run continues
+
+
+def resolve_trackers(report_to: str, output_dir: str, continuing: bool = False) -> TrackerPlan:
+    """--report_to -> TrackerPlan. Called on every rank before the Accelerator exists, so a missing
+    tracker is exit 2, not a crash. `continuing` (a resumed run): W&B continues the run recorded in
+    <output_dir>/wandb_run_id (same id, resume="allow") instead of starting one with half a history.
     """
     from accelerate.tracking import get_available_trackers
 
@@ -56,28 +102,30 @@ def resolve_trackers(report_to: str, output_dir: str) -> tuple[list[str], dict, 
     for name in names:
         if name not in available:
             raise UsageError(f"--report_to {name}: that tracker is not installed (installed: {', '.join(available) or 'none'}); pip install {name} or pass --report_to none")
-    init_kwargs: dict = {}
-    notes: dict = {}
+    plan = TrackerPlan(names)
     if "wandb" in names:
         if not os.environ.get("WANDB_MODE") and not wandb_has_credentials():
             os.environ["WANDB_MODE"] = "offline"  # no key: log locally, `wandb sync` later
-        notes["wandb"] = {"mode": os.environ.get("WANDB_MODE", "online")}
-        os.makedirs(output_dir, exist_ok=True)
-        init_kwargs["wandb"] = {"dir": output_dir}
-    return names, init_kwargs, notes
+        plan.notes["wandb"] = {"mode": os.environ.get("WANDB_MODE", "online")}
+        plan.init_kwargs["wandb"] = {"dir": output_dir}
+        id_file = os.path.join(output_dir, WANDB_ID_FILE)
+        if continuing and os.path.exists(id_file) and not os.environ.get("WANDB_RUN_ID"):  # a sweep agent's id wins
+            with open(id_file) as handle:
+                plan.init_kwargs["wandb"].update(id=handle.read().strip(), resume="allow")
+    return plan
 
 
 class RunRecorder:
     """config.json / metrics.jsonl / summary.json plus the trackers, all on the main process."""
 
-    def __init__(self, accelerator, experiment: str, cfg, output_dir: str, init_kwargs: dict, tracker_notes: dict,
-                 resume_step: int | None = None):
+    def __init__(self, accelerator, experiment: str, cfg, output_dir: str, trackers: TrackerPlan, resume_step: int | None = None):
         self.accelerator = accelerator
         self.experiment = experiment
         self.cfg = cfg
         self.output_dir = output_dir
         self.is_main = accelerator.is_main_process
-        self.tracker_notes = tracker_notes
+        self.tracker_notes = trackers.notes
+        tracker_notes, init_kwargs = trackers.notes, trackers.init_kwargs
         self.trackers_alive = bool(accelerator.log_with)
         self.metrics_path = os.path.join(output_dir, "metrics.jsonl")
         self._metrics_file = None
@@ -101,7 +149,9 @@ class RunRecorder:
                 self._drop_trackers("init", error)
         if "wandb" in tracker_notes and self.trackers_alive:
             run = accelerator.get_tracker("wandb", unwrap=True)
-            tracker_notes["wandb"]["run_dir"] = os.path.dirname(run.dir)
+            tracker_notes["wandb"].update(run_dir=os.path.dirname(run.dir), run_id=run.id)
+            with open(os.path.join(output_dir, WANDB_ID_FILE), "w") as handle:
+                handle.write(run.id)
             if tracker_notes["wandb"]["mode"] == "offline":
                 self.print(f"W&B offline (no API key): run saved in {os.path.dirname(run.dir)}; upload it later with `wandb sync {os.path.dirname(run.dir)}`")
 
@@ -119,8 +169,11 @@ class RunRecorder:
         if not self.is_main:
             return
         record = {"step": step, **metrics}
-        self._metrics_file.write(json.dumps(record) + "\n")
-        self._metrics_file.flush()
+        try:
+            self._metrics_file.write(strict_json(record) + "\n")
+            self._metrics_file.flush()
+        except OSError as error:
+            raise_write_error(self.metrics_path, error)
         if self.trackers_alive:
             try:
                 self.accelerator.log(metrics, step=step)
@@ -129,27 +182,31 @@ class RunRecorder:
         if console:
             self.print(format_console_line(step, metrics))
 
-    def log_tracker_only(self, payload: dict, step: int | None = None) -> None:
-        """Tables and images: trackers only (they have no place in a jsonl record)."""
-        if self.is_main and self.trackers_alive:
-            try:
-                self.accelerator.log(payload, step=step)
-            except Exception as error:
-                self._drop_trackers("table/image log", error)
-
-    def log_wandb_table_and_image(self, name: str, rows: list[dict], image_path: str | None) -> None:
-        """A W&B Table of `rows` and the PNG at `image_path`, when W&B is one of the trackers."""
-        if not (self.is_main and self.trackers_alive and "wandb" in self.tracker_notes and rows):
+    def log_table(self, name: str, rows: list[dict], image_path: str | None = None) -> None:
+        """A table of results (not a time series): one metrics.jsonl record per row, tagged with the
+        table's name, and one W&B Table (plus the PNG at `image_path`) logged without a step, so the
+        W&B step axis stays the training step."""
+        if not (self.is_main and rows):
             return
-        import wandb
+        try:
+            self._metrics_file.writelines(strict_json({"table": name, **row}) + "\n" for row in rows)
+            self._metrics_file.flush()
+        except OSError as error:
+            raise_write_error(self.metrics_path, error)
+        if not (self.trackers_alive and "wandb" in self.tracker_notes):
+            return
+        try:
+            import wandb
 
-        payload = {f"{name}_table": wandb.Table(columns=list(rows[0]), data=[list(r.values()) for r in rows])}
-        if image_path:
-            payload[f"{name}_plot"] = wandb.Image(image_path)
-        self.log_tracker_only(payload)
+            payload = {f"{name}_table": wandb.Table(columns=list(rows[0]), data=[[str(v) if isinstance(v, dict) else v for v in r.values()] for r in rows])}
+            if image_path:
+                payload[f"{name}_plot"] = wandb.Image(image_path)
+            self.accelerator.get_tracker("wandb", unwrap=True).log(payload, commit=False)
+        except Exception as error:
+            self._drop_trackers(f"{name} table", error)
 
     def finish(self, metrics: dict, checks: dict) -> int:
-        """Write summary.json, close the trackers, return the exit code (0 passed, 1 a check failed).
+        """Write summary.json (and the verdicts into W&B's summary); return the exit code (0 passed, 1 a check failed).
 
         `checks` may be known on the main process only (single-process references run there), so the
         verdict is broadcast: every rank returns the same code.
@@ -169,33 +226,38 @@ class RunRecorder:
                 "trackers": self.tracker_notes,
                 "versions": _versions(),
             }
-            self._metrics_file.close()
+            try:
+                self._metrics_file.close()
+            except OSError as error:
+                raise_write_error(self.metrics_path, error)
             write_json_atomic(os.path.join(self.output_dir, "summary.json"), summary)
+            self._record_verdict_in_trackers(checks, passed)
             for name, check in checks.items():
                 self.print(f"check {name:<36} {'PASS' if check['passed'] else 'FAIL'}  {check['detail']}")
             self.print(f"{self.experiment}: {'PASSED' if passed else 'FAILED'} -> {os.path.join(self.output_dir, 'summary.json')}")
         verdict = [passed]
         if self.accelerator.num_processes > 1:
             broadcast_object_list(verdict, from_process=0)
-        self.close()
         return 0 if verdict[0] else 1
 
-    def close(self) -> None:
-        """Accelerate's end_training, in an order that lets gloo shut down cleanly.
+    def _record_verdict_in_trackers(self, checks: dict, passed: bool) -> None:
+        """PASS/FAIL per check into the W&B run's summary, where the runs table shows it."""
+        if not (self.trackers_alive and "wandb" in self.tracker_notes):
+            return
+        try:
+            run = self.accelerator.get_tracker("wandb", unwrap=True)
+            run.summary.update({"passed": passed, **{f"check/{name}": "PASS" if c["passed"] else "FAIL" for name, c in checks.items()}})
+        except Exception as error:
+            self._drop_trackers("summary", error)
 
-        We saw `terminate called without an active exception` (SIGABRT) on the non-main rank in about
-        1 of 15 two-rank runs when it tore its process group down while rank 0 was still closing W&B,
-        and while DDP-wrapped models still held the group. So: trackers first, then every rank waits
-        for the others, drops Accelerate's references to prepared models, and destroys the group."""
+    def close_trackers(self) -> None:
+        """Finish every tracker once (main process; the others have none)."""
         for tracker in self.accelerator.trackers if self.trackers_alive else []:
             try:
                 tracker.finish()
             except Exception as error:
                 self._drop_trackers("finish", error)
-        if self.accelerator.num_processes > 1:
-            self.accelerator.wait_for_everyone()
-        self.accelerator.free_memory()
-        self.accelerator.state.destroy_process_group()
+        self.trackers_alive = False
 
 
 def _step_of(line: str) -> float:

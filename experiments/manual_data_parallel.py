@@ -1,6 +1,6 @@
 """manual_data_parallel: what does DDP actually do? Data parallelism by hand, proven equal to DDP.
 
-Seed 000 hand-rolls data parallelism and gets it wrong: it all-reduces a *list* of parameter copies,
+The collectives tutorial this project corrects (docs/tutorials.md) hand-rolls data parallelism and gets it wrong: it all-reduces a *list* of parameter copies,
 sums gradients without dividing by the number of ranks (so the step is world_size times too large),
 and calls that "moving parameters to workers". Done right, data parallelism is three moves:
   1. start equal: broadcast rank 0's initial parameters once (here every rank deliberately
@@ -19,7 +19,8 @@ Accelerate's prepared (DDP) model. Same model and data as ddp_linear (common/). 
 With --gradient_accumulation_steps k > 1 every strategy syncs only on the last micro-batch of a step
 (DDP's no_sync), and is still equal. Checks: each hand-rolled strategy ends with the same parameters
 as `ddp` and as a single-process replay of the global batches (float32, tolerance --parity_atol), and
-issues the collectives it should per step. --average_gradients false reproduces the seed's bug.
+issues the collectives it should per step. --average_gradients false reproduces the tutorial's bug
+(on >= 2 ranks: with one rank, a sum over ranks IS the mean).
 
 Run it:
     accelerate launch --config_file accelerate_configs/cpu_ddp.yaml experiments/manual_data_parallel.py
@@ -42,22 +43,21 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from common.config import TrainArgs, flag, parse_config, require_positive, run_cli
+from common.config import RunArgs, flag, parse_config, require_positive, run_cli
 from common.data import iterate_batches, iterate_global_batches, make_regression_dataset, shard_tensors
 from common.models import build_linear, build_mlp
 from common.reference import max_abs_difference, train_single_process
-from common.runtime import check_distributed, make_accelerator, one_rank_group_if_needed, prepare_output_dir
-from common.tracking import RunRecorder, resolve_trackers
+from common.run import start_run
 
 EXPERIMENT = "manual_data_parallel"
 STRATEGIES = ("ddp", "per_param", "bucketed", "overlapped")  # ddp first: the others are compared with it
 
 
 @dataclass
-class Config(TrainArgs):
+class Config(RunArgs):
     strategy: str = flag("all", "per_param, bucketed, overlapped, ddp, or all (each from the same init, compared)", choices=(*STRATEGIES, "all"))
-    model: str = flag("linear", "linear: the seed's nn.Linear(10, 1); mlp: fc1 -> ReLU -> fc2 (more, larger gradients)", choices=("linear", "mlp"))
-    hidden_features: int = flag(50, "width of the mlp's hidden layer (the seed's 50)")
+    model: str = flag("linear", "linear: the tutorial's nn.Linear(10, 1); mlp: fc1 -> ReLU -> fc2 (more, larger gradients)", choices=("linear", "mlp"))
+    hidden_features: int = flag(50, "width of the mlp's hidden layer (the tutorial's 50)")
     bucket_mb: float = flag(25.0, "largest gradient bucket in MiB for `bucketed` (DDP's default bucket_cap_mb is 25)")
     n_samples: int = flag(1000, "rows of synthetic data")
     n_features: int = flag(10, "input features")
@@ -66,12 +66,12 @@ class Config(TrainArgs):
     gradient_accumulation_steps: int = flag(1, "micro-batches per optimizer step; syncs only on the last one")
     lr: float = flag(0.1, "SGD learning rate")
     max_steps: int = flag(100, "optimizer steps per strategy")
-    average_gradients: bool = flag(True, "divide the all-reduced gradient sum by world size (false = the seed's bug)")
-    parity_atol: float = flag(1e-5, "largest allowed |strategy - reference| parameter difference (float32)")
+    average_gradients: bool = flag(True, "divide the all-reduced gradient sum by world size (false = the tutorial's bug; needs >= 2 ranks to show)")
+    parity_atol: float = flag(1e-5, "largest allowed |strategy - reference| parameter difference in float32 (> 0)")
 
     def validate(self) -> None:
         super().validate()
-        require_positive(self, "hidden_features", "n_samples", "n_features", "per_rank_batch_size", "gradient_accumulation_steps",
+        require_positive(self, "max_steps", "hidden_features", "n_samples", "n_features", "per_rank_batch_size", "gradient_accumulation_steps",
                          "bucket_mb", "lr", "parity_atol")
 
 
@@ -196,64 +196,52 @@ def train_with_ddp(cfg: Config, batches, accelerator) -> tuple[torch.nn.Module, 
 
 
 def run(cfg: Config) -> int:
-    output_dir = prepare_output_dir(cfg, EXPERIMENT)
-    log_with, init_kwargs, tracker_notes = resolve_trackers(cfg.report_to, output_dir)
-    accelerator = make_accelerator(cfg, output_dir, log_with=log_with, gradient_accumulation_steps=cfg.gradient_accumulation_steps)
-    recorder = RunRecorder(accelerator, EXPERIMENT, cfg, output_dir, init_kwargs, tracker_notes)
-    checks = {"distributed": check_distributed(accelerator, cfg)}
-    if not checks["distributed"]["passed"]:
-        return recorder.finish({}, checks)
-    own_group = one_rank_group_if_needed()  # one process: a 1-rank gloo group, so the hand-rolled collectives still run
+    # needs_process_group: in one process, a 1-rank gloo group, so the hand-rolled collectives still run
+    with start_run(cfg, EXPERIMENT, needs_process_group=True, gradient_accumulation_steps=cfg.gradient_accumulation_steps) as run:
+        accelerator = run.accelerator
+        dataset, _ = make_regression_dataset(cfg.n_samples, cfg.n_features, cfg.noise_std, cfg.seed)
+        rank, world_size = accelerator.process_index, accelerator.num_processes
+        shard_x, shard_y = (t.to(accelerator.device) for t in shard_tensors(dataset, rank, world_size))
+        strategies = STRATEGIES if cfg.strategy == "all" else (cfg.strategy,)
+        trained, stats = {}, {}
+        for strategy in strategies:
+            batches = iterate_batches(shard_x, shard_y, cfg.per_rank_batch_size, cfg.seed)  # same batches for each
+            if strategy == "ddp":
+                trained[strategy], stats[strategy] = train_with_ddp(cfg, batches, accelerator)
+            else:
+                trained[strategy], stats[strategy] = train_by_hand(cfg, strategy, batches, accelerator)
+        run.log_table("strategies", [{"strategy": name, **figures} for name, figures in stats.items()])
+        if run.is_main:
+            compare_with_references(cfg, run, dataset, trained, stats)
+        run.metrics.update(strategies=stats, world_size=world_size)
+    return run.exit_code
 
-    dataset, _ = make_regression_dataset(cfg.n_samples, cfg.n_features, cfg.noise_std, cfg.seed)
-    rank, world_size = accelerator.process_index, accelerator.num_processes
-    shard_x, shard_y = (t.to(accelerator.device) for t in shard_tensors(dataset, rank, world_size))
-    strategies = STRATEGIES if cfg.strategy == "all" else (cfg.strategy,)
-    trained, stats = {}, {}
-    for strategy in strategies:
-        batches = iterate_batches(shard_x, shard_y, cfg.per_rank_batch_size, cfg.seed)  # same batches for each
-        if strategy == "ddp":
-            trained[strategy], stats[strategy] = train_with_ddp(cfg, batches, accelerator)
-        else:
-            trained[strategy], stats[strategy] = train_by_hand(cfg, strategy, batches, accelerator)
-        recorder.log(len(stats), {"strategy": strategy, **stats[strategy]}, console=False)
 
-    if accelerator.is_main_process:
-        reference = build_model(cfg, seed=cfg.seed)
-        global_batches = iterate_global_batches(dataset, world_size, cfg.per_rank_batch_size, cfg.seed)
-        train_single_process(reference, global_batches, cfg.max_steps, cfg.gradient_accumulation_steps, cfg.lr, accelerator.device)
-        recorder.print(f"{'strategy':<12}{'median ms/step':>15}{'all_reduces/step':>18}{'bytes/step':>12}{'max|Δ| vs 1 proc':>19}")
-        for strategy, model in trained.items():
-            stats[strategy]["diff_vs_single_process"] = max_abs_difference(model, reference)
-            if "ddp" in trained and strategy != "ddp":
-                stats[strategy]["diff_vs_ddp"] = max_abs_difference(model, trained["ddp"])
-            s = stats[strategy]
-            recorder.print(f"{strategy:<12}{s['median_step_ms']:>15.3f}{s['collectives_per_step']:>18.1f}{s['bytes_per_step']:>12,.0f}"
-                           f"{s['diff_vs_single_process']:>19.2e}")
-            checks[f"{strategy}_matches_single_process"] = {
-                "passed": s["diff_vs_single_process"] <= cfg.parity_atol,
-                "detail": f"max |{strategy} - one process| = {s['diff_vs_single_process']:.2e}, tolerance {cfg.parity_atol:.0e}",
-            }
-            if "diff_vs_ddp" in s:
-                checks[f"{strategy}_matches_ddp"] = {
-                    "passed": s["diff_vs_ddp"] <= cfg.parity_atol,
-                    "detail": f"max |{strategy} - ddp| = {s['diff_vs_ddp']:.2e}, tolerance {cfg.parity_atol:.0e}",
-                }
-            if strategy == "ddp" and world_size > 1:
-                checks["ddp_no_sync_skips_all_reduce"] = {
-                    "passed": s["all_reduces_inside_no_sync"] == 0 and s["collectives_per_step"] > 0,
-                    "detail": f"{s['all_reduces_inside_no_sync']} all_reduces on non-final micro-batches, "
-                              f"{s['collectives_per_step']:.1f} per step in all",
-                }
-            if "expected_collectives_per_step" in s:  # only the last micro-batch of a step may communicate
-                checks[f"{strategy}_syncs_once_per_step"] = {
-                    "passed": s["collectives_per_step"] == s["expected_collectives_per_step"],
-                    "detail": f"{s['collectives_per_step']:.1f} all_reduces per step, expected {s['expected_collectives_per_step']} "
-                              f"with {cfg.gradient_accumulation_steps} micro-batches per step",
-                }
-    if own_group:
-        dist.destroy_process_group()
-    return recorder.finish({"strategies": stats, "world_size": world_size}, checks)
+def compare_with_references(cfg: Config, run, dataset, trained: dict, stats: dict) -> None:
+    """Each strategy against a one-process replay of the global batches, and against DDP."""
+    world_size = run.accelerator.num_processes
+    reference = build_model(cfg, seed=cfg.seed)
+    global_batches = iterate_global_batches(dataset, world_size, cfg.per_rank_batch_size, cfg.seed)
+    train_single_process(reference, global_batches, cfg.max_steps, cfg.gradient_accumulation_steps, run.accelerator.device,
+                         make_optimizer=lambda params: torch.optim.SGD(params, lr=cfg.lr))
+    run.print(f"{'strategy':<12}{'median ms/step':>15}{'all_reduces/step':>18}{'bytes/step':>12}{'max|Δ| vs 1 proc':>19}")
+    for strategy, model in trained.items():
+        s = stats[strategy]
+        s["diff_vs_single_process"] = max_abs_difference(model, reference)
+        run.print(f"{strategy:<12}{s['median_step_ms']:>15.3f}{s['collectives_per_step']:>18.1f}{s['bytes_per_step']:>12,.0f}"
+                  f"{s['diff_vs_single_process']:>19.2e}")
+        run.parity_check(f"{strategy}_matches_single_process", s["diff_vs_single_process"], cfg.parity_atol,
+                         f"max |{strategy} - one process|")
+        if "ddp" in trained and strategy != "ddp":
+            s["diff_vs_ddp"] = max_abs_difference(model, trained["ddp"])
+            run.parity_check(f"{strategy}_matches_ddp", s["diff_vs_ddp"], cfg.parity_atol, f"max |{strategy} - ddp|")
+        if strategy == "ddp" and world_size > 1:
+            run.check("ddp_no_sync_skips_all_reduce", s["all_reduces_inside_no_sync"] == 0 and s["collectives_per_step"] > 0,
+                      f"{s['all_reduces_inside_no_sync']} all_reduces on non-final micro-batches, {s['collectives_per_step']:.1f} per step in all")
+        if "expected_collectives_per_step" in s:  # only the last micro-batch of a step may communicate
+            run.check(f"{strategy}_syncs_once_per_step", s["collectives_per_step"] == s["expected_collectives_per_step"],
+                      f"{s['collectives_per_step']:.1f} all_reduces per step, expected {s['expected_collectives_per_step']} "
+                      f"with {cfg.gradient_accumulation_steps} micro-batches per step")
 
 
 def main(argv: list[str] | None = None) -> int:

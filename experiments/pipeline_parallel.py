@@ -45,8 +45,8 @@ from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGP
 from common.config import TrainArgs, UsageError, flag, parse_config, require, require_positive, run_cli
 from common.data import iterate_batches, make_regression_dataset, shard_tensors
 from common.models import build_mlp
-from common.runtime import check_distributed, make_accelerator, prepare_output_dir
-from common.tracking import RunRecorder, resolve_trackers
+from common.run import start_run
+from common.runtime import launched_world_size
 
 EXPERIMENT = "pipeline_parallel"
 # Stage 0's input needs no gradient, so torch warns that its backward hook fires on outputs: expected here.
@@ -69,7 +69,7 @@ class Config(TrainArgs):
     bubble_microbatches: str = flag("1,2,4,8", "comma-separated m values for the bubble measurement ('' to skip)")
     bubble_steps: int = flag(3, "timed steps per m (median bubble reported)")
     skip_gradient_scaling: bool = flag(False, "a classic mistake: sum micro-batch gradients instead of averaging (scale_grads=False)")
-    parity_atol: float = flag(1e-5, "largest allowed |pipeline - full model| difference in loss, gradient or parameter")
+    parity_atol: float = flag(1e-5, "largest allowed |pipeline - full model| difference in loss, gradient or parameter, float32 (> 0)")
 
     def validate(self) -> None:
         super().validate()
@@ -77,6 +77,13 @@ class Config(TrainArgs):
         require(self.lr > 0 and self.parity_atol > 0, "--lr and --parity_atol must be > 0")
         for m in [self.n_microbatches, *self.bubble_values()]:
             require(self.batch_size % m == 0, f"--batch_size {self.batch_size} must split evenly into {m} micro-batches")
+        # Refused now, before any output or tracker run exists: the launch's world size is the stage count.
+        n_stages = launched_world_size(self)
+        require(n_stages >= 2 and self.n_layers >= n_stages,
+                f"a pipeline needs >= 2 ranks and >= 1 layer per rank: {n_stages} ranks, --n_layers {self.n_layers}; "
+                "launch with accelerate_configs/cpu_ddp.yaml")
+        require(self.schedule != "1f1b" or self.n_microbatches >= n_stages,
+                f"--schedule 1f1b needs --n_microbatches >= the {n_stages} stages, got {self.n_microbatches}")
 
     def bubble_values(self) -> list[int]:
         try:
@@ -142,75 +149,63 @@ def reduce_max(value: float, device) -> float:
 
 
 def run(cfg: Config) -> int:
-    output_dir = prepare_output_dir(cfg, EXPERIMENT)
-    log_with, init_kwargs, tracker_notes = resolve_trackers(cfg.report_to, output_dir)
-    accelerator = make_accelerator(cfg, output_dir, log_with=log_with)
-    recorder = RunRecorder(accelerator, EXPERIMENT, cfg, output_dir, init_kwargs, tracker_notes)
-    checks = {"distributed": check_distributed(accelerator, cfg)}
-    rank, n_stages, device = accelerator.process_index, accelerator.num_processes, accelerator.device
-    if not checks["distributed"]["passed"]:
-        return recorder.finish({}, checks)
-    if n_stages < 2 or cfg.n_layers < n_stages:
-        raise UsageError(f"a pipeline needs >= 2 ranks and >= 1 layer per rank: {n_stages} ranks, --n_layers {cfg.n_layers}; "
-                         "launch with accelerate_configs/cpu_ddp.yaml")
+    with start_run(cfg, EXPERIMENT) as run:
+        rank, n_stages, device = run.accelerator.process_index, run.accelerator.num_processes, run.accelerator.device
+        full_model = build_mlp(cfg.n_features, cfg.hidden_features, 1, seed=cfg.seed, n_layers=cfg.n_layers).to(device)
+        pipeline_model = build_mlp(cfg.n_features, cfg.hidden_features, 1, seed=cfg.seed, n_layers=cfg.n_layers).to(device)
+        stage_module, my_layers = cut_stage(pipeline_model, rank, n_stages)  # same init as full_model: same seed
+        run.print(f"{n_stages} stages of {cfg.n_layers} layers; rank 0 holds {my_layers}; {cfg.schedule}, m = {cfg.n_microbatches}")
 
-    if cfg.schedule == "1f1b" and cfg.n_microbatches < n_stages:
-        raise UsageError(f"--schedule 1f1b needs --n_microbatches >= the {n_stages} stages, got {cfg.n_microbatches}")
-    full_model = build_mlp(cfg.n_features, cfg.hidden_features, 1, seed=cfg.seed, n_layers=cfg.n_layers).to(device)
-    pipeline_model = build_mlp(cfg.n_features, cfg.hidden_features, 1, seed=cfg.seed, n_layers=cfg.n_layers).to(device)
-    stage_module, my_layers = cut_stage(pipeline_model, rank, n_stages)  # same init as full_model: same seed
-    recorder.print(f"{n_stages} stages of {cfg.n_layers} layers; rank 0 holds {my_layers}; {cfg.schedule}, m = {cfg.n_microbatches}")
+        def make_schedule(m: int):
+            stage = PipelineStage(stage_module, stage_index=rank, num_stages=n_stages, device=device)
+            return SCHEDULES[cfg.schedule](stage, n_microbatches=m, loss_fn=F.mse_loss, scale_grads=not cfg.skip_gradient_scaling)
 
-    def make_schedule(m: int):
-        stage = PipelineStage(stage_module, stage_index=rank, num_stages=n_stages, device=device)
-        return SCHEDULES[cfg.schedule](stage, n_microbatches=m, loss_fn=F.mse_loss, scale_grads=not cfg.skip_gradient_scaling)
+        dataset, _ = make_regression_dataset(cfg.n_samples, cfg.n_features, 0.1, cfg.seed)
+        x_all, y_all = (t.to(device) for t in shard_tensors(dataset, 0, 1))  # every rank sees the same full batches
+        batches = iterate_batches(x_all, y_all, cfg.batch_size, cfg.seed)
+        schedule = make_schedule(cfg.n_microbatches)
+        optimizers = [torch.optim.SGD(m.parameters(), lr=cfg.lr) for m in (stage_module, full_model)]
+        loss_diff, grad_diff = 0.0, 0.0
+        for step in range(1, cfg.max_steps + 1):
+            x, y = next(batches)
+            pipeline_loss = run_step(schedule, rank, n_stages, x, y)
+            full_loss = F.mse_loss(full_model(x), y)  # the reference: whole model, whole batch, one process
+            full_loss.backward()
+            if step == 1:
+                grad_diff = max((getattr(pipeline_model, n).weight.grad - getattr(full_model, n).weight.grad).abs().max().item() for n in my_layers)
+            if pipeline_loss is not None:
+                loss_diff = max(loss_diff, abs(pipeline_loss - full_loss.item()))
+            for optimizer in optimizers:
+                optimizer.step()
+                optimizer.zero_grad()
+            if step % cfg.log_every == 0 or step == cfg.max_steps:
+                run.log(step, {"full_model_loss": full_loss.item()})
+        param_diff = max((p - q).abs().max().item() for n in my_layers
+                         for p, q in zip(getattr(pipeline_model, n).parameters(), getattr(full_model, n).parameters(), strict=True))
+        loss_diff, grad_diff, param_diff = (reduce_max(v, device) for v in (loss_diff, grad_diff, param_diff))
+        run.parity_check("loss_matches_full_model", loss_diff, cfg.parity_atol, "max |pipeline - full model| loss at every step")
+        run.parity_check("gradients_match_full_model", grad_diff, cfg.parity_atol, "max |pipeline - full model| weight gradients of step 1")
+        run.parity_check("parameters_match_full_model", param_diff, cfg.parity_atol,
+                         f"max |pipeline - full model| parameters after {cfg.max_steps} steps")
 
-    dataset, _ = make_regression_dataset(cfg.n_samples, cfg.n_features, 0.1, cfg.seed)
-    x_all, y_all = (t.to(device) for t in shard_tensors(dataset, 0, 1))  # every rank sees the same full batches
-    batches = iterate_batches(x_all, y_all, cfg.batch_size, cfg.seed)
-    schedule = make_schedule(cfg.n_microbatches)
-    optimizers = [torch.optim.SGD(m.parameters(), lr=cfg.lr) for m in (stage_module, full_model)]
-    loss_diff, grad_diff = 0.0, 0.0
-    for step in range(1, cfg.max_steps + 1):
-        x, y = next(batches)
-        pipeline_loss = run_step(schedule, rank, n_stages, x, y)
-        full_loss = F.mse_loss(full_model(x), y)  # the reference: whole model, whole batch, one process
-        full_loss.backward()
-        if step == 1:
-            grad_diff = max((getattr(pipeline_model, n).weight.grad - getattr(full_model, n).weight.grad).abs().max().item() for n in my_layers)
-        if pipeline_loss is not None:
-            loss_diff = max(loss_diff, abs(pipeline_loss - full_loss.item()))
-        for optimizer in optimizers:
-            optimizer.step()
-            optimizer.zero_grad()
-        if step % cfg.log_every == 0 or step == cfg.max_steps:
-            recorder.log(step, {"full_model_loss": full_loss.item()})
-    param_diff = max((p - q).abs().max().item() for n in my_layers
-                     for p, q in zip(getattr(pipeline_model, n).parameters(), getattr(full_model, n).parameters(), strict=True))
-    loss_diff, grad_diff, param_diff = (reduce_max(v, device) for v in (loss_diff, grad_diff, param_diff))
-    for name, value, what in (("loss_matches_full_model", loss_diff, "loss at every step"),
-                              ("gradients_match_full_model", grad_diff, "weight gradients of step 1"),
-                              ("parameters_match_full_model", param_diff, f"parameters after {cfg.max_steps} steps")):
-        checks[name] = {"passed": value <= cfg.parity_atol, "detail": f"max |pipeline - full model| {what} = {value:.2e}, tolerance {cfg.parity_atol:.0e}"}
-
-    bubbles, timeline = measure_bubbles(cfg, make_schedule, stage_module, batches, rank, n_stages, recorder)
-    metrics = {"stages": n_stages, "schedule": cfg.schedule, "loss_max_abs_diff": loss_diff, "grad_max_abs_diff": grad_diff,
-               "param_max_abs_diff": param_diff, "bubbles": bubbles}
-    if recorder.is_main and timeline:
-        metrics["timeline_png"] = draw_timeline(timeline, cfg, n_stages, output_dir)
-        recorder.log_wandb_table_and_image("bubble", bubbles, metrics["timeline_png"])
-    return recorder.finish(metrics, checks)
+        bubbles, timeline = measure_bubbles(cfg, make_schedule, stage_module, batches, rank, n_stages, run)
+        run.metrics.update(stages=n_stages, schedule=cfg.schedule, loss_max_abs_diff=loss_diff, grad_max_abs_diff=grad_diff,
+                           param_max_abs_diff=param_diff, bubbles=bubbles)
+        if run.is_main and timeline:
+            run.metrics["timeline_png"] = draw_timeline(timeline, cfg, n_stages, run.output_dir)
+        run.log_table("bubble", bubbles, run.metrics.get("timeline_png"))
+    return run.exit_code
 
 
-def measure_bubbles(cfg: Config, make_schedule, stage_module, batches, rank: int, n_stages: int, recorder):
+def measure_bubbles(cfg: Config, make_schedule, stage_module, batches, rank: int, n_stages: int, run):
     """For each m: warm up once, then time bubble_steps steps; bubble = 1 - mean stage busy time / makespan."""
     timer = BlockTimer(stage_module)
     rows, timeline = [], None
-    if recorder.is_main and cfg.bubble_values():
-        recorder.print(f"{'m':>4}{'measured bubble':>17}{'GPipe theory':>14}{'step ms':>10}")
+    if run.is_main and cfg.bubble_values():
+        run.print(f"{'m':>4}{'measured bubble':>17}{'GPipe theory':>14}{'step ms':>10}")
     for m in cfg.bubble_values():
         if cfg.schedule == "1f1b" and m < n_stages:
-            recorder.print(f"{m:>4}  skipped: 1f1b needs m >= {n_stages} stages")
+            run.print(f"{m:>4}  skipped: 1f1b needs m >= {n_stages} stages")
             continue
         schedule = make_schedule(m)
         run_step(schedule, rank, n_stages, *next(batches))  # warm-up: shape inference, buffers
@@ -230,9 +225,12 @@ def measure_bubbles(cfg: Config, make_schedule, stage_module, batches, rank: int
             if m == cfg.n_microbatches or timeline is None:
                 timeline = [[(kind, s - start, e - start) for kind, s, e in blocks] for blocks in every_stage]
         theory = (n_stages - 1) / (m + n_stages - 1)
-        row = {"m": m, "measured_bubble": statistics.median(fractions), "gpipe_theory": theory, "step_ms": statistics.median(step_ms)}
+        row = {"m": m, "measured_bubble": statistics.median(fractions), "gpipe_theory": theory, "step_ms": statistics.median(step_ms),
+               # what the timer saw in the last step: m forward and m backward blocks per stage, each of some length
+               "blocks_per_stage": [{kind: sum(b[0] == kind for b in blocks) for kind in "FB"} for blocks in every_stage],
+               "shortest_block_us": 1e6 * min(b[2] - b[1] for blocks in every_stage for b in blocks)}
         rows.append(row)
-        recorder.print(f"{m:>4}{row['measured_bubble']:>17.3f}{theory:>14.3f}{row['step_ms']:>10.1f}")
+        run.print(f"{m:>4}{row['measured_bubble']:>17.3f}{theory:>14.3f}{row['step_ms']:>10.1f}")
     return rows, timeline
 
 

@@ -1,16 +1,13 @@
-"""collectives for real: every op verified on 2 gloo ranks and on 1, the bench's rows and plot, and a
-check shown able to fail (gloo's silent wrong answer on strided tensors)."""
+"""collectives for real: every op verified on 2 gloo ranks and on 1, and a check shown able to fail
+(gloo's silent wrong answer on strided tensors); bad input for both collectives programs."""
 
 from __future__ import annotations
 
-import json
-import subprocess
-import sys
-
 import pytest
 
-from conftest import clean_env, launch, run_in_process, run_main_in_process
-from experiments.collectives import VERIFY_OPS, bus_factor, main
+from experiments.collectives import VERIFY_OPS, main
+from experiments.collectives_bench import main as bench_main
+from helpers import launch, run_in_process, run_main_in_process
 
 QUIET = ["--report_to", "none"]
 
@@ -45,57 +42,19 @@ def test_strided_inputs_are_caught_as_wrong(tmp_path):
     assert check["passed"] is False and "WRONG: rank" in check["detail"] and "got [" in check["detail"]
 
 
-def test_bench_tiny_sizes_rows_plot_and_wandb_table(tmp_path):
-    home = tmp_path / "home"
-    home.mkdir()
-    args = ["--bench", "--min_bytes", "1024", "--max_bytes", "4096", "--iters", "2", "--repeats", "3", "--warmup", "1",
-            "--memcpy_bytes", str(2**20)]
-    finished = launch("collectives.py", args, tmp_path / "run", env=clean_env(HOME=str(home), NETRC=str(home / "none")))
-    assert finished.returncode == 0, finished.stderr[-3000:]
-    metrics = finished.summary["metrics"]
-    rows = metrics["rows"]
-    assert len(rows) == 6 * 3 and {r["bytes"] for r in rows} == {1024, 2048, 4096}
-    for row in rows:
-        assert row["time_us"] > 0 and row["spread_us"] >= 0
-        assert row["busbw_gbps"] == pytest.approx(row["algbw_gbps"] * bus_factor(row["op"], 2))
-        assert row["algbw_gbps"] == pytest.approx(row["bytes"] / (row["time_us"] * 1e-6) / 1e9)
-        assert row["busbw_pct_of_memcpy"] == pytest.approx(100 * row["busbw_gbps"] / metrics["memcpy_gbps"])
-    assert metrics["memcpy_gbps"] > 0.1
-    png = (tmp_path / "run" / "busbw.png").read_bytes()
-    assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 5000
-    assert len(finished.metrics) == len(rows)
-    assert "all_reduce" in finished.stdout and "busbw_GB/s" in finished.stdout
-    run_dir = finished.summary["trackers"]["wandb"]["run_dir"]
-    inspected = subprocess.run([sys.executable, "-m", "wandb", "leet", "inspect", "--json", run_dir],
-                               capture_output=True, text=True, timeout=60, check=True).stdout
-    logged_keys = set()
-    for line in inspected.splitlines():
-        record = json.loads(line)
-        if record.get("type") == "history":
-            logged_keys |= {key.split(".")[0] for key in record["history"]["item"]}  # "bench_plot._type" -> bench_plot
-    assert {"bench_table", "bench_plot", "busbw_gbps"} <= logged_keys
-
-
-def test_bus_factors_follow_nccl_tests():
-    assert bus_factor("all_reduce", 2) == 1.0 and bus_factor("all_reduce", 8) == pytest.approx(1.75)
-    assert bus_factor("all_gather_into_tensor", 4) == 0.75 == bus_factor("reduce_scatter_tensor", 4)
-    assert bus_factor("all_to_all_single", 2) == 0.5
-    assert bus_factor("broadcast", 8) == 1.0 == bus_factor("reduce", 8)
-    assert bus_factor("all_reduce", 1) == 0.0  # one rank moves nothing
-
-
 @pytest.mark.parametrize(
-    ("args", "message"),
+    ("program", "args", "message"),
     [
-        (["--ops", "all_reduce,alltoall"], "'alltoall' is not a verify op"),
-        (["--bench", "--ops", "scatter"], "'scatter' is not a bench op"),
-        (["--bench", "--min_bytes", "1000"], "--min_bytes must be a power of two >= 64, got 1000"),
-        (["--noncontiguous"], "--noncontiguous works with --ops from all_reduce, reduce, broadcast"),
-        (["--backend", "nccl2"], "invalid choice: 'nccl2'"),
+        (main, ["--ops", "all_reduce,alltoall"], "'alltoall' is not a verify op"),
+        (main, ["--ops", " , "], "--ops ' , ' names no op"),
+        (bench_main, ["--ops", "scatter"], "'scatter' is not a bench op"),
+        (bench_main, ["--min_bytes", "1000"], "--min_bytes must be a power of two >= 64, got 1000"),
+        (main, ["--noncontiguous"], "--noncontiguous works with --ops from all_reduce, reduce, broadcast"),
+        (main, ["--backend", "nccl2"], "invalid choice: 'nccl2'"),
     ],
 )
-def test_bad_input(tmp_path, args, message, capsys):
-    code, stderr = run_main_in_process(main, [*QUIET, "--output_dir", str(tmp_path / "run"), *args], capsys)
+def test_bad_input(tmp_path, program, args, message, capsys):
+    code, stderr = run_main_in_process(program, [*QUIET, "--output_dir", str(tmp_path / "run"), *args], capsys)
     assert code == 2 and message in stderr and stderr.count("\n") == 1
 
 

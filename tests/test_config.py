@@ -70,37 +70,52 @@ def test_require_raises_usage_error():
     require(True, "never raised")
 
 
-def test_accelerated_optimizer_zero_grad_still_behaves_after_the_lookups_are_cached(tmp_path):
-    """runtime.remove_per_step_lookups replaces AcceleratedOptimizer.zero_grad (its signature check asked
-    once): set_to_none still defaults to True, False still zeroes in place, and an optimizer whose
-    zero_grad takes no set_to_none still refuses one."""
+def test_accelerate_runs_as_shipped(tmp_path):
+    """No experiment or common module patches Accelerate: after make_accelerator (and a prepared
+    optimizer's step), Accelerate's functions are the ones its modules define."""
+    import accelerate.optimizer
     import torch
     from accelerate.state import AcceleratorState
 
     from common.config import RunArgs
     from common.runtime import make_accelerator
 
+    shipped_zero_grad, shipped_lookup = accelerate.optimizer.AcceleratedOptimizer.zero_grad, accelerate.optimizer.is_lomo_available
     AcceleratorState._reset_state(True)
     try:
         accelerator = make_accelerator(RunArgs(), str(tmp_path))
         model = accelerator.prepare(torch.nn.Linear(3, 1))
         optimizer = accelerator.prepare(torch.optim.SGD(model.parameters(), lr=0.1))
-        for set_to_none, expected in ((None, None), (False, 0.0)):
-            model(torch.ones(2, 3)).sum().backward()
-            if set_to_none is None:
-                optimizer.zero_grad()
-            else:
-                optimizer.zero_grad(set_to_none=set_to_none)
-            grad = model.weight.grad
-            assert grad is None if expected is None else torch.equal(grad, torch.zeros_like(model.weight))
-
-        class NoSetToNone(torch.optim.SGD):
-            def zero_grad(self):
-                super().zero_grad()
-
-        plain = accelerator.prepare(NoSetToNone(model.parameters(), lr=0.1))
-        plain.zero_grad()
-        with pytest.raises(ValueError, match="set_to_none"):
-            plain.zero_grad(set_to_none=True)
+        model(torch.ones(2, 3)).sum().backward()
+        optimizer.step()
+        optimizer.zero_grad()
     finally:
         AcceleratorState._reset_state(True)
+    assert accelerate.optimizer.AcceleratedOptimizer.zero_grad is shipped_zero_grad
+    assert accelerate.optimizer.is_lomo_available is shipped_lookup and not hasattr(shipped_lookup, "cache_info")
+    assert shipped_zero_grad.__module__ == "accelerate.optimizer"
+
+
+@pytest.mark.parametrize(
+    ("argv", "expected"),
+    [
+        (["--dist_timeout_s", "inf"], "--dist_timeout_s must be > 0 and <= 604800 (a week), got inf"),
+        (["--dist_timeout_s", "1e300"], "--dist_timeout_s must be > 0 and <= 604800"),
+        (["--dist_timeout_s", "nan"], "--dist_timeout_s must be > 0"),
+        (["--seed", "99999999999999999999999"], "--seed must be between 0 and 2147483647"),
+        (["--seed", "-1"], "--seed must be between 0 and 2147483647, got -1"),
+        (["--report_to", "all,wandb"], "'all' already means every installed tracker; pass it alone"),
+    ],
+)
+def test_values_that_used_to_end_in_a_traceback(argv, expected, capsys):
+    assert expected in parse_error(argv, capsys)
+
+
+def test_help_shows_each_default_once():
+    @dataclass
+    class WithDefaultInHelp(TrainArgs):
+        size: int = flag(0, "size of things (default: as large as fits)")
+
+    text = " ".join(build_parser(WithDefaultInHelp).format_help().split())
+    assert text.endswith("size of things (default: as large as fits)")  # no second "(default: 0)" after it
+    assert "(default: 300)" in text  # --max_steps still shows its default

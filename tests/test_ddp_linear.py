@@ -11,10 +11,9 @@ import sys
 import pytest
 import torch
 
-from conftest import clean_env, launch, run_in_process, run_main_in_process
 from experiments.ddp_linear import main
+from helpers import clean_env, launch, run_in_process, run_main_in_process
 
-pytestmark = pytest.mark.launch
 TINY = ["--max_steps", "120", "--log_every", "40", "--report_to", "none"]
 ALL_CHECKS = {"distributed", "recovers_truth", "matches_single_process", "loss_decreased"}
 
@@ -43,10 +42,10 @@ def test_two_cpu_ranks_match_one_process_and_recover_the_truth(two_rank_run):
     assert metrics["global_batch_size"] == 64  # 32 per rank x 2 ranks
     assert metrics["max_weight_error"] < 0.05 and metrics["parity_max_abs_diff"] <= 1e-5
     assert len(metrics["weight"]) == 10 and metrics["final_mse"] < 0.02 < metrics["initial_mse"]
-    from experiments.ddp_linear import SWEEP_METRICS
+    from experiments.ddp_linear import Config
 
     logged = {key for record in finished.metrics for key in record}
-    assert set(SWEEP_METRICS) <= logged  # what sweeps may name as their metric really is logged
+    assert set(Config.sweep_metrics) <= logged  # what sweeps may name as their metric really is logged
     steps = [r["step"] for r in finished.metrics if "loss" in r]
     assert steps == [40, 80, 120]
     assert "step     40 | loss" in finished.stdout and "samples/s" in finished.stdout
@@ -139,6 +138,9 @@ def test_finished_run_is_not_overwritten(tmp_path, capsys):
         (["--keep_checkpoints", "0"], "--keep_checkpoints must be > 0, got 0"),
         (["--gradient_accumulation_steps", "0"], "--gradient_accumulation_steps must be > 0, got 0"),
         (["--mixed_precision", "fp8"], "invalid choice: 'fp8'"),
+        (["--feature_columns", "a,b"], "--feature_columns and --target_column choose columns of --data_file; pass --data_file too"),
+        (["--n_samples", "10000000000"], "--n_samples: the data would need about"),
+        (["--fail_at_step", "3", "--fail_rank", "5"], "--fail_rank 5: this launch has ranks 0..0"),
     ],
 )
 def test_bad_input_one_line_exit_2(tmp_path, args, message, capsys):
@@ -146,6 +148,13 @@ def test_bad_input_one_line_exit_2(tmp_path, args, message, capsys):
     assert code == 2, stderr
     assert stderr.strip().count("\n") == 0 and message in stderr
     assert not (tmp_path / "run" / "summary.json").exists()
+
+
+def test_a_target_listed_as_a_feature_is_refused(tmp_path, capsys):
+    (tmp_path / "t.csv").write_text("a,y\n1,2\n3,4\n")
+    argv = ["--report_to", "none", "--output_dir", str(tmp_path / "run"), "--data_file", str(tmp_path / "t.csv"), "--feature_columns", "a,y"]
+    code, stderr = run_main_in_process(main, argv, capsys)
+    assert code == 2 and "--feature_columns lists the target column 'y'" in stderr
 
 
 def test_trains_on_a_local_csv(tmp_path):

@@ -3,8 +3,8 @@ single-process replay, no_sync is honoured, and the seed's sum-not-average bug i
 
 from __future__ import annotations
 
-from conftest import launch, run_in_process
 from experiments.manual_data_parallel import main
+from helpers import launch, run_in_process
 
 QUIET = ["--report_to", "none", "--max_steps", "60"]
 

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from conftest import REPO, launch, run_in_process, run_main_in_process
 from experiments.model_parallel import main as model_parallel_main
+from helpers import REPO, launch, run_in_process, run_main_in_process
 
 QUIET = ["--report_to", "none"]
 MODEL_PARALLEL_YAML = str(REPO / "accelerate_configs" / "model_parallel.yaml")
@@ -80,6 +80,8 @@ def test_pipeline_equals_the_full_model(tmp_path, schedule):
     assert [b["m"] for b in bubbles] == [2, 4]
     assert [b["gpipe_theory"] for b in bubbles] == pytest.approx([1 / 3, 1 / 5])
     assert all(0 < b["measured_bubble"] < 1 for b in bubbles)
+    for row in bubbles:  # the timer saw every block: m forwards and m backwards on each of the 2 stages, none empty
+        assert row["blocks_per_stage"] == [{"F": row["m"], "B": row["m"]}] * 2 and row["shortest_block_us"] > 0
     png = (tmp_path / "run" / "timeline.png").read_bytes()
     assert png[:4] == b"\x89PNG" and len(png) > 5000
 

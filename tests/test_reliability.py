@@ -6,17 +6,19 @@ from __future__ import annotations
 
 import json
 import os
-import signal
+import shutil
 import subprocess
 import sys
 import time
 from pathlib import Path
 
+import psutil
 import pytest
 
 from common.config import UsageError
-from common.reliability import Heartbeat, ResumableArgs, find_checkpoint
-from conftest import CPU_DDP, REPO, clean_env, free_port, launch, run_main_in_process
+from common.processes import kill_tree, process_tree
+from common.reliability import Heartbeat, OutputLock, ResumableArgs, find_checkpoint
+from helpers import CPU_DDP, REPO, clean_env, free_port, launch, run_in_process, run_main_in_process
 
 # Long enough to kill between checkpoints (~1 s of steps here), short enough that five runs stay cheap.
 LONG = ["--report_to", "none", "--max_steps", "600", "--log_every", "150", "--checkpoint_every", "150"]
@@ -24,7 +26,7 @@ LONG = ["--report_to", "none", "--max_steps", "600", "--log_every", "150", "--ch
 
 @pytest.fixture(scope="module")
 def clean_run(tmp_path_factory):
-    """The uninterrupted reference: 600 steps on 2 ranks."""
+    """The uninterrupted reference: 600 steps on 2 ranks, a state digest at every checkpoint step."""
     finished = launch("ddp_linear.py", LONG, tmp_path_factory.mktemp("clean") / "run")
     assert finished.returncode == 0, finished.stderr[-3000:]
     return finished
@@ -34,31 +36,63 @@ def same_parameters(a: dict, b: dict) -> bool:
     return a["weight"] == b["weight"] and a["bias"] == b["bias"]  # float lists compared exactly: bitwise
 
 
-def test_sigkill_then_resume_is_bitwise_equal_and_logs_each_step_once(clean_run, tmp_path):
+def start_and_kill_every_process(command: list[str], env: dict, until) -> None:
+    """Start a launch, wait for `until()`, then SIGKILL the launcher AND its ranks by pid (torchrun
+    starts each rank in a session of its own: killing the launcher's group would leave them running)."""
+    victim = subprocess.Popen(command, cwd=REPO, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.monotonic() + 120
+    while not until():
+        assert victim.poll() is None and time.monotonic() < deadline, "the run ended before the kill point"
+        time.sleep(0.02)
+    everyone = process_tree(victim.pid)
+    assert len(everyone) >= 3, "expected the launcher and two ranks"
+    kill_tree(victim.pid)
+    victim.wait(timeout=30)
+    assert not any(p.is_running() and p.status() != psutil.STATUS_ZOMBIE for p in everyone), "a process survived the kill"
+
+
+@pytest.mark.launch
+def test_kill_every_process_then_resume_equals_the_clean_run_at_the_resume_step_and_at_the_end(clean_run, tmp_path):
     out = tmp_path / "run"
     home = tmp_path / "home"
     home.mkdir()
     command = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", CPU_DDP, "--main_process_port", str(free_port()),
                str(REPO / "experiments" / "ddp_linear.py"), "--output_dir", str(out), *LONG]
-    victim = subprocess.Popen(command, cwd=REPO, env=clean_env(HOME=str(home)), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                              start_new_session=True)
-    deadline = time.monotonic() + 120
-    while not (out / "checkpoints" / "step_00000300").exists():
-        assert victim.poll() is None and time.monotonic() < deadline, "the run ended before its second checkpoint"
-        time.sleep(0.02)
-    os.killpg(victim.pid, signal.SIGKILL)  # the whole process group: launcher and both ranks
-    victim.wait(timeout=30)
+    start_and_kill_every_process(command, clean_env(HOME=str(home)), until=lambda: (out / "checkpoints" / "step_00000300").exists())
     assert not (out / "summary.json").exists(), "killed too late: the run had finished"
 
     resumed = launch("ddp_linear.py", [*LONG, "--resume_from_checkpoint", "latest"], out)
     assert resumed.returncode == 0, resumed.stderr[-3000:]
-    summary = resumed.summary
-    assert summary["metrics"]["resumed_from_step"] >= 300
-    assert same_parameters(summary["metrics"], clean_run.summary["metrics"])
+    metrics, clean = resumed.summary["metrics"], clean_run.summary["metrics"]
+    step = metrics["resumed_from_step"]
+    assert step >= 300
+    # the state right after loading IS the clean run's state at that step, and so is the end state
+    assert metrics["resumed_state_digest"] == clean["state_digests"][str(step)]
+    assert metrics["final_state_digest"] == clean["final_state_digest"]
+    assert resumed.summary["checks"]["resume_restored_state"]["passed"]
+    assert same_parameters(metrics, clean)
     steps = [r["step"] for r in resumed.metrics]
     assert steps == [150, 300, 450, 600]  # each step exactly once
     checkpoints = sorted(p.name for p in (out / "checkpoints").iterdir())
     assert len(checkpoints) <= 2 and not any(name.endswith(".partial") for name in checkpoints)  # --keep_checkpoints 2
+
+
+@pytest.mark.launch
+def test_a_checkpoint_with_another_runs_weights_fails_its_resume_check(tmp_path, capsys):
+    """The evidence can fail: SGD on this convex problem forgets where it started, so the final
+    parameters alone would not notice a swapped checkpoint. The digest recorded at save time does."""
+    from experiments.ddp_linear import main
+
+    args = ["--report_to", "none", "--max_steps", "40", "--log_every", "20", "--checkpoint_every", "20"]
+    first = run_in_process(main, args, tmp_path / "a", capsys)
+    other = run_in_process(main, [*args, "--seed", "1"], tmp_path / "b", capsys)
+    assert first.returncode == other.returncode == 0
+    for name in ("model.safetensors",):
+        shutil.copy(tmp_path / "b" / "checkpoints" / "step_00000020" / name, tmp_path / "a" / "checkpoints" / "step_00000020" / name)
+    resumed = run_in_process(main, [*args, "--max_steps", "60", "--resume_from_checkpoint", "latest", "--overwrite"], tmp_path / "a", capsys)
+    assert resumed.returncode == 1
+    check = resumed.summary["checks"]["resume_restored_state"]
+    assert check["passed"] is False and "state digest after loading" in check["detail"]
 
 
 @pytest.mark.parametrize("launcher", ["torchrun", "accelerate"])
@@ -132,8 +166,8 @@ def test_half_written_checkpoints_are_never_latest(tmp_path):
     (root / "step_00000200.partial").mkdir()  # killed while saving
     (root / "step_00000300").mkdir()  # no step.json: not complete
     cfg = ResumableArgs(resume_from_checkpoint="latest")
-    assert find_checkpoint(cfg, str(tmp_path)) == (str(root / "step_00000100"), 100)
-    assert find_checkpoint(ResumableArgs(resume_from_checkpoint="latest"), str(tmp_path / "empty")) == (None, 0)
+    assert find_checkpoint(cfg, str(tmp_path)) == (str(root / "step_00000100"), {"step": 100})
+    assert find_checkpoint(ResumableArgs(resume_from_checkpoint="latest"), str(tmp_path / "empty")) == (None, {"step": 0})
     with pytest.raises(UsageError, match="is not a complete checkpoint"):
         find_checkpoint(ResumableArgs(resume_from_checkpoint=str(root / "step_00000300")), str(tmp_path))
 
@@ -170,3 +204,161 @@ def test_heartbeats_name_the_rank_that_is_behind(tmp_path):
     assert rank1.laggards() == "none visible from here (the stuck rank may be on another node)"
     (tmp_path / "heartbeat" / "rank1").unlink()
     assert rank0.laggards() == "rank 1 (never reported)"
+
+
+# ------------------------------------------------------------------ no run lost or silently wrong (in-process)
+
+QUICK = ["--report_to", "none", "--max_steps", "40", "--log_every", "20"]
+
+
+def ddp_linear(argv: list[str], output_dir: Path, capsys):
+    from experiments.ddp_linear import main
+
+    return run_in_process(main, [*QUICK, *argv], output_dir, capsys)
+
+
+def test_resume_latest_never_overwrites_a_finished_run(tmp_path, capsys):
+    """The README's elastic command into a folder that holds a finished run without checkpoints."""
+    first = ddp_linear([], tmp_path / "run", capsys)
+    before = (tmp_path / "run" / "summary.json").read_text()
+    other = ddp_linear(["--resume_from_checkpoint", "latest", "--lr", "0.05"], tmp_path / "run", capsys)
+    assert first.returncode == 0 and other.returncode == 2
+    assert "already holds a finished run with other settings (--lr: 0.1 in that run, 0.05 now)" in other.stderr
+    same = ddp_linear(["--resume_from_checkpoint", "latest"], tmp_path / "run", capsys)
+    assert same.returncode == 0 and "already finished (summary.json); nothing to resume" in same.stdout
+    assert (tmp_path / "run" / "summary.json").read_text() == before
+
+
+def test_a_second_run_into_a_busy_folder_is_refused_naming_the_holder(tmp_path, capsys):
+    (tmp_path / "run").mkdir()
+    holder = OutputLock(str(tmp_path / "run"))
+    holder.acquire()  # as the main process of a running job holds it
+    try:
+        refused = ddp_linear([], tmp_path / "run", capsys)
+    finally:
+        holder.release()
+    assert refused.returncode == 2 and f"is in use by another run (pid {os.getpid()})" in refused.stderr
+    assert not (tmp_path / "run" / "metrics.jsonl").exists()
+    assert ddp_linear([], tmp_path / "run", capsys).returncode == 0  # free again once the holder is gone
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--max_steps", "20"], "--max_steps 20: the checkpoint"),
+        (["--max_steps", "60", "--lr", "0.2"], "--lr: 0.1 in the checkpoint, 0.2 now"),
+        (["--max_steps", "60", "--per_rank_batch_size", "16"], "--per_rank_batch_size: 32 in the checkpoint, 16 now"),
+        (["--max_steps", "60", "--gradient_accumulation_steps", "2"], "--gradient_accumulation_steps: 1 in the checkpoint, 2 now"),
+        (["--max_steps", "60", "--expected_world_size", "2"], "world_size: 1 in the checkpoint, 2 now"),
+    ],
+)
+def test_a_resume_whose_settings_differ_is_refused(tmp_path, argv, message, capsys):
+    out = tmp_path / "run"
+    assert ddp_linear(["--checkpoint_every", "20", "--max_steps", "30"], out, capsys).returncode == 0
+    (out / "summary.json").unlink()  # as if killed after the step-20 checkpoint
+    refused = ddp_linear(["--checkpoint_every", "20", "--resume_from_checkpoint", "latest", *argv], out, capsys)
+    assert refused.returncode == 2 and message in refused.stderr, refused.stderr
+    assert refused.stderr.strip().count("\n") == 0 and not (out / "summary.json").exists()
+
+
+@pytest.mark.parametrize(
+    ("make_bad_dir", "message"),
+    [
+        (lambda tmp: "/proc/no/such/dir", "cannot write there"),
+        (lambda tmp: str(_file(tmp) / "sub"), "cannot write there"),
+        (lambda tmp: str(_file(tmp)), "exists and is not a directory"),
+    ],
+    ids=["under-proc", "under-a-file", "a-file"],
+)
+def test_an_unwritable_output_dir_is_one_line(tmp_path, make_bad_dir, message, capsys):
+    from experiments.ddp_linear import main
+
+    code, stderr = run_main_in_process(main, [*QUICK, "--output_dir", make_bad_dir(tmp_path)], capsys)
+    assert code == 2 and message in stderr and stderr.strip().count("\n") == 0
+
+
+def _file(tmp_path: Path) -> Path:
+    path = tmp_path / "a_file"
+    path.write_text("x")
+    return path
+
+
+def test_a_diverging_run_stops_at_the_first_non_finite_loss(tmp_path, capsys):
+    finished = ddp_linear(["--lr", "1e30", "--max_steps", "200"], tmp_path / "run", capsys)
+    assert finished.returncode == 2 and finished.stderr.strip().count("\n") == 0
+    assert "training diverged; lower --lr (now 1e+30)" in finished.stderr and "at step " in finished.stderr
+    step = int(finished.stderr.split("at step ")[1].split()[0])
+    assert step < 20  # stopped at once, not after 200 steps of NaN
+    assert not (tmp_path / "run" / "summary.json").exists()
+
+
+def test_a_full_disk_keeps_the_last_complete_checkpoint(tmp_path, capsys):
+    """Checkpoints on a 1 MiB tmpfs: the first fits, a later one fills the disk. One line naming the
+    folder, the half-written one removed, the newest complete checkpoint kept."""
+    disk = tmp_path / "disk"
+    disk.mkdir()
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=160k", "tmpfs", str(disk)], capture_output=True).returncode != 0:
+        pytest.skip("cannot mount a small tmpfs here (needs root)")
+    try:
+        out = tmp_path / "run"
+        out.mkdir()
+        (out / "checkpoints").symlink_to(disk)
+        args = ["--checkpoint_every", "10", "--max_steps", "200", "--keep_checkpoints", "1000"]
+        finished = ddp_linear(args, out, capsys)
+        complete = sorted(p.name for p in disk.iterdir())
+    finally:
+        subprocess.run(["umount", "--lazy", str(disk)], check=True)
+    assert finished.returncode == 2 and finished.stderr.strip().count("\n") == 0, finished.stderr
+    assert "could not write the step-" in finished.stderr and "(disk full); newest complete checkpoint kept: step_" in finished.stderr
+    assert complete and not any(name.endswith(".partial") for name in complete)
+
+
+def test_a_full_disk_under_metrics_is_one_line(tmp_path, capsys):
+    out = tmp_path / "run"
+    out.mkdir()
+    (out / "metrics.jsonl").symlink_to("/dev/full")  # every write: ENOSPC
+    finished = ddp_linear([], out, capsys)
+    assert finished.returncode == 2 and "could not write" in finished.stderr and "disk full" in finished.stderr
+    assert finished.stderr.strip().count("\n") == 0
+
+
+def test_pipeline_refusals_come_before_any_output(tmp_path, capsys):
+    from experiments.pipeline_parallel import main
+
+    for argv in (["--schedule", "1f1b", "--n_microbatches", "1"], ["--n_layers", "1"], []):
+        code, stderr = run_main_in_process(main, ["--report_to", "wandb", "--output_dir", str(tmp_path / "run"), *argv], capsys)
+        assert code == 2 and stderr.strip().count("\n") == 0
+        assert not (tmp_path / "run").exists()  # no folder, no config.json, no W&B run
+
+
+@pytest.mark.launch
+def test_a_multi_cpu_config_that_starts_one_process_is_refused(tmp_path):
+    """accelerate 1.16: `distributed_type: MULTI_CPU`, num_processes 2, no mpirun -> ONE process. It would
+    pass every check as a 1-rank run; it is refused with the fix instead."""
+    config = tmp_path / "multi_cpu.yaml"
+    config.write_text("compute_environment: LOCAL_MACHINE\ndistributed_type: MULTI_CPU\nnum_processes: 2\nnum_machines: 1\n"
+                      "machine_rank: 0\nuse_cpu: true\nmixed_precision: 'no'\n")
+    finished = launch("ddp_linear.py", QUICK, tmp_path / "run", config=str(config))
+    assert finished.returncode != 0 and "MULTI_CPU` needs mpirun; use accelerate_configs/cpu_ddp.yaml" in finished.stderr
+    assert not (tmp_path / "run" / "summary.json").exists()
+
+
+@pytest.mark.launch
+def test_a_resumed_run_continues_its_wandb_run_and_records_the_verdicts(tmp_path):
+    out = tmp_path / "run"
+    home = tmp_path / "home"
+    home.mkdir()
+    env = clean_env(HOME=str(home), NETRC=str(home / "none"))
+    args = ["--max_steps", "600", "--log_every", "150", "--checkpoint_every", "150"]
+    command = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", CPU_DDP, "--main_process_port", str(free_port()),
+               str(REPO / "experiments" / "ddp_linear.py"), "--output_dir", str(out), *args]
+    start_and_kill_every_process(command, env, until=lambda: (out / "checkpoints" / "step_00000300").exists())
+    first_id = (out / "wandb_run_id").read_text()
+    resumed = launch("ddp_linear.py", [*args, "--resume_from_checkpoint", "latest"], out, env=env)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    wandb = resumed.summary["trackers"]["wandb"]
+    assert wandb["run_id"] == first_id and wandb["run_dir"].endswith(first_id)
+    inspected = subprocess.run([sys.executable, "-m", "wandb", "leet", "inspect", "--summary", "--json", wandb["run_dir"]],
+                               capture_output=True, text=True, timeout=60, check=True)
+    summary = json.loads(inspected.stdout)["summary"]
+    assert summary["passed"] is True and summary["check/matches_single_process"] == "PASS"

@@ -12,7 +12,14 @@ from accelerate.state import AcceleratorState
 from accelerate.tracking import GeneralTracker
 
 from common.config import RunArgs, UsageError
-from common.tracking import RunRecorder, format_console_line, resolve_trackers, wandb_has_credentials
+from common.tracking import (
+    RunRecorder,
+    TrackerPlan,
+    format_console_line,
+    resolve_trackers,
+    strict_json,
+    wandb_has_credentials,
+)
 
 
 @pytest.fixture
@@ -23,7 +30,7 @@ def fresh_accelerate_state():
 
 
 def test_none_means_no_tracker(tmp_path):
-    assert resolve_trackers("none", str(tmp_path))[0] == []
+    assert resolve_trackers("none", str(tmp_path)).log_with == []
 
 
 def test_uninstalled_tracker_is_a_usage_error(tmp_path):
@@ -36,9 +43,26 @@ def test_wandb_without_credentials_goes_offline(tmp_path, monkeypatch):
     monkeypatch.delenv("WANDB_API_KEY", raising=False)
     monkeypatch.setenv("NETRC", str(tmp_path / "no-netrc"))
     assert not wandb_has_credentials()
-    names, init_kwargs, notes = resolve_trackers("wandb,tensorboard", str(tmp_path))
-    assert names == ["wandb", "tensorboard"]
-    assert notes["wandb"]["mode"] == "offline" and init_kwargs["wandb"]["dir"] == str(tmp_path)
+    plan = resolve_trackers("wandb,tensorboard", str(tmp_path))
+    assert plan.log_with == ["wandb", "tensorboard"]
+    assert plan.notes["wandb"]["mode"] == "offline" and plan.init_kwargs["wandb"] == {"dir": str(tmp_path)}
+
+
+def test_a_resumed_run_continues_its_wandb_run(tmp_path, monkeypatch):
+    monkeypatch.delenv("WANDB_RUN_ID", raising=False)
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    (tmp_path / "wandb_run_id").write_text("abc123")
+    assert resolve_trackers("wandb", str(tmp_path), continuing=True).init_kwargs["wandb"] == {"dir": str(tmp_path), "id": "abc123", "resume": "allow"}
+    assert "id" not in resolve_trackers("wandb", str(tmp_path), continuing=False).init_kwargs["wandb"]  # a fresh run: a new W&B run
+    monkeypatch.setenv("WANDB_RUN_ID", "sweep-trial-7")  # a sweep agent's id wins
+    assert "id" not in resolve_trackers("wandb", str(tmp_path), continuing=True).init_kwargs["wandb"]
+
+
+def test_non_finite_numbers_become_null_and_are_named():
+    text = strict_json({"loss": float("nan"), "rows": [1.0, float("inf")], "ok": 2.0})
+    assert json.loads(text) == {"loss": None, "rows": [1.0, None], "ok": 2.0,
+                                "non_finite": {"null_means": "the value was NaN or infinite", "fields": ["loss", "rows[1]"]}}
+    assert ": NaN" not in text and "Infinity" not in text  # no bare tokens
 
 
 def test_credentials_are_found_in_env_or_netrc(tmp_path, monkeypatch):
@@ -57,7 +81,7 @@ def test_explicit_wandb_mode_is_respected(tmp_path, monkeypatch):
     monkeypatch.setenv("WANDB_MODE", "disabled")
     monkeypatch.setenv("NETRC", str(tmp_path / "none"))
     monkeypatch.delenv("WANDB_API_KEY", raising=False)
-    assert resolve_trackers("wandb", str(tmp_path))[2]["wandb"]["mode"] == "disabled"
+    assert resolve_trackers("wandb", str(tmp_path)).notes["wandb"]["mode"] == "disabled"
 
 
 def test_console_line_has_step_loss_and_throughput():
@@ -97,10 +121,11 @@ class TinyArgs(RunArgs):
 def test_failing_tracker_never_costs_local_metrics(tmp_path, fresh_accelerate_state):
     tracker = ExplodingTracker()
     accelerator = Accelerator(cpu=True, log_with=[tracker])
-    recorder = RunRecorder(accelerator, "demo", TinyArgs(output_dir=str(tmp_path)), str(tmp_path), {}, {})
+    recorder = RunRecorder(accelerator, "demo", TinyArgs(output_dir=str(tmp_path)), str(tmp_path), TrackerPlan(["exploding"]))
     for step in (1, 2, 3):
         recorder.log(step, {"loss": 1.0 / step})
     code = recorder.finish({"final": 1}, {"ok": {"passed": True, "detail": "fine"}})
+    recorder.close_trackers()
     records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in records] == [1, 2, 3]
     summary = json.loads((tmp_path / "summary.json").read_text())
@@ -112,7 +137,7 @@ def test_failing_tracker_never_costs_local_metrics(tmp_path, fresh_accelerate_st
 
 def test_a_failed_check_means_exit_1(tmp_path, fresh_accelerate_state):
     accelerator = Accelerator(cpu=True)
-    recorder = RunRecorder(accelerator, "demo", TinyArgs(), str(tmp_path), {}, {})
+    recorder = RunRecorder(accelerator, "demo", TinyArgs(), str(tmp_path), TrackerPlan([]))
     code = recorder.finish({}, {"good": {"passed": True, "detail": ""}, "bad": {"passed": False, "detail": "off by 1"}})
     summary = json.loads((tmp_path / "summary.json").read_text())
     assert code == 1 and summary["passed"] is False and summary["checks"]["bad"]["detail"] == "off by 1"

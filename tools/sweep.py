@@ -1,4 +1,4 @@
-"""Run a W&B sweep YAML with no W&B server: `python -m common.sweep sweeps/ddp_linear_lr.yaml --count 4`.
+"""Run a W&B sweep YAML with no W&B server: `python -m tools.sweep sweep_configs/ddp_linear_lr.yaml --count 4`.
 
 What `wandb sweep` + `wandb agent` do online, done locally with W&B's own pieces:
 - the search is W&B's open-source sweep engine (`sweeps` on PyPI, what the W&B server runs):
@@ -10,27 +10,50 @@ What `wandb sweep` + `wandb agent` do online, done locally with W&B's own pieces
 - every trial's summary.json is collected into a leaderboard: console table, leaderboard.csv and
   leaderboard.png (the metric against each swept parameter), best trial named.
 Before any trial runs, the sweep is validated: YAML and W&B schema, every parameter a flag of the
-program, the metric one the program logs, the command's words one per item. Problems are one line, exit 2.
+program, every value the search can propose accepted by the program's own flag checks (grid values,
+and both ends of a range), the metric one the program declares in its Config's `sweep_metrics`, the
+command's words one per item. Problems are one line, exit 2. A trial that runs past
+--trial_timeout_s is ended with every process of its launch (torchrun's ranks live in sessions of
+their own), before it is reported failed, so nothing writes into its folder afterwards.
+The search is seeded (--seed): the same sweep proposes the same values again.
 """
 
 from __future__ import annotations
 
-import argparse
 import csv
 import dataclasses
 import importlib.util
 import json
 import math
 import os
-import subprocess
+import random
 import sys
 import time
 import warnings
 from dataclasses import dataclass
 
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
 import yaml
 
-from common.config import UsageError, run_cli
+from common.config import MAX_SEED, UsageError, flag, parse_config, require, require_positive, run_cli
+from common.processes import TIMED_OUT, run_process_tree
+
+
+@dataclass
+class SweepArgs:
+    """`python -m tools.sweep FILE [flags]`: the sweep runner's command line (same parser as the experiments)."""
+
+    sweep_file: str = flag("", "a W&B sweep YAML (e.g. sweep_configs/ddp_linear_lr.yaml)", positional=True)
+    count: int = flag(4, "most trials to run (grid stops earlier when exhausted)")
+    output_dir: str = flag("", "folder for trials and leaderboard (default runs/sweeps/local-<name>-<time>)")
+    trial_timeout_s: float = flag(1800.0, "end a trial (every process of its launch) that runs longer than this")
+    seed: int = flag(0, "seed of the search (random and bayes proposals): the same seed proposes the same values")
+
+    def validate(self) -> None:
+        require_positive(self, "count")
+        require(0 < self.trial_timeout_s < math.inf, f"--trial_timeout_s must be > 0 and finite, got {self.trial_timeout_s}")
+        require(0 <= self.seed <= MAX_SEED, f"--seed must be between 0 and {MAX_SEED}, got {self.seed}")
 
 
 def import_sweeps():
@@ -57,7 +80,8 @@ class Sweep:
 
 
 def load_program(program: str):
-    """The experiment module behind `program:` (its Config dataclass and SWEEP_METRICS)."""
+    """The experiment module behind `program:` (its Config dataclass, whose `sweep_metrics` says what a
+    sweep may optimise)."""
     if not os.path.isfile(program):
         raise UsageError(f"program {program!r} not found (run from the repository root)")
     spec = importlib.util.spec_from_file_location(f"sweep_program_{os.path.basename(program)[:-3]}", program)
@@ -92,11 +116,13 @@ def validate_sweep(path: str) -> Sweep:
         raise UsageError(f"sweep file {path!r} breaks W&B's sweep schema: {violations[0]}")
     module = load_program(config["program"])
     flags = [f.name for f in dataclasses.fields(module.Config)]
-    for name in config["parameters"]:
+    for name, spec in config["parameters"].items():
         if name not in flags:
             raise UsageError(f"sweep file {path!r}: parameter {name!r} is not a flag of {config['program']}; its flags: {', '.join(flags)}")
+        for value in proposable_values(spec):
+            refuse_value(path, module.Config, name, value)
     metric = config["metric"].get("name") if isinstance(config["metric"], dict) else None
-    logged = list(getattr(module, "SWEEP_METRICS", ()))
+    logged = list(module.Config.sweep_metrics)
     if metric not in logged:
         raise UsageError(f"sweep file {path!r}: metric {metric!r} is never logged by {config['program']}; it logs: {', '.join(logged) or 'nothing sweepable'}")
     command = config.get("command", DEFAULT_COMMAND)
@@ -109,6 +135,26 @@ def validate_sweep(path: str) -> Sweep:
     if not any(str(c) in ARG_MACROS for c in command):
         raise UsageError(f"sweep file {path!r}: command never passes ${{args}}: hyper-parameters would reach only rank 0's wandb.config")
     return Sweep(path, config, config["program"], flags, metric, config["metric"].get("goal", "minimize"), [str(c) for c in command])
+
+
+def proposable_values(spec: dict) -> list:
+    """What the search may propose for one parameter: every listed value, and both ends of a range."""
+    if "value" in spec:
+        return [spec["value"]]
+    if "values" in spec:
+        return list(spec["values"])
+    if spec.get("distribution") in ("log_uniform", "q_log_uniform", "inv_log_uniform"):
+        return []  # min and max are exponents there (e^min .. e^max), not values the program sees
+    return [spec[end] for end in ("min", "max") if end in spec]
+
+
+def refuse_value(path: str, config_cls, name: str, value) -> None:
+    """The program's own parser and checks, on one proposed value: the trial would fail on it anyway."""
+    try:
+        parse_config(config_cls, [f"--{name}={value}", "--report_to", "none"])
+    except SystemExit:
+        raise UsageError(f"sweep file {path!r}: parameter {name!r} may propose {value!r}, which the program refuses "
+                         f"(run it with --{name}={value} to see why)") from None
 
 
 def expand_command(sweep: Sweep, values: dict, args_json_path: str) -> list[str]:
@@ -145,7 +191,7 @@ def read_metric(trial_dir: str, metric: str) -> float | None:
     return float(last) if isinstance(last, int | float) else None
 
 
-def run_sweep(sweep: Sweep, count: int, output_dir: str, trial_timeout_s: float) -> list[dict]:
+def run_sweep(sweep: Sweep, count: int, output_dir: str, trial_timeout_s: float, seed: int = 0) -> list[dict]:
     from wandb.sdk.lib import config_util
 
     sweeps = import_sweeps()
@@ -155,12 +201,16 @@ def run_sweep(sweep: Sweep, count: int, output_dir: str, trial_timeout_s: float)
     for trial in range(1, count + 1):
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
+            import numpy
+
+            random.seed(seed * 1000 + trial)  # the engine draws from numpy's and Python's global generators
+            numpy.random.seed(seed * 1000 + trial)
             proposal = sweeps.next_run(sweep.config, runs)
         if proposal is None:
             print(f"sweep: the {sweep.config['method']} search is exhausted after {trial - 1} trials")
             break
         values = {k: (float(v["value"]) if hasattr(v["value"], "dtype") else v["value"]) for k, v in proposal.config.items()}
-        run_id = f"trial{trial:03d}"
+        run_id = f"{sweep_id}-trial{trial:03d}"  # W&B run ids must not collide across sweeps
         trial_dir = os.path.join(output_dir, run_id)
         os.makedirs(trial_dir, exist_ok=True)
         # As the agent does: one parameter file per run beside the others. The experiments' default
@@ -173,10 +223,9 @@ def run_sweep(sweep: Sweep, count: int, output_dir: str, trial_timeout_s: float)
         print(f"sweep: trial {trial}/{count} {run_id}: {' '.join(command)}", flush=True)
         started = time.perf_counter()
         with open(os.path.join(trial_dir, "trial.log"), "w") as log:
-            try:
-                exit_code = subprocess.run(command, env=env, stdout=log, stderr=subprocess.STDOUT, timeout=trial_timeout_s).returncode
-            except subprocess.TimeoutExpired:
-                exit_code = "timeout"
+            # Ends every process of the launch on a timeout (or Ctrl-C), and returns only once they are gone.
+            exit_code = run_process_tree(command, trial_timeout_s, capture=False, env=env, stdout=log, stderr=log).returncode
+        exit_code = "timeout" if exit_code == TIMED_OUT else exit_code
         value = read_metric(trial_dir, sweep.metric)
         # Exit 1 means the run completed but one of its checks failed (e.g. an lr too small to recover the
         # truth): its metric is real and the search should learn from it. Anything else is a failed trial.
@@ -240,27 +289,22 @@ def plot_leaderboard(sweep: Sweep, rows: list[dict], swept: list[str], output_di
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m common.sweep", description=__doc__.split("\n")[0], allow_abbrev=False)
-    parser.add_argument("sweep_file", help="a W&B sweep YAML (e.g. sweeps/ddp_linear_lr.yaml)")
-    parser.add_argument("--count", type=int, default=4, help="most trials to run (grid stops earlier when exhausted)")
-    parser.add_argument("--output_dir", default="", help="folder for trials and leaderboard (default runs/sweeps/local-<name>-<time>)")
-    parser.add_argument("--trial_timeout_s", type=float, default=1800, help="kill a trial that runs longer than this")
-    parser.error = lambda message: parser.exit(2, f"{parser.prog}: error: {message}\n")  # one line, exit 2
-    args = parser.parse_args(argv)
-    if args.count <= 0:
-        raise UsageError(f"--count must be > 0, got {args.count}")
-    if args.trial_timeout_s <= 0:
-        raise UsageError(f"--trial_timeout_s must be > 0, got {args.trial_timeout_s}")
+    args = parse_config(SweepArgs, argv, description=__doc__.split("\n")[0], prog="python -m tools.sweep")
     sweep = validate_sweep(args.sweep_file)
     name = os.path.splitext(os.path.basename(args.sweep_file))[0]
     output_dir = os.path.abspath(args.output_dir or os.path.join("runs", "sweeps", f"local-{name}-{time.strftime('%Y%m%d-%H%M%S')}"))
+    if os.path.exists(output_dir) and not os.path.isdir(output_dir):
+        raise UsageError(f"--output_dir {output_dir} exists and is not a directory")
     if os.path.exists(os.path.join(output_dir, "leaderboard.csv")):
         raise UsageError(f"--output_dir {output_dir} already holds a finished sweep; choose another")
-    os.makedirs(output_dir, exist_ok=True)
-    rows = run_sweep(sweep, args.count, output_dir, args.trial_timeout_s)
+    try:
+        os.makedirs(output_dir, exist_ok=True)
+    except OSError as error:
+        raise UsageError(f"--output_dir {output_dir}: cannot write there ({error.strerror or error})") from None
+    rows = run_sweep(sweep, args.count, output_dir, args.trial_timeout_s, args.seed)
     best = write_leaderboard(sweep, rows, output_dir)
     with open(os.path.join(output_dir, "sweep.json"), "w") as handle:
-        json.dump({"sweep_file": sweep.path, "config": sweep.config, "trials": rows, "best": best}, handle, indent=2, default=str)
+        json.dump({"sweep_file": sweep.path, "seed": args.seed, "config": sweep.config, "trials": rows, "best": best}, handle, indent=2, default=str)
     return 0 if best is not None and not math.isnan(best[sweep.metric]) else 1
 
 

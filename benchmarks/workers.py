@@ -11,7 +11,6 @@ import argparse
 import json
 import os
 import socket
-import subprocess
 import sys
 import tempfile
 
@@ -30,7 +29,9 @@ def spawn(script: str, nproc: int, args: list[str], timeout_s: float = 900) -> d
         command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc), "--master_port", str(free_port()),
                    os.path.join(REPO, "benchmarks", script), "--worker", "--result", result_path, *args]
         env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": REPO}
-        done = subprocess.run(command, capture_output=True, text=True, timeout=timeout_s, env=env, cwd=REPO)
+        from common.processes import run_process_tree
+
+        done = run_process_tree(command, timeout_s, env=env, cwd=REPO)  # a timeout ends every rank, not only torchrun
         if done.returncode != 0:
             raise RuntimeError(f"{script} workers failed ({done.returncode}):\n{done.stderr[-3000:]}")
         with open(result_path) as handle:
@@ -48,12 +49,13 @@ def benchmark_parser(doc: str, has_workers: bool = False) -> argparse.ArgumentPa
 
 
 def run_worker(worker, args) -> None:
-    """A worker process's whole life: measure, then common/'s shutdown (`run_cli`): its models are
-    collected while the process group is alive, then the group is destroyed. Ending on Accelerate's
-    end_training() instead aborted a rank ("terminate called without an active exception") in the suite."""
-    from common.config import run_cli
+    """A worker process's whole life: measure (`worker` returns its Accelerator), then the same shutdown
+    as every run (common/run.py): wait for every rank, free the prepared models, destroy the group.
+    Ending on Accelerate's end_training() instead aborted a rank ("terminate called without an active
+    exception") in the suite."""
+    from common.run import shutdown
 
-    run_cli(lambda: worker(args) or 0)
+    shutdown(worker(args))
 
 
 def write_result(path: str, payload: dict) -> None:

@@ -1,5 +1,6 @@
-"""W&B sweeps: every YAML in sweeps/ is valid for its program, bad sweeps are refused before any trial,
-and an offline grid runs end to end through accelerate launch into a leaderboard."""
+"""W&B sweeps (tools/sweep.py): every YAML in sweep_configs/ is valid for its program, bad sweeps (and
+values the program would refuse) are refused before any trial, an offline grid runs end to end
+through accelerate launch into a leaderboard, and a trial that times out leaves no process behind."""
 
 from __future__ import annotations
 
@@ -12,10 +13,10 @@ from pathlib import Path
 import pytest
 
 from common.config import UsageError
-from common.sweep import expand_command, validate_sweep
-from conftest import REPO, clean_env
+from helpers import REPO, clean_env
+from tools.sweep import expand_command, proposable_values, validate_sweep
 
-SWEEP_FILES = sorted((REPO / "sweeps").glob("*.yaml"))
+SWEEP_FILES = sorted((REPO / "sweep_configs").glob("*.yaml"))
 
 
 @pytest.mark.parametrize("path", SWEEP_FILES, ids=lambda p: p.name)
@@ -28,7 +29,7 @@ def test_every_sweep_file_validates(path, monkeypatch):
 
 def test_expanded_command_is_what_the_agent_runs(monkeypatch):
     monkeypatch.chdir(REPO)
-    sweep = validate_sweep("sweeps/ddp_linear_lr.yaml")
+    sweep = validate_sweep("sweep_configs/ddp_linear_lr.yaml")
     command = expand_command(sweep, {"lr": 0.1, "per_rank_batch_size": 16}, "/tmp/args.json")
     assert command == ["/usr/bin/env", "accelerate", "launch", "--config_file", "accelerate_configs/cpu_ddp.yaml",
                        "experiments/ddp_linear.py", "--lr=0.1", "--per_rank_batch_size=16"]
@@ -47,6 +48,10 @@ BAD = {
                                 "command: [\"${env}\", \"accelerate launch\", \"${program}\", \"${args}\"]\n", "holds several words"),
     "no args": ("program: experiments/ddp_linear.py\nmethod: grid\nmetric: {name: final_mse}\nparameters: {lr: {values: [0.1]}}\n"
                 "command: [\"${env}\", \"accelerate\", \"launch\", \"${program}\"]\n", "never passes ${args}"),
+    "a value the program refuses": ("program: experiments/ddp_linear.py\nmethod: grid\nmetric: {name: final_mse}\n"
+                                   "parameters: {lr: {values: [0.1, abc]}}\n", "parameter 'lr' may propose 'abc', which the program refuses"),
+    "a negative range": ("program: experiments/ddp_linear.py\nmethod: random\nmetric: {name: final_mse}\n"
+                         "parameters: {lr: {min: -0.5, max: 0.1}}\n", "parameter 'lr' may propose -0.5"),
     "missing program": ("program: experiments/nope.py\nmethod: grid\nmetric: {name: final_mse}\nparameters: {lr: {values: [0.1]}}\n",
                         "program 'experiments/nope.py' not found"),
 }
@@ -66,7 +71,7 @@ def test_bad_sweeps_are_refused(case, tmp_path, monkeypatch):
 def test_cli_refuses_a_bad_sweep_with_one_line_and_exit_2(tmp_path):
     path = tmp_path / "bad.yaml"
     path.write_text(BAD["not a flag"][0])
-    done = subprocess.run([sys.executable, "-m", "common.sweep", str(path), "--output_dir", str(tmp_path / "out")],
+    done = subprocess.run([sys.executable, "-m", "tools.sweep", str(path), "--output_dir", str(tmp_path / "out")],
                           capture_output=True, text=True, cwd=REPO, timeout=120, env=clean_env(HOME=str(tmp_path)))
     assert done.returncode == 2 and done.stderr.count("\n") == 1 and "learning_rate" in done.stderr
     assert not (tmp_path / "out" / "trial001").exists()
@@ -76,7 +81,7 @@ def test_offline_two_trial_grid_end_to_end(tmp_path):
     out = tmp_path / "sweep"
     home = tmp_path / "home"
     home.mkdir()
-    done = subprocess.run([sys.executable, "-m", "common.sweep", "sweeps/ddp_linear_lr.yaml", "--count", "2", "--output_dir", str(out)],
+    done = subprocess.run([sys.executable, "-m", "tools.sweep", "sweep_configs/ddp_linear_lr.yaml", "--count", "2", "--output_dir", str(out)],
                           capture_output=True, text=True, cwd=REPO, timeout=300, env=clean_env(HOME=str(home), NETRC=str(home / "none")))
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
     with open(out / "leaderboard.csv") as handle:
@@ -94,6 +99,60 @@ def test_offline_two_trial_grid_end_to_end(tmp_path):
         assert summary["metrics"]["final_mse"] == pytest.approx(float(row["final_mse"]))
         run_dir = summary["trackers"]["wandb"]["run_dir"]
         assert summary["trackers"]["wandb"]["mode"] == "offline" and row["trial"] in run_dir  # the agent's WANDB_RUN_ID
+        assert row["trial"].startswith("sweep-") and summary["trackers"]["wandb"]["run_id"] == row["trial"]  # unique per sweep
         inspected = subprocess.run([sys.executable, "-m", "wandb", "leet", "inspect", "--summary", "--json", run_dir],
                                    capture_output=True, text=True, timeout=60, check=True)
         assert json.loads(inspected.stdout)["config"]["per_rank_batch_size"] == int(row["per_rank_batch_size"])
+
+
+def test_the_search_is_seeded():
+    """Two bayes/random searches with the same --seed propose the same values; another seed does not."""
+    from tools.sweep import import_sweeps
+
+    sweeps = import_sweeps()
+    config = {"method": "random", "metric": {"name": "final_mse", "goal": "minimize"},
+              "parameters": {"lr": {"distribution": "log_uniform_values", "min": 0.001, "max": 0.3}}}
+
+    def proposals(seed):
+        import random
+
+        import numpy
+
+        values = []
+        for trial in (1, 2, 3):
+            random.seed(seed * 1000 + trial)
+            numpy.random.seed(seed * 1000 + trial)
+            values.append(float(sweeps.next_run(config, []).config["lr"]["value"]))
+        return values
+
+    assert proposals(0) == proposals(0) != proposals(1)
+    assert proposable_values(config["parameters"]["lr"]) == [0.001, 0.3]  # both ends checked against the program
+
+
+def test_a_timed_out_trial_leaves_no_process_and_no_late_writes(tmp_path):
+    """The trial's ranks (torchrun puts each in a session of its own) are all ended on the timeout,
+    before the trial is reported failed; nothing writes into its folder afterwards."""
+    import time
+
+    import psutil
+
+    out = tmp_path / "sweep"
+    sweep_file = tmp_path / "slow.yaml"
+    sweep_file.write_text((REPO / "sweep_configs" / "ddp_linear_lr.yaml").read_text().replace("value: 150", "value: 100000000")
+                          .replace("values: [0.02, 0.1]", "values: [0.1]").replace("values: [16, 32]", "values: [32]"))
+    done = subprocess.run([sys.executable, "-m", "tools.sweep", str(sweep_file), "--count", "1", "--output_dir", str(out),
+                           "--trial_timeout_s", "12"], capture_output=True, text=True, cwd=REPO, timeout=180,
+                          env=clean_env(HOME=str(tmp_path), NETRC=str(tmp_path / "none")))
+    assert "(exit timeout)" in done.stdout, done.stdout[-2000:] + done.stderr[-2000:]
+    trial_dir = next(p for p in out.iterdir() if p.is_dir())
+
+    def of_this_sweep(process) -> bool:
+        try:
+            return process.environ().get("WANDB_SWEEP_ID") == out.name  # every trial process inherits it
+        except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
+            return False
+
+    assert [p.pid for p in psutil.process_iter() if of_this_sweep(p)] == []
+    sizes = {p: p.stat().st_size for p in trial_dir.rglob("*") if p.is_file()}
+    time.sleep(3)
+    assert {p: p.stat().st_size for p in trial_dir.rglob("*") if p.is_file()} == sizes

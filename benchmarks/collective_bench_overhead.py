@@ -1,8 +1,8 @@
-"""Benchmark 4: does collectives.py's timing harness add to what it measures?
+"""Benchmark 4: does collectives_bench.py's timing (common/collective_bench.py) add to what it measures?
 
 For all_reduce and all_gather_into_tensor at a few sizes, on 2 gloo ranks, side by side in one run,
 three timings of the same op take turns round after round (ABBA order):
-- harness: the experiment's `time_per_call_s` (torch.utils.benchmark, fixed counts, slowest rank);
+- harness: `common.collective_bench.time_per_call_s`, what the experiment times with (torch.utils.benchmark, fixed counts, slowest rank);
 - bare: perf_counter around the same calls by hand (same warm-up, barrier, 2 untimed calls, slowest rank);
 - bare_again: the bare loop once more: the noise floor, what "no difference" looks like on this machine.
 Overhead = the median over rounds of harness / bare in the same round, - 1, beside the noise floor, the
@@ -11,7 +11,7 @@ all_reduce: 240 µs in most rounds, up to 2 ms in others): medians of each timin
 to 30% between the two identical bare loops; paired ratios by up to 6%. Also busbw as a fraction of
 this machine's memcpy bandwidth, from the same run.
 
-    python benchmarks/collective_harness.py [--quick]
+    python benchmarks/collective_bench_overhead.py [--quick]
 """
 
 from __future__ import annotations
@@ -23,35 +23,36 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from benchmarks.harness import benchmark_parser, median, run_worker, spawn, write_result
+from benchmarks.workers import benchmark_parser, median, run_worker, spawn, write_result
 
 TIMINGS = ("harness", "bare", "bare_again")
 
 
-def worker(args) -> None:
+def worker(args):
     import tempfile
 
     import torch
     import torch.distributed as dist
 
+    from common.collective_bench import bus_factor, make_bench_call, memcpy_gbps, time_per_call_s
+    from common.config import RunArgs
     from common.runtime import make_accelerator
-    from experiments.collectives import Config, bus_factor, make_bench_call, memcpy_gbps, time_per_call_s
 
-    accelerator = make_accelerator(Config(), tempfile.mkdtemp())
-    cfg = Config(warmup=3, iters=args.iters, repeats=1, memcpy_bytes=2**26)
+    accelerator = make_accelerator(RunArgs(), tempfile.mkdtemp())
+    warmup = 3
     n, device = dist.get_world_size(), accelerator.device
-    copy_gbps = memcpy_gbps(cfg, device)
+    copy_gbps = memcpy_gbps(2**26, device)
 
     def bare_time_per_call_s(fn) -> float:  # what time_per_call_s does, by hand
-        for _ in range(cfg.warmup):
+        for _ in range(warmup):
             fn()
         dist.barrier()
         fn()
         fn()  # torch.utils.benchmark's warm-up: ranks leave the barrier's skew behind
         started = time.perf_counter()
-        for _ in range(cfg.iters):
+        for _ in range(args.iters):
             fn()
-        slowest = torch.tensor([(time.perf_counter() - started) / cfg.iters], dtype=torch.float64)
+        slowest = torch.tensor([(time.perf_counter() - started) / args.iters], dtype=torch.float64)
         dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
         return slowest.item()
 
@@ -62,7 +63,7 @@ def worker(args) -> None:
             seconds = {name: [] for name in TIMINGS}
             for round_index in range(args.rounds):
                 for name in TIMINGS if round_index % 2 == 0 else TIMINGS[::-1]:
-                    seconds[name].append(time_per_call_s(fn, cfg, device)[0] if name == "harness" else bare_time_per_call_s(fn))
+                    seconds[name].append(time_per_call_s(fn, warmup, args.iters, 1, device)[0] if name == "harness" else bare_time_per_call_s(fn))
             harness_s, bare_s, again_s = (median(seconds[name]) for name in TIMINGS)
             overheads = [h / b - 1 for h, b in zip(seconds["harness"], seconds["bare"], strict=True)]
             noise = [a / b - 1 for a, b in zip(seconds["bare_again"], seconds["bare"], strict=True)]
@@ -80,12 +81,12 @@ def worker(args) -> None:
         write_result(args.result, {"memcpy_gbps": copy_gbps, "rows": rows, "overhead": overhead, "noise_floor": median(all_noise),
                                    "max_row_overhead": max(r["overhead"] for r in rows),
                                    "max_row_noise_floor": max(abs(r["noise_floor"]) for r in rows), "target": 0.05, "met": overhead < 0.05})
-    accelerator.wait_for_everyone()  # then run_worker's shutdown: no rank tears down while another still works
+    return accelerator  # run_worker shuts it down
 
 
 def run(quick: bool = False) -> dict:
     sizes = ["65536", "1048576"] if quick else ["65536", "1048576", "8388608"]
-    result = spawn("collective_harness.py", 2, ["--sizes", *sizes, "--iters", "5" if quick else "20", "--rounds", "2" if quick else "60"])
+    result = spawn("collective_bench_overhead.py", 2, ["--sizes", *sizes, "--iters", "5" if quick else "20", "--rounds", "2" if quick else "60"])
     for row in result["rows"]:
         print(f"harness {row['op']:<24}{row['bytes']:>10,} B: harness {row['harness_us']:.0f} us, bare {row['bare_us']:.0f} us, "
               f"overhead {100 * row['overhead']:+.1f}% (noise floor {100 * row['noise_floor']:+.1f}%), busbw {row['busbw_gbps']:.2f} GB/s = {row['busbw_pct_of_memcpy']:.1f}% of memcpy")

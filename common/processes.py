@@ -1,0 +1,64 @@
+"""Start a launcher (accelerate launch, torchrun) and, when it must stop, stop ALL of it.
+
+torchrun starts each rank in a session of its own (measured), so killing the launcher, or even its
+process group, leaves the ranks running: they finish the run on their own and keep writing into a
+folder the caller already reported as failed. `run_process_tree` ends every descendant by pid on a
+timeout or an interrupt, and returns only once they are all gone.
+"""
+
+from __future__ import annotations
+
+import signal
+import subprocess
+from dataclasses import dataclass
+
+import psutil
+
+TIMED_OUT = -1000  # returncode of a command ended by its timeout (no real exit status is negative that far)
+
+
+@dataclass
+class Finished:
+    returncode: int  # TIMED_OUT when the timeout ended it
+    stdout: str
+    stderr: str
+
+
+def process_tree(pid: int) -> list[psutil.Process]:
+    """The process and every descendant (children of children, whatever their session)."""
+    try:
+        root = psutil.Process(pid)
+        return [root, *root.children(recursive=True)]
+    except psutil.NoSuchProcess:
+        return []
+
+
+def kill_tree(pid: int, wait_s: float = 30) -> None:
+    """SIGKILL the process and all its descendants, and wait until none is left."""
+    victims = process_tree(pid)
+    for process in victims:
+        try:
+            process.send_signal(signal.SIGKILL)
+        except psutil.NoSuchProcess:
+            pass
+    _gone, alive = psutil.wait_procs(victims, timeout=wait_s)
+    if alive:
+        raise RuntimeError(f"processes {[p.pid for p in alive]} survived SIGKILL for {wait_s} s")
+
+
+def run_process_tree(command: list[str], timeout_s: float, capture: bool = True, **popen_kwargs) -> Finished:
+    """subprocess.run, except that a timeout or Ctrl-C kills the whole tree before returning/raising.
+    With capture=False the caller passes stdout/stderr itself (e.g. a log file)."""
+    if capture:
+        popen_kwargs.update(stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    process = subprocess.Popen(command, start_new_session=True, **popen_kwargs)
+    try:
+        stdout, stderr = process.communicate(timeout=timeout_s)
+        return Finished(process.returncode, stdout or "", stderr or "")
+    except subprocess.TimeoutExpired:
+        kill_tree(process.pid)
+        stdout, stderr = process.communicate()
+        return Finished(TIMED_OUT, stdout or "", (stderr or "") + f"\n[killed after {timeout_s:.0f} s timeout]\n")
+    except BaseException:  # KeyboardInterrupt, or the caller's own failure: no orphans either way
+        kill_tree(process.pid)
+        raise

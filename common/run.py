@@ -1,0 +1,214 @@
+"""The life of one run, owned in one place: `with start_run(cfg, "ddp_linear") as run:`.
+
+On entry, in this order. Each step can refuse with one line and exit status 2, and none of them
+writes anything before the steps that could refuse have passed:
+1. --output_dir resolved; a folder holding a finished run is refused unless --overwrite (resuming a
+   finished run is a no-op that says so, when its settings are the same);
+2. the checkpoint to resume from found, and refused if its settings differ from this run's;
+3. the folder locked by the main process: a second run into it is refused, naming the holder;
+4. trackers resolved (W&B offline without a key; a resumed run continues its W&B run);
+5. the Accelerator (CPU over gloo where torch sees no GPU; a timeout on every collective);
+6. config.json, metrics.jsonl and the trackers started (main process only);
+7. the `distributed` check: the ranks Accelerate sees are the ranks that were launched. If not, the
+   run ends right here (summary.json says why, exit 1): training on a broken launch proves nothing.
+
+In the `with` body the experiment does its idea, adding `run.metrics`, `run.check(...)`,
+`run.parity_check(...)` and `run.log(...)`. On a normal exit: summary.json, the verdict broadcast so
+every rank exits with the same code (`run.exit_code`: 0 passed, 1 a check failed), then the shutdown
+in the order gloo needs. On an exception: trackers closed, lock released, and a timed-out collective
+re-raised naming the rank that is behind.
+"""
+
+from __future__ import annotations
+
+import gc
+import json
+import os
+
+import torch
+
+from common.config import RunArgs, UsageError
+from common.reliability import (
+    OutputLock,
+    explain_timeout,
+    find_checkpoint,
+    first_difference,
+    refuse_incompatible,
+)
+from common.runtime import check_distributed, launched_world_size, make_accelerator
+from common.tracking import RunRecorder, resolve_trackers
+
+
+class RunEnded(SystemExit):
+    """The run ended early but cleanly (a failed `distributed` check, nothing to resume): exit with `code`."""
+
+
+def resolve_output_dir(cfg: RunArgs, experiment: str) -> str:
+    """--output_dir, or runs/<experiment>; under a W&B sweep (the agent sets WANDB_SWEEP_ID and
+    WANDB_RUN_ID) one folder per trial, <folder of WANDB_SWEEP_PARAM_PATH or runs/sweeps/<id>>/<run id>."""
+    default = os.path.join("runs", experiment)
+    sweep_id, run_id = os.environ.get("WANDB_SWEEP_ID"), os.environ.get("WANDB_RUN_ID")
+    if sweep_id and run_id:
+        param_path = os.environ.get("WANDB_SWEEP_PARAM_PATH")
+        default = os.path.join(os.path.dirname(param_path) if param_path else os.path.join("runs", "sweeps", sweep_id), run_id)
+    output_dir = os.path.abspath(cfg.output_dir or default)
+    if os.path.exists(output_dir) and not os.path.isdir(output_dir):
+        raise UsageError(f"--output_dir {output_dir} exists and is not a directory")
+    return output_dir
+
+
+def parity_check(difference: float, atol: float, what: str) -> dict:
+    """A check that a distributed result equals its reference: passes when |difference| <= atol (NaN fails)."""
+    return {"passed": bool(difference <= atol), "detail": f"{what} = {difference:.2e}, tolerance {atol:.0e}"}
+
+
+class Run:
+    """One run's owner from start to shutdown; see the module docstring for the order of things."""
+
+    def __init__(self, cfg: RunArgs, experiment: str, *, needs_process_group: bool = False, backend: str | None = None,
+                 **accelerator_kwargs):
+        self.cfg, self.experiment = cfg, experiment
+        self.needs_process_group, self.backend, self.accelerator_kwargs = needs_process_group, backend, accelerator_kwargs
+        self.metrics: dict = {}
+        self.checks: dict = {}
+        self.exit_code: int | None = None
+        self.heartbeat = None  # set by a TrainLoop, read when a collective times out
+        self.progress_bar = None  # set by a TrainLoop, cleared when the run stops on an error
+        self.accelerator = self.recorder = None
+        self.own_group = False
+        self.lock: OutputLock | None = None
+
+    # ------------------------------------------------------------------------------------------ start
+    def __enter__(self) -> Run:
+        try:
+            self._start()
+        except BaseException:
+            self._abort()
+            raise
+        return self
+
+    def _start(self) -> None:
+        cfg = self.cfg
+        world_size = launched_world_size(cfg)
+        self.output_dir = resolve_output_dir(cfg, self.experiment)
+        self.checkpoint, self.checkpoint_meta = find_checkpoint(cfg, self.output_dir)
+        self.start_step = self.checkpoint_meta["step"]
+        self._refuse_finished_run(world_size)
+        if self.checkpoint:
+            refuse_incompatible(cfg, self.checkpoint, self.checkpoint_meta, world_size)
+        if int(os.environ.get("RANK", "0")) == 0:  # the main process, before any Accelerator exists
+            try:
+                os.makedirs(self.output_dir, exist_ok=True)
+                self.lock = OutputLock(self.output_dir)
+                self.lock.acquire()
+            except OSError as error:
+                raise UsageError(f"--output_dir {self.output_dir}: cannot write there ({error.strerror or error})") from None
+        self.trackers = resolve_trackers(cfg.report_to, self.output_dir, continuing=bool(self.checkpoint))
+        self.accelerator = make_accelerator(cfg, self.output_dir, self.trackers.log_with, backend=self.backend,
+                                            **self.accelerator_kwargs)
+        self.recorder = RunRecorder(self.accelerator, self.experiment, cfg, self.output_dir, self.trackers,
+                                    resume_step=self.start_step if self.checkpoint else None)
+        self.checks["distributed"] = check_distributed(self.accelerator, cfg)
+        if not self.checks["distributed"]["passed"]:
+            self.__exit__(None, None, None)
+            raise RunEnded(self.exit_code)
+        if self.needs_process_group and not torch.distributed.is_initialized():
+            # Experiments about the raw torch.distributed API need a group even in one process, where
+            # Accelerate makes none: a 1-rank gloo group on a port the OS picks.
+            torch.distributed.init_process_group("gloo", init_method="tcp://127.0.0.1:0", rank=0, world_size=1)
+            self.own_group = True
+
+    def _refuse_finished_run(self, world_size: int) -> None:
+        summary_path = os.path.join(self.output_dir, "summary.json")
+        if not os.path.exists(summary_path) or self.cfg.overwrite:
+            return
+        if not getattr(self.cfg, "resume_from_checkpoint", ""):
+            raise UsageError(f"--output_dir {self.output_dir} already holds a finished run (summary.json); "
+                             "pass --overwrite or another --output_dir")
+        with open(summary_path) as handle:
+            finished = json.load(handle)
+        then = {**{k: v for k, v in finished.get("config", {}).items() if k not in self.cfg.result_neutral},
+                "world_size": finished.get("world_size")}
+        difference = first_difference(then, {**self.cfg.trajectory(), "world_size": world_size}, where="in that run")
+        if difference:
+            raise UsageError(f"--output_dir {self.output_dir} already holds a finished run with other settings ({difference}); "
+                             "pass --overwrite or another --output_dir")
+        print(f"{self.experiment}: the run in {self.output_dir} already finished (summary.json); nothing to resume", flush=True)
+        raise RunEnded(0)
+
+    # ----------------------------------------------------------------------------------- during the run
+    @property
+    def is_main(self) -> bool:
+        return self.accelerator.is_main_process
+
+    def print(self, line: str) -> None:
+        self.recorder.print(line)
+
+    def log(self, step: int, metrics: dict, console: bool = True) -> None:
+        self.recorder.log(step, metrics, console)
+
+    def log_table(self, name: str, rows: list[dict], image_path: str | None = None) -> None:
+        self.recorder.log_table(name, rows, image_path)
+
+    def check(self, name: str, passed: bool, detail: str) -> None:
+        self.checks[name] = {"passed": bool(passed), "detail": detail}
+
+    def parity_check(self, name: str, difference: float, atol: float, what: str) -> None:
+        """`what` = difference, within atol: e.g. ("matches_single_process", 3e-8, 1e-5, "max |DDP - one process|")."""
+        self.checks[name] = parity_check(difference, atol, what)
+
+    # ------------------------------------------------------------------------------------------- end
+    def __exit__(self, exc_type, error, traceback) -> bool:
+        if exc_type is None:
+            self.exit_code = self.recorder.finish(self.metrics, self.checks)
+            shutdown(self.accelerator, self.own_group, self.recorder)
+            self._release()
+            return False
+        self._abort()
+        if isinstance(error, RuntimeError) and self.heartbeat is not None:
+            explained = explain_timeout(error, self.heartbeat, self.cfg.dist_timeout_s)
+            if explained is not error:
+                raise explained from None
+        return False
+
+    def _abort(self) -> None:
+        """After an error: clear the progress bar (the error is the last line the user sees), close the
+        trackers (marks the W&B run as ended) and free the folder; no barrier, since the other ranks may
+        be the reason we are here."""
+        if self.progress_bar is not None:
+            self.progress_bar.leave = False
+            self.progress_bar.close()
+        if self.recorder is not None:
+            self.recorder.close_trackers()
+        self._release()
+
+    def _release(self) -> None:
+        if self.lock is not None:
+            self.lock.release()
+            self.lock = None
+
+
+def start_run(cfg: RunArgs, experiment: str, **options) -> Run:
+    """`with start_run(cfg, "name", gradient_accumulation_steps=..., mixed_precision=...) as run:`.
+    Options: needs_process_group (a 1-rank gloo group in one process), backend, and Accelerator kwargs."""
+    return Run(cfg, experiment, **options)
+
+
+def shutdown(accelerator, own_group: bool = False, recorder: RunRecorder | None = None) -> None:
+    """Accelerate's end_training, in the order that lets gloo shut down cleanly.
+
+    We saw `terminate called without an active exception` (SIGABRT) on the non-main rank in about
+    1 of 15 two-rank runs when it tore its process group down while rank 0 was still closing W&B, and
+    while DDP-wrapped models still held the group. So: trackers first, then every rank waits for the
+    others, drops Accelerate's references to prepared models, destroys the group, and collects what
+    still refers to it while the interpreter is fully alive."""
+    if recorder is not None:
+        recorder.close_trackers()
+    if accelerator.num_processes > 1:
+        accelerator.wait_for_everyone()
+    accelerator.free_memory()
+    if own_group:
+        torch.distributed.destroy_process_group()
+    accelerator.state.destroy_process_group()
+    gc.collect()
+
