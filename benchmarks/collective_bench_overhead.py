@@ -2,11 +2,13 @@
 
 For all_reduce and all_gather_into_tensor at a few sizes, on 2 gloo ranks, side by side in one run,
 three timings of the same op take turns round after round (ABBA order):
-- harness: `common.collective_bench.time_per_call_s`, what the experiment times with (torch.utils.benchmark, fixed counts, slowest rank);
+- harness: `common.collective_bench.time_per_call_s`, what the experiment times with
+  (torch.utils.benchmark, fixed counts, slowest rank);
 - bare: perf_counter around the same calls by hand (same warm-up, barrier, 2 untimed calls, slowest rank);
 - bare_again: the bare loop once more: the noise floor, what "no difference" looks like on this machine.
 Overhead = the median over rounds of harness / bare in the same round, - 1, beside the noise floor, the
-same for bare_again / bare; per row, and over all rows' rounds together (the figure with the target < 5%). Paired, because a timing here is heavy-tailed (a 64 KiB
+same for bare_again / bare; per row, and over all rows' rounds together (the figure with the target
+< 5%). Paired, because a timing here is heavy-tailed (a 64 KiB
 all_reduce: 240 µs in most rounds, up to 2 ms in others): medians of each timing alone differed by up
 to 30% between the two identical bare loops; paired ratios by up to 6%. Also busbw as a fraction of
 this machine's memcpy bandwidth, from the same run.
@@ -63,7 +65,11 @@ def worker(args):
             seconds = {name: [] for name in TIMINGS}
             for round_index in range(args.rounds):
                 for name in TIMINGS if round_index % 2 == 0 else TIMINGS[::-1]:
-                    seconds[name].append(time_per_call_s(fn, warmup, args.iters, 1, device)[0] if name == "harness" else bare_time_per_call_s(fn))
+                    seconds[name].append(
+                        time_per_call_s(fn, warmup, args.iters, 1, device)[0]
+                        if name == "harness"
+                        else bare_time_per_call_s(fn)
+                    )
             harness_s, bare_s, again_s = (median(seconds[name]) for name in TIMINGS)
             overheads = [h / b - 1 for h, b in zip(seconds["harness"], seconds["bare"], strict=True)]
             noise = [a / b - 1 for a, b in zip(seconds["bare_again"], seconds["bare"], strict=True)]
@@ -71,26 +77,57 @@ def worker(args):
             all_noise += noise
             overhead, noise_floor = median(overheads), median(noise)
             busbw = message_bytes / harness_s / 1e9 * bus_factor(op, n)
-            rows.append({"op": op, "bytes": message_bytes, "harness_us": harness_s * 1e6, "bare_us": bare_s * 1e6,
-                         "bare_again_us": again_s * 1e6, "overhead": overhead, "noise_floor": noise_floor,
-                         "busbw_gbps": busbw, "busbw_pct_of_memcpy": 100 * busbw / copy_gbps})
+            rows.append(
+                {
+                    "op": op,
+                    "bytes": message_bytes,
+                    "harness_us": harness_s * 1e6,
+                    "bare_us": bare_s * 1e6,
+                    "bare_again_us": again_s * 1e6,
+                    "overhead": overhead,
+                    "noise_floor": noise_floor,
+                    "busbw_gbps": busbw,
+                    "busbw_pct_of_memcpy": 100 * busbw / copy_gbps,
+                }
+            )
     if accelerator.is_main_process:
         # The harness is one piece of code, so its overhead is one figure: the median over every round of
         # every row. A row alone is at the mercy of the noise (see the rows' own noise floors).
         overhead = median(all_overheads)
-        write_result(args.result, {"memcpy_gbps": copy_gbps, "rows": rows, "overhead": overhead, "noise_floor": median(all_noise),
-                                   "max_row_overhead": max(r["overhead"] for r in rows),
-                                   "max_row_noise_floor": max(abs(r["noise_floor"]) for r in rows), "target": 0.05, "met": overhead < 0.05})
+        write_result(
+            args.result,
+            {
+                "memcpy_gbps": copy_gbps,
+                "rows": rows,
+                "overhead": overhead,
+                "noise_floor": median(all_noise),
+                "max_row_overhead": max(r["overhead"] for r in rows),
+                "max_row_noise_floor": max(abs(r["noise_floor"]) for r in rows),
+                "target": 0.05,
+                "met": overhead < 0.05,
+            },
+        )
     return accelerator  # run_worker shuts it down
 
 
 def run(quick: bool = False) -> dict:
     sizes = ["65536", "1048576"] if quick else ["65536", "1048576", "8388608"]
-    result = spawn("collective_bench_overhead.py", 2, ["--sizes", *sizes, "--iters", "5" if quick else "20", "--rounds", "2" if quick else "60"])
+    result = spawn(
+        "collective_bench_overhead.py",
+        2,
+        ["--sizes", *sizes, "--iters", "5" if quick else "20", "--rounds", "2" if quick else "60"],
+    )
     for row in result["rows"]:
-        print(f"harness {row['op']:<24}{row['bytes']:>10,} B: harness {row['harness_us']:.0f} us, bare {row['bare_us']:.0f} us, "
-              f"overhead {100 * row['overhead']:+.1f}% (noise floor {100 * row['noise_floor']:+.1f}%), busbw {row['busbw_gbps']:.2f} GB/s = {row['busbw_pct_of_memcpy']:.1f}% of memcpy")
-    print(f"harness overhead over all rows {100 * result['overhead']:+.1f}% (target < 5%; noise floor {100 * result['noise_floor']:+.1f}%)")
+        print(
+            f"harness {row['op']:<24}{row['bytes']:>10,} B: "
+            f"harness {row['harness_us']:.0f} us, bare {row['bare_us']:.0f} us, "
+            f"overhead {100 * row['overhead']:+.1f}% (noise floor {100 * row['noise_floor']:+.1f}%), "
+            f"busbw {row['busbw_gbps']:.2f} GB/s = {row['busbw_pct_of_memcpy']:.1f}% of memcpy"
+        )
+    print(
+        f"harness overhead over all rows {100 * result['overhead']:+.1f}% (target < 5%; "
+        f"noise floor {100 * result['noise_floor']:+.1f}%)"
+    )
     return result
 
 

@@ -56,14 +56,21 @@ def run(quick: bool = False) -> dict:
                 xb.sum()
 
         def dataloader():
-            loader = DataLoader(dataset.with_format("torch"), batch_size=batch_size, shuffle=True, drop_last=True)
+            loader = DataLoader(
+                dataset.with_format("torch"), batch_size=batch_size, shuffle=True, drop_last=True
+            )
             for count, batch in enumerate(loader):
                 batch["x"].sum()
                 if count + 1 >= (n_batches if batch_size > 32 or quick else n_batches // 10):
                     return count + 1  # the slow one runs a tenth of an epoch at batch 32
             return n_batches
 
-        variants = {"common_iterator": ours, "raw_slicing": raw, "raw_shuffled_slicing": raw_shuffled, "dataloader": dataloader}
+        variants = {
+            "common_iterator": ours,
+            "raw_slicing": raw,
+            "raw_shuffled_slicing": raw_shuffled,
+            "dataloader": dataloader,
+        }
         timings = {name: [] for name in variants}
         for _ in range(2 if quick else 9):  # rounds interleave the variants, so drift hits all of them
             for name, fn in variants.items():
@@ -77,9 +84,13 @@ def run(quick: bool = False) -> dict:
         # permutation), which unshuffled views skip; that floor is reported beside it.
         rates["met"] = rates["ratio_vs_raw_shuffled"] >= 0.9
         results[f"batch_{batch_size}"] = rates
-        print(f"data path, batch {batch_size}: common/ {rates['common_iterator']:,.0f} samples/s, raw slicing "
-              f"{rates['raw_slicing']:,.0f}, raw shuffled {rates['raw_shuffled_slicing']:,.0f}, DataLoader {rates['dataloader']:,.0f}; "
-              f"common/ / raw shuffled = {rates['ratio_vs_raw_shuffled']:.2f} (target >= 0.9), / unshuffled = {rates['ratio_vs_raw']:.2f}")
+        print(
+            f"data path, batch {batch_size}: common/ {rates['common_iterator']:,.0f} samples/s, raw slicing "
+            f"{rates['raw_slicing']:,.0f}, raw shuffled {rates['raw_shuffled_slicing']:,.0f}, "
+            f"DataLoader {rates['dataloader']:,.0f}; "
+            f"common/ / raw shuffled = {rates['ratio_vs_raw_shuffled']:.2f} (target >= 0.9), "
+            f"/ unshuffled = {rates['ratio_vs_raw']:.2f}"
+        )
     return results
 
 

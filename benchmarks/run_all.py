@@ -19,8 +19,13 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from benchmarks import collective_bench_overhead, data_path, scaling, startup, step_overhead
 from benchmarks.workers import REPO
 
-BENCHMARKS = {"step_overhead": step_overhead, "data_path": data_path, "scaling": scaling,
-              "collective_bench_overhead": collective_bench_overhead, "startup": startup}
+BENCHMARKS = {
+    "step_overhead": step_overhead,
+    "data_path": data_path,
+    "scaling": scaling,
+    "collective_bench_overhead": collective_bench_overhead,
+    "startup": startup,
+}
 START, END = "<!-- benchmarks:start -->", "<!-- benchmarks:end -->"
 
 
@@ -28,38 +33,70 @@ def machine() -> dict:
     import accelerate
     import torch
 
-    return {"cpus": os.cpu_count(), "python": platform.python_version(), "torch": torch.__version__,
-            "accelerate": accelerate.__version__, "processor": platform.processor() or platform.machine()}
+    return {
+        "cpus": os.cpu_count(),
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "accelerate": accelerate.__version__,
+        "processor": platform.processor() or platform.machine(),
+    }
 
 
 def table(results: dict) -> str:
     m = results["machine"]
     so, dp, sc, ch, st = (results[k] for k in BENCHMARKS)
-    lines = [f"Measured by `python -m benchmarks.run_all` on {m['cpus']} CPU cores, torch {m['torch']}, accelerate {m['accelerate']}"
-             f"{' (quick mode)' if results['quick'] else ''}.", "",
-             "| benchmark | figure | target | met |", "|---|---|---|---|",
-             f"| 1. step overhead (2 ranks, 1 thread each, median step) | bare DDP {so['bare_steps_per_s']:.0f} steps/s (the same loop again: {so['bare_again_steps_per_s']:.0f}, noise floor {so['noise_floor_ratio']:.3f}); "
-             f"+ common/ {so['bare_plus_common_steps_per_s']:.0f} (+{so['overhead_us']['common']:.0f} µs/step); Accelerate + common/ {so['accelerate_steps_per_s']:.0f} (+{so['overhead_us']['accelerate_and_common']:.0f} µs/step: "
-             f"prepared model {so['overhead_us']['prepared_model']:+.0f}, backward() + optimizer {so['overhead_us']['backward_and_optimizer']:+.0f}, accumulate() {so['overhead_us']['accumulate']:+.0f}): "
-             f"ratio **{so['ratio']:.3f}**. Not what the experiments run: the same step with Accelerate's two per-step lookups cached, "
-             f"{so['accelerate_cached_lookups_steps_per_s']:.0f} steps/s ({so['overhead_us']['lookups_saved_by_caching']:+.0f} µs/step saved) | ≥ 0.95 | {'yes' if so['met'] else 'no'} |"]
+    lines = [
+        f"Measured by `python -m benchmarks.run_all` on {m['cpus']} CPU cores, "
+        f"torch {m['torch']}, accelerate {m['accelerate']}"
+        f"{' (quick mode)' if results['quick'] else ''}.",
+        "",
+        "| benchmark | figure | target | met |",
+        "|---|---|---|---|",
+        f"| 1. step overhead (2 ranks, 1 thread each, median step) | bare DDP {so['bare_steps_per_s']:.0f} steps/s (the same loop again: "
+        f"{so['bare_again_steps_per_s']:.0f}, noise floor {so['noise_floor_ratio']:.3f}); "
+        f"+ common/ {so['bare_plus_common_steps_per_s']:.0f} (+{so['overhead_us']['common']:.0f} µs/step); "
+        f"Accelerate + common/ {so['accelerate_steps_per_s']:.0f} (+{so['overhead_us']['accelerate_and_common']:.0f} µs/step: "
+        f"prepared model {so['overhead_us']['prepared_model']:+.0f}, backward() + optimizer {so['overhead_us']['backward_and_optimizer']:+.0f}, accumulate() {so['overhead_us']['accumulate']:+.0f}): "
+        f"ratio **{so['ratio']:.3f}**. Not what the experiments run: "
+        "the same step with Accelerate's two per-step lookups cached, "
+        f"{so['accelerate_cached_lookups_steps_per_s']:.0f} steps/s ({so['overhead_us']['lookups_saved_by_caching']:+.0f} µs/step saved) | ≥ 0.95 | {'yes' if so['met'] else 'no'} |",
+    ]
     for batch in (32, 1024):
         d = dp[f"batch_{batch}"]
-        lines.append(f"| 2. data path, batch {batch} | common/ {d['common_iterator']:,.0f} samples/s; raw slicing {d['raw_slicing']:,.0f}; raw shuffled {d['raw_shuffled_slicing']:,.0f}; DataLoader over Dataset {d['dataloader']:,.0f}: common/ / raw shuffled = **{d['ratio_vs_raw_shuffled']:.2f}** (/ unshuffled {d['ratio_vs_raw']:.2f}) | ≥ 0.9 × raw (same work) | {'yes' if d['met'] else 'no'} |")
+        lines.append(
+            f"| 2. data path, batch {batch} | common/ {d['common_iterator']:,.0f} samples/s; raw slicing {d['raw_slicing']:,.0f}; raw shuffled {d['raw_shuffled_slicing']:,.0f}; "
+            f"DataLoader over Dataset {d['dataloader']:,.0f}: common/ / raw shuffled = **{d['ratio_vs_raw_shuffled']:.2f}** (/ unshuffled {d['ratio_vs_raw']:.2f}) | ≥ 0.9 × raw (same work) | {'yes' if d['met'] else 'no'} |"
+        )
     for name, row in sc["two_ranks"].items():
-        lines.append(f"| 3. scaling, MLP width {sc['width']}, {name} | 1 rank {sc['one_rank_samples_per_s']:,.0f} samples/s, 2 ranks {row['samples_per_s']:,.0f}: efficiency **{row['efficiency']:.2f}** | (measured) | – |")
-    lines.append(f"| 4. collective harness (2 ranks, gloo) | harness / bare loop − 1, paired per round, over {len(ch['rows'])} op × size rows: **{100 * ch['overhead']:+.1f}%** "
-                 f"(noise floor, the bare loop against itself: {100 * ch['noise_floor']:+.1f}%; worst row {100 * ch['max_row_overhead']:+.1f}%, rows' noise floors up to ±{100 * ch['max_row_noise_floor']:.1f}%); "
-                 f"best busbw {max(r['busbw_pct_of_memcpy'] for r in ch['rows']):.1f}% of memcpy ({ch['memcpy_gbps']:.1f} GB/s) | < 5% | {'yes' if ch['met'] else 'no'} |")
+        lines.append(
+            f"| 3. scaling, MLP width {sc['width']}, {name} | 1 rank {sc['one_rank_samples_per_s']:,.0f} samples/s, "
+            f"2 ranks {row['samples_per_s']:,.0f}: efficiency **{row['efficiency']:.2f}** | (measured) | – |"
+        )
+    lines.append(
+        "| 4. collective harness (2 ranks, gloo) | harness / bare loop − 1, paired per round, "
+        f"over {len(ch['rows'])} op × size rows: **{100 * ch['overhead']:+.1f}%** "
+        f"(noise floor, the bare loop against itself: {100 * ch['noise_floor']:+.1f}%; "
+        f"worst row {100 * ch['max_row_overhead']:+.1f}%, rows' noise floors up to ±{100 * ch['max_row_noise_floor']:.1f}%); "
+        f"best busbw {max(r['busbw_pct_of_memcpy'] for r in ch['rows']):.1f}% of memcpy ({ch['memcpy_gbps']:.1f} GB/s) | < 5% | {'yes' if ch['met'] else 'no'} |"
+    )
     imports = ", ".join(f"{k} {v:.2f} s" for k, v in st["imports_s"].items())
-    lines.append(f"| 5. start-up | `accelerate launch` → first step (2 ranks): **{st['launch_to_first_step_s']:.1f} s**; imports per process: {imports}; wandb imported when not the tracker: {'yes' if st['wandb_imported_without_wandb_tracker'] else 'no'} | (measured) | – |")
+    lines.append(
+        f"| 5. start-up | `accelerate launch` → first step (2 ranks): **{st['launch_to_first_step_s']:.1f} s**; imports per process: "
+        f"{imports}; wandb imported when not the tracker: {'yes' if st['wandb_imported_without_wandb_tracker'] else 'no'} | (measured) | – |"
+    )
     return "\n".join(lines)
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--quick", action="store_true", help="seconds per benchmark; does not touch the README")
-    parser.add_argument("--output", default=os.path.join(REPO, "benchmarks", "results.json"), help="where to write the figures")
+    parser.add_argument(
+        "--quick", action="store_true", help="seconds per benchmark; does not touch the README"
+    )
+    parser.add_argument(
+        "--output",
+        default=os.path.join(REPO, "benchmarks", "results.json"),
+        help="where to write the figures",
+    )
     args = parser.parse_args()
     results = {"quick": args.quick, "machine": machine()}
     for name, module in BENCHMARKS.items():

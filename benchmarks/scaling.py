@@ -32,7 +32,9 @@ def worker(args):
     from common.runtime import make_accelerator
 
     handlers = [DistributedDataParallelKwargs(bucket_cap_mb=args.bucket_mb)] if args.bucket_mb else []
-    accelerator = make_accelerator(RunArgs(), tempfile.mkdtemp(), gradient_accumulation_steps=args.accumulation, extra_handlers=handlers)
+    accelerator = make_accelerator(
+        RunArgs(), tempfile.mkdtemp(), gradient_accumulation_steps=args.accumulation, extra_handlers=handlers
+    )
     model = build_mlp(64, args.width, 1, seed=0, n_layers=4)
     model, optimizer = accelerator.prepare(model, torch.optim.SGD(model.parameters(), lr=1e-4))
     x, y = torch.randn(args.batch, 64), torch.randn(args.batch, 1)
@@ -52,7 +54,9 @@ def worker(args):
     elapsed = time.perf_counter() - started
     if accelerator.is_main_process:
         samples = args.steps * args.accumulation * args.batch * accelerator.num_processes
-        write_result(args.result, {"world_size": accelerator.num_processes, "samples_per_s": samples / elapsed})
+        write_result(
+            args.result, {"world_size": accelerator.num_processes, "samples_per_s": samples / elapsed}
+        )
     return accelerator  # run_worker shuts it down
 
 
@@ -60,18 +64,27 @@ def run(quick: bool = False, width: int = 1024) -> dict:
     common = ["--width", str(256 if quick else width), "--batch", "64", "--steps", "5" if quick else "40"]
     one = spawn("scaling.py", 1, common)["samples_per_s"]
     rows = {}
-    variants = [("ddp", []), ("ddp_accumulation_4", ["--accumulation", "4"]),
-                ("ddp_bucket_1mb", ["--bucket_mb", "1"]), ("ddp_bucket_25mb", ["--bucket_mb", "25"])]
+    variants = [
+        ("ddp", []),
+        ("ddp_accumulation_4", ["--accumulation", "4"]),
+        ("ddp_bucket_1mb", ["--bucket_mb", "1"]),
+        ("ddp_bucket_25mb", ["--bucket_mb", "25"]),
+    ]
     for name, extra in variants[:1] if quick else variants:  # quick: the figures' shape, in seconds
         two = spawn("scaling.py", 2, [*common, *extra])["samples_per_s"]
         rows[name] = {"samples_per_s": two, "efficiency": two / (2 * one)}
-        print(f"scaling {name}: 1 rank {one:,.0f} samples/s, 2 ranks {two:,.0f} samples/s, efficiency {two / (2 * one):.2f}")
+        print(
+            f"scaling {name}: 1 rank {one:,.0f} samples/s, "
+            f"2 ranks {two:,.0f} samples/s, efficiency {two / (2 * one):.2f}"
+        )
     return {"width": 256 if quick else width, "one_rank_samples_per_s": one, "two_ranks": rows}
 
 
 def main() -> None:
     parser = benchmark_parser(__doc__, has_workers=True)
-    parser.add_argument("--width", type=int, default=1024, help="hidden width of the MLP (compute per step grows as width^2)")
+    parser.add_argument(
+        "--width", type=int, default=1024, help="hidden width of the MLP (compute per step grows as width^2)"
+    )
     parser.add_argument("--batch", type=int, default=64, help=argparse.SUPPRESS)
     parser.add_argument("--steps", type=int, default=40, help=argparse.SUPPRESS)
     parser.add_argument("--accumulation", type=int, default=1, help=argparse.SUPPRESS)

@@ -34,8 +34,15 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from benchmarks.workers import benchmark_parser, run_worker, spawn, write_result
 
-LOOPS = ("bare", "bare_again", "bare_plus_common", "accelerate_model", "accelerate_no_accumulate", "accelerate",
-         "accelerate_cached_lookups")
+LOOPS = (
+    "bare",
+    "bare_again",
+    "bare_plus_common",
+    "accelerate_model",
+    "accelerate_no_accumulate",
+    "accelerate",
+    "accelerate_cached_lookups",
+)
 
 
 @contextlib.contextmanager
@@ -54,13 +61,18 @@ def lookups_asked_once():
         if self.gradient_state.sync_gradients:
             takes = self.__dict__.get("_takes_set_to_none")
             if takes is None:
-                takes = self._takes_set_to_none = "set_to_none" in inspect.signature(self.optimizer.zero_grad).parameters
+                takes = self._takes_set_to_none = (
+                    "set_to_none" in inspect.signature(self.optimizer.zero_grad).parameters
+                )
             if takes:
                 self.optimizer.zero_grad(set_to_none=True if set_to_none is None else set_to_none)
             else:
                 self.optimizer.zero_grad()
 
-    accelerated.is_lomo_available, accelerated.AcceleratedOptimizer.zero_grad = cached_lookup, zero_grad_asking_once
+    accelerated.is_lomo_available, accelerated.AcceleratedOptimizer.zero_grad = (
+        cached_lookup,
+        zero_grad_asking_once,
+    )
     try:
         yield
     finally:
@@ -89,7 +101,10 @@ def worker(args):
         """One step per call of a torch-only DDP loop; with_common adds what common/ does per step."""
         model = DistributedDataParallel(build_linear(10, seed=0))
         optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
-        batches, heartbeat = iterate_batches(x, y, 32, 0), Heartbeat(os.path.join(folder, str(with_common)), rank, world)
+        batches, heartbeat = (
+            iterate_batches(x, y, 32, 0),
+            Heartbeat(os.path.join(folder, str(with_common)), rank, world),
+        )
         window_loss, step = torch.zeros(()), 0
 
         def one_step():
@@ -112,7 +127,7 @@ def worker(args):
         return one_step
 
     def accelerate_loop(name: str):
-        """"accelerate" is the body of ddp_linear's training loop; the other two leave parts of Accelerate out."""
+        """ "accelerate" is the body of ddp_linear's training loop; the other two leave parts of Accelerate out."""
         plain = build_linear(10, seed=0)
         model, optimizer = accelerator.prepare(plain, torch.optim.SGD(plain.parameters(), lr=0.1))
         if name == "accelerate_model":
@@ -142,8 +157,12 @@ def worker(args):
 
         return one_step
 
-    loops = {"bare": bare_loop(False), "bare_again": bare_loop(False), "bare_plus_common": bare_loop(True),
-             **{name: accelerate_loop(name) for name in LOOPS[3:]}}
+    loops = {
+        "bare": bare_loop(False),
+        "bare_again": bare_loop(False),
+        "bare_plus_common": bare_loop(True),
+        **{name: accelerate_loop(name) for name in LOOPS[3:]},
+    }
     seconds = {name: [] for name in LOOPS}
     for turn in range(args.warmup + args.steps):
         # ABBA: a loop's step never always follows the same other loop, so caches and order effects hit all alike
@@ -161,28 +180,55 @@ def worker(args):
         step_s[name] = per_step.median().item()
     if rank == 0:
         ratio = step_s["bare"] / step_s["accelerate"]
-        write_result(args.result, {
-            "world_size": world, "steps_per_loop": args.steps,
-            **{f"{name}_steps_per_s": 1 / step_s[name] for name in LOOPS},
-            "ratio": ratio, "noise_floor_ratio": step_s["bare"] / step_s["bare_again"],
-            "overhead_us": {"common": 1e6 * (step_s["bare_plus_common"] - step_s["bare"]),
-                            "prepared_model": 1e6 * (step_s["accelerate_model"] - step_s["bare_plus_common"]),
-                            "backward_and_optimizer": 1e6 * (step_s["accelerate_no_accumulate"] - step_s["accelerate_model"]),
-                            "accumulate": 1e6 * (step_s["accelerate"] - step_s["accelerate_no_accumulate"]),
-                            "lookups_saved_by_caching": 1e6 * (step_s["accelerate"] - step_s["accelerate_cached_lookups"]),
-                            "accelerate_and_common": 1e6 * (step_s["accelerate"] - step_s["bare"])},
-            "target": 0.95, "met": ratio >= 0.95,
-        })
+        write_result(
+            args.result,
+            {
+                "world_size": world,
+                "steps_per_loop": args.steps,
+                **{f"{name}_steps_per_s": 1 / step_s[name] for name in LOOPS},
+                "ratio": ratio,
+                "noise_floor_ratio": step_s["bare"] / step_s["bare_again"],
+                "overhead_us": {
+                    "common": 1e6 * (step_s["bare_plus_common"] - step_s["bare"]),
+                    "prepared_model": 1e6 * (step_s["accelerate_model"] - step_s["bare_plus_common"]),
+                    "backward_and_optimizer": 1e6
+                    * (step_s["accelerate_no_accumulate"] - step_s["accelerate_model"]),
+                    "accumulate": 1e6 * (step_s["accelerate"] - step_s["accelerate_no_accumulate"]),
+                    "lookups_saved_by_caching": 1e6
+                    * (step_s["accelerate"] - step_s["accelerate_cached_lookups"]),
+                    "accelerate_and_common": 1e6 * (step_s["accelerate"] - step_s["bare"]),
+                },
+                "target": 0.95,
+                "met": ratio >= 0.95,
+            },
+        )
     return accelerator  # run_worker shuts it down
 
 
 def run(quick: bool = False, slow_loop: str = "", slow_us: float = 0.0) -> dict:
-    result = spawn("step_overhead.py", 2, ["--steps", "300" if quick else "6000", "--warmup", "50" if quick else "300",
-                                           "--slow_loop", slow_loop, "--slow_us", str(slow_us)])
-    print(f"step overhead: bare DDP {result['bare_steps_per_s']:.0f} steps/s (again: {result['bare_again_steps_per_s']:.0f}), "
-          f"+ common/ {result['bare_plus_common_steps_per_s']:.0f}, Accelerate + common/ {result['accelerate_steps_per_s']:.0f} steps/s: "
-          f"ratio {result['ratio']:.3f} (target >= 0.95; noise floor {result['noise_floor_ratio']:.3f}); "
-          f"overhead per step: " + ", ".join(f"{part} {us:.0f} µs" for part, us in result["overhead_us"].items()))
+    result = spawn(
+        "step_overhead.py",
+        2,
+        [
+            "--steps",
+            "300" if quick else "6000",
+            "--warmup",
+            "50" if quick else "300",
+            "--slow_loop",
+            slow_loop,
+            "--slow_us",
+            str(slow_us),
+        ],
+    )
+    print(
+        f"step overhead: bare DDP {result['bare_steps_per_s']:.0f} steps/s (again: "
+        f"{result['bare_again_steps_per_s']:.0f}), "
+        f"+ common/ {result['bare_plus_common_steps_per_s']:.0f}, "
+        f"Accelerate + common/ {result['accelerate_steps_per_s']:.0f} steps/s: "
+        f"ratio {result['ratio']:.3f} (target >= 0.95; noise floor {result['noise_floor_ratio']:.3f}); "
+        f"overhead per step: "
+        + ", ".join(f"{part} {us:.0f} µs" for part, us in result["overhead_us"].items())
+    )
     return result
 
 
@@ -190,7 +236,9 @@ def main() -> None:
     parser = benchmark_parser(__doc__, has_workers=True)
     parser.add_argument("--steps", type=int, default=6000, help=argparse.SUPPRESS)
     parser.add_argument("--warmup", type=int, default=300, help=argparse.SUPPRESS)
-    parser.add_argument("--slow_loop", default="", choices=("", *LOOPS[3:]), help="for tests: slow this loop down on purpose")
+    parser.add_argument(
+        "--slow_loop", default="", choices=("", *LOOPS[3:]), help="for tests: slow this loop down on purpose"
+    )
     parser.add_argument("--slow_us", type=float, default=0.0, help="for tests: by this many µs per step")
     args = parser.parse_args()
     if args.worker:

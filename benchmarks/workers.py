@@ -26,12 +26,26 @@ def free_port() -> int:
 def spawn(script: str, nproc: int, args: list[str], timeout_s: float = 900) -> dict:
     with tempfile.TemporaryDirectory() as folder:
         result_path = os.path.join(folder, "result.json")
-        command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc), "--master_port", str(free_port()),
-                   os.path.join(REPO, "benchmarks", script), "--worker", "--result", result_path, *args]
+        command = [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--nproc_per_node",
+            str(nproc),
+            "--master_port",
+            str(free_port()),
+            os.path.join(REPO, "benchmarks", script),
+            "--worker",
+            "--result",
+            result_path,
+            *args,
+        ]
         env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": REPO}
         from common.processes import run_process_tree
 
-        done = run_process_tree(command, timeout_s, env=env, cwd=REPO)  # a timeout ends every rank, not only torchrun
+        done = run_process_tree(
+            command, timeout_s, env=env, cwd=REPO
+        )  # a timeout ends every rank, not only torchrun
         if done.returncode != 0:
             raise RuntimeError(f"{script} workers failed ({done.returncode}):\n{done.stderr[-3000:]}")
         with open(result_path) as handle:
@@ -41,7 +55,9 @@ def spawn(script: str, nproc: int, args: list[str], timeout_s: float = 900) -> d
 def benchmark_parser(doc: str, has_workers: bool = False) -> argparse.ArgumentParser:
     """Every benchmark's command line: --quick, plus the hidden --worker / --result that `spawn` passes."""
     parser = argparse.ArgumentParser(description=doc.split("\n")[0])
-    parser.add_argument("--quick", action="store_true", help="seconds, not minutes: checks the figures are well-formed")
+    parser.add_argument(
+        "--quick", action="store_true", help="seconds, not minutes: checks the figures are well-formed"
+    )
     if has_workers:
         parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
         parser.add_argument("--result", default="", help=argparse.SUPPRESS)

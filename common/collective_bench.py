@@ -11,7 +11,14 @@ import torch
 import torch.distributed as dist
 from torch.utils.benchmark import Timer
 
-BENCH_OPS = ("all_reduce", "all_gather_into_tensor", "reduce_scatter_tensor", "all_to_all_single", "broadcast", "reduce")
+BENCH_OPS = (
+    "all_reduce",
+    "all_gather_into_tensor",
+    "reduce_scatter_tensor",
+    "all_to_all_single",
+    "broadcast",
+    "reduce",
+)
 # torch 2.13 renamed all_gather_into_tensor / reduce_scatter_tensor to *_single (the old names warn).
 ALL_GATHER_INTO_TENSOR = getattr(dist, "all_gather_single", dist.all_gather_into_tensor)
 REDUCE_SCATTER_TENSOR = getattr(dist, "reduce_scatter_single", dist.reduce_scatter_tensor)
@@ -43,7 +50,8 @@ def make_bench_call(op: str, size_bytes: int, n: int, device):
 
 
 def time_per_call_s(fn, warmup: int, iters: int, repeats: int, device) -> list[float]:
-    """`repeats` timings of `iters` calls each (after `warmup` untimed calls), with torch.utils.benchmark (which synchronizes CUDA).
+    """`repeats` timings of `iters` calls each (after `warmup` untimed calls), with torch.utils.benchmark
+    (which synchronizes CUDA).
     Every rank runs the same fixed counts: an adaptive count (blocked_autorange) would let ranks
     disagree on how many collectives to issue, and hang."""
     for _ in range(warmup):
@@ -80,7 +88,12 @@ def plot_busbw(rows: list[dict], copy_gbps: float, n: int, output_dir: str) -> s
         points = [(r["bytes"], r["busbw_gbps"]) for r in rows if r["op"] == op]
         axes.plot(*zip(*points, strict=True), marker="o", label=op)
     axes.axhline(copy_gbps, color="grey", linestyle="--", label=f"memcpy {copy_gbps:.1f} GB/s")
-    axes.set(xscale="log", xlabel="message size (bytes)", ylabel="busbw (GB/s)", title=f"busbw vs message size, {n} ranks")
+    axes.set(
+        xscale="log",
+        xlabel="message size (bytes)",
+        ylabel="busbw (GB/s)",
+        title=f"busbw vs message size, {n} ranks",
+    )
     axes.legend(fontsize=8)
     path = os.path.join(output_dir, "busbw.png")
     figure.savefig(path, dpi=100, bbox_inches="tight")

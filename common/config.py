@@ -21,7 +21,17 @@ from typing import Any, ClassVar, TypeVar
 C = TypeVar("C")
 
 # Trackers `--report_to` accepts, as in Hugging Face Trainer / Accelerate's LoggerType.
-KNOWN_TRACKERS = ("wandb", "tensorboard", "comet_ml", "mlflow", "aim", "clearml", "dvclive", "swanlab", "trackio")
+KNOWN_TRACKERS = (
+    "wandb",
+    "tensorboard",
+    "comet_ml",
+    "mlflow",
+    "aim",
+    "clearml",
+    "dvclive",
+    "swanlab",
+    "trackio",
+)
 
 
 class UsageError(Exception):
@@ -33,7 +43,9 @@ def flag(default: Any, help: str, choices: Sequence[Any] | None = None, position
     return field(default=default, metadata={"help": help, "choices": choices, "positional": positional})
 
 
-MAX_TIMEOUT_S = 7 * 24 * 3600  # a week: longer is a typo, and torch's timedelta arithmetic overflows near 1e300
+MAX_TIMEOUT_S = (
+    7 * 24 * 3600
+)  # a week: longer is a typo, and torch's timedelta arithmetic overflows near 1e300
 MAX_SEED = 2**31 - 1  # the data order's generator is seeded with seed * 100_003 + epoch, which must fit int64
 
 
@@ -51,18 +63,40 @@ class RunArgs:
 
     sweep_metrics: ClassVar[tuple[str, ...]] = ()
     result_neutral: ClassVar[tuple[str, ...]] = (
-        "output_dir", "report_to", "project", "overwrite", "expected_world_size", "dist_timeout_s", "log_every",
-        "checkpoint_every", "keep_checkpoints", "resume_from_checkpoint", "fail_at_step", "fail_rank", "hang_at_step",
+        "output_dir",
+        "report_to",
+        "project",
+        "overwrite",
+        "expected_world_size",
+        "dist_timeout_s",
+        "log_every",
+        "checkpoint_every",
+        "keep_checkpoints",
+        "resume_from_checkpoint",
+        "fail_at_step",
+        "fail_rank",
+        "hang_at_step",
         "hang_rank",
     )
 
-    output_dir: str = flag("", "folder for summary.json, metrics.jsonl, config.json and tracker files (default runs/<experiment>)")
+    output_dir: str = flag(
+        "",
+        "folder for summary.json, metrics.jsonl, config.json and tracker files (default runs/<experiment>)",
+    )
     seed: int = flag(0, "seed for data, initial weights and shuffling; the same on every rank")
-    report_to: str = flag("wandb", "comma-separated trackers (wandb, tensorboard, ..., all, none); wandb goes offline without an API key")
+    report_to: str = flag(
+        "wandb",
+        "comma-separated trackers (wandb, tensorboard, ..., all, none); wandb goes offline without an API key",
+    )
     project: str = flag("dist-experiments", "tracker project name (W&B project)")
     overwrite: bool = flag(False, "allow writing into an --output_dir that already holds a finished run")
-    expected_world_size: int = flag(0, "fail the `distributed` check unless exactly this many ranks run (0: what the launcher set in WORLD_SIZE)")
-    dist_timeout_s: float = flag(180.0, "timeout in seconds of every collective and of process-group start-up (no silent hangs)")
+    expected_world_size: int = flag(
+        0,
+        "fail the `distributed` check unless exactly this many ranks run (0: what the launcher set in WORLD_SIZE)",
+    )
+    dist_timeout_s: float = flag(
+        180.0, "timeout in seconds of every collective and of process-group start-up (no silent hangs)"
+    )
 
     def validate(self) -> None:
         """Raise UsageError naming the bad value and what is allowed. Subclasses extend this."""
@@ -70,12 +104,21 @@ class RunArgs:
         allowed = (*KNOWN_TRACKERS, "all", "none")
         for tracker in trackers or ["<empty>"]:
             if tracker not in allowed:
-                raise UsageError(f"--report_to {self.report_to!r}: unknown tracker {tracker!r}; allowed: {', '.join(allowed)}")
+                raise UsageError(
+                    f"--report_to {self.report_to!r}: unknown tracker {tracker!r}; allowed: {', '.join(allowed)}"
+                )
         if "all" in trackers and len(trackers) > 1:
-            raise UsageError(f"--report_to {self.report_to!r}: 'all' already means every installed tracker; pass it alone")
-        require(self.expected_world_size >= 0, f"--expected_world_size must be >= 0, got {self.expected_world_size}")
-        require(0 < self.dist_timeout_s <= MAX_TIMEOUT_S and math.isfinite(self.dist_timeout_s),
-                f"--dist_timeout_s must be > 0 and <= {MAX_TIMEOUT_S} (a week), got {self.dist_timeout_s}")
+            raise UsageError(
+                f"--report_to {self.report_to!r}: 'all' already means every installed tracker; pass it alone"
+            )
+        require(
+            self.expected_world_size >= 0,
+            f"--expected_world_size must be >= 0, got {self.expected_world_size}",
+        )
+        require(
+            0 < self.dist_timeout_s <= MAX_TIMEOUT_S and math.isfinite(self.dist_timeout_s),
+            f"--dist_timeout_s must be > 0 and <= {MAX_TIMEOUT_S} (a week), got {self.dist_timeout_s}",
+        )
         require(0 <= self.seed <= MAX_SEED, f"--seed must be between 0 and {MAX_SEED}, got {self.seed}")
 
     def trajectory(self) -> dict:
@@ -87,7 +130,9 @@ class RunArgs:
 class TrainArgs(RunArgs):
     """Flags of every experiment that trains."""
 
-    max_steps: int = flag(300, "optimizer steps to train (each consumes gradient_accumulation_steps micro-batches per rank)")
+    max_steps: int = flag(
+        300, "optimizer steps to train (each consumes gradient_accumulation_steps micro-batches per rank)"
+    )
     log_every: int = flag(50, "optimizer steps between console lines / metrics.jsonl records")
 
     def validate(self) -> None:
@@ -131,7 +176,9 @@ class _DefaultsOnceFormatter(argparse.ArgumentDefaultsHelpFormatter):
         return super()._get_help_string(action)
 
 
-def build_parser(config_cls: type, description: str | None = None, prog: str | None = None) -> argparse.ArgumentParser:
+def build_parser(
+    config_cls: type, description: str | None = None, prog: str | None = None
+) -> argparse.ArgumentParser:
     parser = _OneLineParser(
         prog=prog,
         description=description,
@@ -139,7 +186,9 @@ def build_parser(config_cls: type, description: str | None = None, prog: str | N
         formatter_class=_DefaultsOnceFormatter,
     )
     for f in dataclasses.fields(config_cls):
-        kind = {"int": int, "float": float, "str": str, "bool": bool}[f.type if isinstance(f.type, str) else f.type.__name__]
+        kind = {"int": int, "float": float, "str": str, "bool": bool}[
+            f.type if isinstance(f.type, str) else f.type.__name__
+        ]
         kwargs: dict[str, Any] = {"default": f.default, "help": f.metadata.get("help", "")}
         if f.metadata.get("positional"):
             parser.add_argument(f.name, type=kind, **kwargs)
@@ -156,8 +205,12 @@ def build_parser(config_cls: type, description: str | None = None, prog: str | N
     return parser
 
 
-def parse_config(config_cls: type[C], argv: Sequence[str] | None = None, description: str | None = None,
-                 prog: str | None = None) -> C:
+def parse_config(
+    config_cls: type[C],
+    argv: Sequence[str] | None = None,
+    description: str | None = None,
+    prog: str | None = None,
+) -> C:
     """Flags -> validated config; any problem is one line on stderr and exit 2."""
     parser = build_parser(config_cls, description, prog)
     namespace = parser.parse_args(argv)

@@ -30,11 +30,15 @@ def require_memory(flag_name: str, bytes_needed: float) -> None:
 
     available = psutil.virtual_memory().available
     if bytes_needed > available:
-        raise UsageError(f"--{flag_name}: the data would need about {bytes_needed / 2**30:.1f} GiB of memory, "
-                         f"this machine has {available / 2**30:.1f} GiB free; use a smaller --{flag_name}")
+        raise UsageError(
+            f"--{flag_name}: the data would need about {bytes_needed / 2**30:.1f} GiB of memory, "
+            f"this machine has {available / 2**30:.1f} GiB free; use a smaller --{flag_name}"
+        )
 
 
-def make_regression_dataset(n_samples: int, n_features: int, noise_std: float, seed: int) -> tuple[Dataset, dict]:
+def make_regression_dataset(
+    n_samples: int, n_features: int, noise_std: float, seed: int
+) -> tuple[Dataset, dict]:
     """Synthetic linear regression; returns the dataset and the truth {"weight": [...], "bias": b}."""
     generator = torch.Generator().manual_seed(seed)
     true_weight = torch.randn(n_features, generator=generator)
@@ -49,29 +53,45 @@ def load_table(path: str, target_column: str = "y", feature_columns: str = "") -
     """A local table -> Dataset(x, y). `feature_columns` is comma-separated; empty means every other column."""
     extension = os.path.splitext(path)[1].lower()
     if extension not in FILE_FORMATS:
-        raise UsageError(f"--data_file {path!r}: unsupported extension {extension!r}; allowed: {', '.join(FILE_FORMATS)}")
+        raise UsageError(
+            f"--data_file {path!r}: unsupported extension {extension!r}; allowed: {', '.join(FILE_FORMATS)}"
+        )
     if not os.path.isfile(path):
         raise UsageError(f"--data_file {path!r}: no such file")
     try:
         table = load_dataset(FILE_FORMATS[extension], data_files=os.path.abspath(path), split="train")
     except Exception as error:  # datasets raises many types for a malformed file; the user needs one line
         reason = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
-        raise UsageError(f"--data_file {path!r}: could not be read as {FILE_FORMATS[extension]}: {reason}") from None
+        raise UsageError(
+            f"--data_file {path!r}: could not be read as {FILE_FORMATS[extension]}: {reason}"
+        ) from None
     columns = table.column_names
     if target_column not in columns:
-        raise UsageError(f"--data_file {path!r} has no target column {target_column!r}; its columns: {', '.join(columns)}")
-    wanted = [c.strip() for c in feature_columns.split(",") if c.strip()] or [c for c in columns if c != target_column]
+        raise UsageError(
+            f"--data_file {path!r} has no target column {target_column!r}; its columns: {', '.join(columns)}"
+        )
+    wanted = [c.strip() for c in feature_columns.split(",") if c.strip()] or [
+        c for c in columns if c != target_column
+    ]
     if target_column in wanted:
-        raise UsageError(f"--feature_columns lists the target column {target_column!r}: a model that sees its target learns nothing")
+        raise UsageError(
+            f"--feature_columns lists the target column {target_column!r}: a model that sees its target learns nothing"
+        )
     missing = [c for c in wanted if c not in columns]
     if missing or not wanted:
-        raise UsageError(f"--data_file {path!r}: feature columns {missing or wanted} not found; its columns: {', '.join(columns)}")
+        raise UsageError(
+            f"--data_file {path!r}: feature columns {missing or wanted} not found; its columns: {', '.join(columns)}"
+        )
     if len(table) == 0:
         raise UsageError(f"--data_file {path!r} has no rows")
     numeric = ("int", "uint", "float", "bool")
-    not_numeric = [c for c in [*wanted, target_column] if not getattr(table.features[c], "dtype", "").startswith(numeric)]
+    not_numeric = [
+        c for c in [*wanted, target_column] if not getattr(table.features[c], "dtype", "").startswith(numeric)
+    ]
     if not_numeric:
-        kinds = ", ".join(f"{c}: {getattr(table.features[c], 'dtype', table.features[c])}" for c in not_numeric)
+        kinds = ", ".join(
+            f"{c}: {getattr(table.features[c], 'dtype', table.features[c])}" for c in not_numeric
+        )
         raise UsageError(f"--data_file {path!r}: columns must all be numeric, but {kinds}")
     tensors = table.with_format("torch", columns=[*wanted, target_column])[:]
     features = torch.stack([tensors[c].to(torch.float32) for c in wanted], dim=1)
@@ -87,15 +107,22 @@ def shard_tensors(dataset: Dataset, rank: int, world_size: int) -> tuple[torch.T
     usable_rows = len(dataset) - len(dataset) % world_size
     shard = dataset.select(range(usable_rows)).shard(num_shards=world_size, index=rank, contiguous=True)
     columns = shard.with_format("torch")[:]
-    return columns["x"].to(torch.float32).reshape(len(shard), -1), columns["y"].to(torch.float32).reshape(-1, 1)
+    return columns["x"].to(torch.float32).reshape(len(shard), -1), columns["y"].to(torch.float32).reshape(
+        -1, 1
+    )
 
 
-def iterate_batches(x: torch.Tensor, y: torch.Tensor, batch_size: int, seed: int, start_batch: int = 0) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+def iterate_batches(
+    x: torch.Tensor, y: torch.Tensor, batch_size: int, seed: int, start_batch: int = 0
+) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
     """Endless batches of one shard: reshuffled each epoch (seeded by seed and epoch), last partial batch
     dropped. `start_batch` skips that many batches (a resumed run continues where the checkpoint was),
     computing the epoch and offset rather than producing the skipped batches."""
     if len(x) < batch_size:  # checked now, not at the first next(), so the error comes before training starts
-        raise UsageError(f"a rank's shard has {len(x)} rows, fewer than the batch size {batch_size}: use fewer ranks, more data or a smaller batch")
+        raise UsageError(
+            f"a rank's shard has {len(x)} rows, fewer than the batch size {batch_size}: "
+            "use fewer ranks, more data or a smaller batch"
+        )
 
     batches_per_epoch = len(x) // batch_size
 
@@ -119,6 +146,9 @@ def iterate_batches(x: torch.Tensor, y: torch.Tensor, batch_size: int, seed: int
 
 def iterate_global_batches(dataset: Dataset, world_size: int, per_rank_batch_size: int, seed: int):
     """What all ranks see at each step, concatenated in rank order: the single-process reference's batches."""
-    per_rank = [iterate_batches(*shard_tensors(dataset, rank, world_size), per_rank_batch_size, seed) for rank in range(world_size)]
+    per_rank = [
+        iterate_batches(*shard_tensors(dataset, rank, world_size), per_rank_batch_size, seed)
+        for rank in range(world_size)
+    ]
     for rank_batches in zip(*per_rank, strict=True):
         yield torch.cat([b[0] for b in rank_batches]), torch.cat([b[1] for b in rank_batches])

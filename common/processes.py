@@ -58,7 +58,9 @@ def run_process_tree(command: list[str], timeout_s: float, capture: bool = True,
     except subprocess.TimeoutExpired:
         kill_tree(process.pid)
         stdout, stderr = process.communicate()
-        return Finished(TIMED_OUT, stdout or "", (stderr or "") + f"\n[killed after {timeout_s:.0f} s timeout]\n")
+        return Finished(
+            TIMED_OUT, stdout or "", (stderr or "") + f"\n[killed after {timeout_s:.0f} s timeout]\n"
+        )
     except BaseException:  # KeyboardInterrupt, or the caller's own failure: no orphans either way
         kill_tree(process.pid)
         raise

@@ -13,8 +13,16 @@ import torch
 import torch.nn.functional as F
 
 
-def train_single_process(model: torch.nn.Module, global_batches, steps: int, micro_batches_per_step: int, device,
-                         make_optimizer, loss_fn=F.mse_loss, autocast=nullcontext) -> torch.nn.Module:
+def train_single_process(
+    model: torch.nn.Module,
+    global_batches,
+    steps: int,
+    micro_batches_per_step: int,
+    device,
+    make_optimizer,
+    loss_fn=F.mse_loss,
+    autocast=nullcontext,
+) -> torch.nn.Module:
     """Train `model` in place: each step concatenates `micro_batches_per_step` global batches (tuples of
     tensors: inputs first, target last) into ONE batch, one loss over all of it, one optimizer step.
     `make_optimizer(parameters)` builds the optimizer the distributed run uses (SGD, AdamW, ...);

@@ -38,9 +38,13 @@ CHECKPOINT_PREFIX = "step_"
 class FaultArgs(TrainArgs):
     """Fault injection, to see what a crash or a hang does to a run (and that resume repairs it)."""
 
-    fail_at_step: int = flag(0, "fault injection: rank --fail_rank exits with status 13 after this step (first attempt only)")
+    fail_at_step: int = flag(
+        0, "fault injection: rank --fail_rank exits with status 13 after this step (first attempt only)"
+    )
     fail_rank: int = flag(0, "the rank --fail_at_step kills")
-    hang_at_step: int = flag(0, "fault injection: rank --hang_rank stops responding after this step (first attempt only)")
+    hang_at_step: int = flag(
+        0, "fault injection: rank --hang_rank stops responding after this step (first attempt only)"
+    )
     hang_rank: int = flag(0, "the rank --hang_at_step stalls")
 
     def validate(self) -> None:
@@ -52,15 +56,19 @@ class FaultArgs(TrainArgs):
         world_size = launched_world_size(self)
         for step_flag, rank_flag in (("fail_at_step", "fail_rank"), ("hang_at_step", "hang_rank")):
             rank = getattr(self, rank_flag)
-            require(not getattr(self, step_flag) or rank < world_size,
-                    f"--{rank_flag} {rank}: this launch has ranks 0..{world_size - 1}")
+            require(
+                not getattr(self, step_flag) or rank < world_size,
+                f"--{rank_flag} {rank}: this launch has ranks 0..{world_size - 1}",
+            )
 
 
 @dataclass
 class ResumableArgs(FaultArgs):
     checkpoint_every: int = flag(0, "save a checkpoint every N optimizer steps (0: never)")
     keep_checkpoints: int = flag(2, "how many complete checkpoints to keep (oldest pruned)")
-    resume_from_checkpoint: str = flag("", "'latest' (newest complete checkpoint in --output_dir; none = start fresh) or a checkpoint folder")
+    resume_from_checkpoint: str = flag(
+        "", "'latest' (newest complete checkpoint in --output_dir; none = start fresh) or a checkpoint folder"
+    )
 
     def validate(self) -> None:
         super().validate()
@@ -77,8 +85,13 @@ def complete_checkpoints(output_dir: str) -> list[str]:
     root = checkpoint_root(output_dir)
     if not os.path.isdir(root):
         return []
-    return sorted(name for name in os.listdir(root) if name.startswith(CHECKPOINT_PREFIX) and not name.endswith(".partial")
-                  and os.path.isfile(os.path.join(root, name, "step.json")))
+    return sorted(
+        name
+        for name in os.listdir(root)
+        if name.startswith(CHECKPOINT_PREFIX)
+        and not name.endswith(".partial")
+        and os.path.isfile(os.path.join(root, name, "step.json"))
+    )
 
 
 def find_checkpoint(cfg: ResumableArgs, output_dir: str) -> tuple[str | None, dict]:
@@ -98,8 +111,10 @@ def find_checkpoint(cfg: ResumableArgs, output_dir: str) -> tuple[str | None, di
         meta["step"] = int(meta["step"])
         return path, meta
     except (FileNotFoundError, NotADirectoryError, KeyError, ValueError, TypeError, json.JSONDecodeError):
-        raise UsageError(f"--resume_from_checkpoint {cfg.resume_from_checkpoint!r}: {path} is not a complete checkpoint "
-                         "(no valid step.json); use 'latest' or a checkpoints/step_XXXXXXXX folder") from None
+        raise UsageError(
+            f"--resume_from_checkpoint {cfg.resume_from_checkpoint!r}: {path} is not a complete checkpoint "
+            "(no valid step.json); use 'latest' or a checkpoints/step_XXXXXXXX folder"
+        ) from None
 
 
 def first_difference(saved: dict, now: dict, where: str = "in the checkpoint") -> str | None:
@@ -116,15 +131,21 @@ def refuse_incompatible(cfg: ResumableArgs, path: str, meta: dict, world_size: i
     """A resume continues the SAME run: the flags that determine the trajectory (and the world size,
     which sets the global batch) must be the checkpoint's. --max_steps may grow, never shrink past it."""
     if cfg.max_steps <= meta["step"]:
-        raise UsageError(f"--max_steps {cfg.max_steps}: the checkpoint {path} is already at step {meta['step']}; "
-                         f"pass --max_steps > {meta['step']} to train on")
+        raise UsageError(
+            f"--max_steps {cfg.max_steps}: the checkpoint {path} is already at step {meta['step']}; "
+            f"pass --max_steps > {meta['step']} to train on"
+        )
     saved = meta.get("trajectory")
     if saved is None:
-        raise UsageError(f"--resume_from_checkpoint: {path} records no trajectory (written by an older version); start afresh")
+        raise UsageError(
+            f"--resume_from_checkpoint: {path} records no trajectory (written by an older version); start afresh"
+        )
     now = {k: v for k, v in {**cfg.trajectory(), "world_size": world_size}.items() if k != "max_steps"}
     difference = first_difference({k: v for k, v in saved.items() if k != "max_steps"}, now)
     if difference:
-        raise UsageError(f"cannot resume {path}: {difference}; resume with the checkpoint's settings or start a new --output_dir")
+        raise UsageError(
+            f"cannot resume {path}: {difference}; resume with the checkpoint's settings or start a new --output_dir"
+        )
 
 
 def state_digest(model, optimizer) -> str:
@@ -171,14 +192,19 @@ def save_checkpoint(accelerator, output_dir: str, step: int, keep: int, meta: di
                 shutil.rmtree(os.path.join(checkpoint_root(output_dir), old), ignore_errors=True)
     except (OSError, RuntimeError) as error:
         # torch.save reports a full disk as a RuntimeError of its zip writer ("iostream error"), not ENOSPC
-        disk_full = getattr(error, "errno", None) == errno.ENOSPC or shutil.disk_usage(checkpoint_root(output_dir)).free < 2**20
+        disk_full = (
+            getattr(error, "errno", None) == errno.ENOSPC
+            or shutil.disk_usage(checkpoint_root(output_dir)).free < 2**20
+        )
         if isinstance(error, RuntimeError) and not disk_full:
             raise  # a timed-out collective, say: not a write failure
         shutil.rmtree(partial, ignore_errors=True)
         kept = complete_checkpoints(output_dir)
         reason = "disk full" if disk_full else (error.strerror or str(error))
-        raise UsageError(f"could not write the step-{step} checkpoint in {checkpoint_root(output_dir)} ({reason}); "
-                         f"newest complete checkpoint kept: {kept[-1] if kept else 'none'}") from None
+        raise UsageError(
+            f"could not write the step-{step} checkpoint in {checkpoint_root(output_dir)} ({reason}); "
+            f"newest complete checkpoint kept: {kept[-1] if kept else 'none'}"
+        ) from None
     accelerator.wait_for_everyone()
     return final
 
@@ -200,8 +226,10 @@ class OutputLock:
             holder = os.pread(self.descriptor, 32, 0).decode(errors="replace").strip() or "unknown"
             os.close(self.descriptor)
             self.descriptor = None
-            raise UsageError(f"--output_dir {os.path.dirname(self.path)} is in use by another run (pid {holder}); "
-                             "wait for it to finish or choose another --output_dir") from None
+            raise UsageError(
+                f"--output_dir {os.path.dirname(self.path)} is in use by another run (pid {holder}); "
+                "wait for it to finish or choose another --output_dir"
+            ) from None
         os.ftruncate(self.descriptor, 0)
         os.pwrite(self.descriptor, f"{os.getpid()}\n".encode(), 0)
 
@@ -215,10 +243,18 @@ def inject_fault(cfg: ResumableArgs, step: int, rank: int) -> None:
     if os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") != "0":
         return  # a restarted attempt runs clean, so elastic recovery can be shown
     if cfg.fail_at_step and step == cfg.fail_at_step and rank == cfg.fail_rank:
-        print(f"rank {rank}: injected failure after step {step} (--fail_at_step); exiting with status 13", file=sys.stderr, flush=True)
+        print(
+            f"rank {rank}: injected failure after step {step} (--fail_at_step); exiting with status 13",
+            file=sys.stderr,
+            flush=True,
+        )
         os._exit(13)  # like a crash: no cleanup, no goodbye to the other ranks
     if cfg.hang_at_step and step == cfg.hang_at_step and rank == cfg.hang_rank:
-        print(f"rank {rank}: injected hang after step {step} (--hang_at_step); not responding", file=sys.stderr, flush=True)
+        print(
+            f"rank {rank}: injected hang after step {step} (--hang_at_step); not responding",
+            file=sys.stderr,
+            flush=True,
+        )
         while True:
             time.sleep(3600)
 
@@ -270,8 +306,12 @@ class Heartbeat:
         behind = [r for r, p in progress.items() if p < mine]
         if not behind:
             return "none visible from here (the stuck rank may be on another node)"
-        return ", ".join(f"rank {r} (finished step {int(progress[r])}, never entered step {int(progress[r]) + 1})" if progress[r] >= 0
-                         else f"rank {r} (never reported)" for r in behind)
+        return ", ".join(
+            f"rank {r} (finished step {int(progress[r])}, never entered step {int(progress[r]) + 1})"
+            if progress[r] >= 0
+            else f"rank {r} (never reported)"
+            for r in behind
+        )
 
 
 def explain_timeout(error: RuntimeError, heartbeat: Heartbeat, timeout_s: float) -> RuntimeError:
@@ -280,6 +320,8 @@ def explain_timeout(error: RuntimeError, heartbeat: Heartbeat, timeout_s: float)
     if "imed out" not in text and "imeout" not in text and "closed" not in text:
         return error
     step = heartbeat.progress()[heartbeat.rank] + 1
-    return RuntimeError(f"rank {heartbeat.rank}: a collective at step {int(step)} failed after waiting up to "
-                        f"{timeout_s:.0f}s (--dist_timeout_s); ranks behind: {heartbeat.laggards()}. "
-                        f"Cause: {text.splitlines()[0][:200]}")
+    return RuntimeError(
+        f"rank {heartbeat.rank}: a collective at step {int(step)} failed after waiting up to "
+        f"{timeout_s:.0f}s (--dist_timeout_s); ranks behind: {heartbeat.laggards()}. "
+        f"Cause: {text.splitlines()[0][:200]}"
+    )

@@ -50,7 +50,9 @@ def resolve_output_dir(cfg: RunArgs, experiment: str) -> str:
     sweep_id, run_id = os.environ.get("WANDB_SWEEP_ID"), os.environ.get("WANDB_RUN_ID")
     if sweep_id and run_id:
         param_path = os.environ.get("WANDB_SWEEP_PARAM_PATH")
-        default = os.path.join(os.path.dirname(param_path) if param_path else os.path.join("runs", "sweeps", sweep_id), run_id)
+        default = os.path.join(
+            os.path.dirname(param_path) if param_path else os.path.join("runs", "sweeps", sweep_id), run_id
+        )
     output_dir = os.path.abspath(cfg.output_dir or default)
     if os.path.exists(output_dir) and not os.path.isdir(output_dir):
         raise UsageError(f"--output_dir {output_dir} exists and is not a directory")
@@ -65,10 +67,21 @@ def parity_check(difference: float, atol: float, what: str) -> dict:
 class Run:
     """One run's owner from start to shutdown; see the module docstring for the order of things."""
 
-    def __init__(self, cfg: RunArgs, experiment: str, *, needs_process_group: bool = False, backend: str | None = None,
-                 **accelerator_kwargs):
+    def __init__(
+        self,
+        cfg: RunArgs,
+        experiment: str,
+        *,
+        needs_process_group: bool = False,
+        backend: str | None = None,
+        **accelerator_kwargs,
+    ):
         self.cfg, self.experiment = cfg, experiment
-        self.needs_process_group, self.backend, self.accelerator_kwargs = needs_process_group, backend, accelerator_kwargs
+        self.needs_process_group, self.backend, self.accelerator_kwargs = (
+            needs_process_group,
+            backend,
+            accelerator_kwargs,
+        )
         self.metrics: dict = {}
         self.checks: dict = {}
         self.exit_code: int | None = None
@@ -102,12 +115,21 @@ class Run:
                 self.lock = OutputLock(self.output_dir)
                 self.lock.acquire()
             except OSError as error:
-                raise UsageError(f"--output_dir {self.output_dir}: cannot write there ({error.strerror or error})") from None
+                raise UsageError(
+                    f"--output_dir {self.output_dir}: cannot write there ({error.strerror or error})"
+                ) from None
         self.trackers = resolve_trackers(cfg.report_to, self.output_dir, continuing=bool(self.checkpoint))
-        self.accelerator = make_accelerator(cfg, self.output_dir, self.trackers.log_with, backend=self.backend,
-                                            **self.accelerator_kwargs)
-        self.recorder = RunRecorder(self.accelerator, self.experiment, cfg, self.output_dir, self.trackers,
-                                    resume_step=self.start_step if self.checkpoint else None)
+        self.accelerator = make_accelerator(
+            cfg, self.output_dir, self.trackers.log_with, backend=self.backend, **self.accelerator_kwargs
+        )
+        self.recorder = RunRecorder(
+            self.accelerator,
+            self.experiment,
+            cfg,
+            self.output_dir,
+            self.trackers,
+            resume_step=self.start_step if self.checkpoint else None,
+        )
         self.checks["distributed"] = check_distributed(self.accelerator, cfg)
         if not self.checks["distributed"]["passed"]:
             self.__exit__(None, None, None)
@@ -115,7 +137,9 @@ class Run:
         if self.needs_process_group and not torch.distributed.is_initialized():
             # Experiments about the raw torch.distributed API need a group even in one process, where
             # Accelerate makes none: a 1-rank gloo group on a port the OS picks.
-            torch.distributed.init_process_group("gloo", init_method="tcp://127.0.0.1:0", rank=0, world_size=1)
+            torch.distributed.init_process_group(
+                "gloo", init_method="tcp://127.0.0.1:0", rank=0, world_size=1
+            )
             self.own_group = True
 
     def _refuse_finished_run(self, world_size: int) -> None:
@@ -123,17 +147,28 @@ class Run:
         if not os.path.exists(summary_path) or self.cfg.overwrite:
             return
         if not getattr(self.cfg, "resume_from_checkpoint", ""):
-            raise UsageError(f"--output_dir {self.output_dir} already holds a finished run (summary.json); "
-                             "pass --overwrite or another --output_dir")
+            raise UsageError(
+                f"--output_dir {self.output_dir} already holds a finished run (summary.json); "
+                "pass --overwrite or another --output_dir"
+            )
         with open(summary_path) as handle:
             finished = json.load(handle)
-        then = {**{k: v for k, v in finished.get("config", {}).items() if k not in self.cfg.result_neutral},
-                "world_size": finished.get("world_size")}
-        difference = first_difference(then, {**self.cfg.trajectory(), "world_size": world_size}, where="in that run")
+        then = {
+            **{k: v for k, v in finished.get("config", {}).items() if k not in self.cfg.result_neutral},
+            "world_size": finished.get("world_size"),
+        }
+        difference = first_difference(
+            then, {**self.cfg.trajectory(), "world_size": world_size}, where="in that run"
+        )
         if difference:
-            raise UsageError(f"--output_dir {self.output_dir} already holds a finished run with other settings ({difference}); "
-                             "pass --overwrite or another --output_dir")
-        print(f"{self.experiment}: the run in {self.output_dir} already finished (summary.json); nothing to resume", flush=True)
+            raise UsageError(
+                f"--output_dir {self.output_dir} already holds a finished run with other settings ({difference}); "
+                "pass --overwrite or another --output_dir"
+            )
+        print(
+            f"{self.experiment}: the run in {self.output_dir} already finished (summary.json); nothing to resume",
+            flush=True,
+        )
         raise RunEnded(0)
 
     # ----------------------------------------------------------------------------------- during the run
@@ -211,4 +246,3 @@ def shutdown(accelerator, own_group: bool = False, recorder: RunRecorder | None 
         torch.distributed.destroy_process_group()
     accelerator.state.destroy_process_group()
     gc.collect()
-

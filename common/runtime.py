@@ -19,8 +19,14 @@ from accelerate.utils import InitProcessGroupKwargs
 from common.config import RunArgs, UsageError
 
 
-def make_accelerator(cfg: RunArgs, output_dir: str, log_with=None, backend: str | None = None, extra_handlers=(),
-                     **accelerator_kwargs) -> Accelerator:
+def make_accelerator(
+    cfg: RunArgs,
+    output_dir: str,
+    log_with=None,
+    backend: str | None = None,
+    extra_handlers=(),
+    **accelerator_kwargs,
+) -> Accelerator:
     """Accelerator(...) plus two settings and one refusal, all about never failing silently:
 
     - `cpu=True` when torch sees no accelerator. Accelerate 1.16 otherwise starts a multi-process launch
@@ -36,7 +42,10 @@ def make_accelerator(cfg: RunArgs, output_dir: str, log_with=None, backend: str 
             cpu=not torch.accelerator.is_available(),
             log_with=log_with or None,  # [] would warn that no tracker is installed
             project_dir=output_dir,
-            kwargs_handlers=[InitProcessGroupKwargs(backend=backend, timeout=timedelta(seconds=cfg.dist_timeout_s)), *extra_handlers],
+            kwargs_handlers=[
+                InitProcessGroupKwargs(backend=backend, timeout=timedelta(seconds=cfg.dist_timeout_s)),
+                *extra_handlers,
+            ],
             **accelerator_kwargs,
         )
     except ValueError as error:  # e.g. "Your assigned backend mpi is not available, please use gloo"
@@ -57,9 +66,15 @@ def launched_world_size(cfg: RunArgs) -> int:
     if cfg.expected_world_size:
         return cfg.expected_world_size
     mpi_sizes = ("OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "PMIX_SIZE", "MV2_COMM_WORLD_SIZE")
-    if os.environ.get("MASTER_ADDR") and "WORLD_SIZE" not in os.environ and not any(v in os.environ for v in mpi_sizes):
-        raise UsageError("this launch asked for several processes (MASTER_ADDR is set) but started one: accelerate's "
-                         "`distributed_type: MULTI_CPU` needs mpirun; use accelerate_configs/cpu_ddp.yaml or torchrun")
+    if (
+        os.environ.get("MASTER_ADDR")
+        and "WORLD_SIZE" not in os.environ
+        and not any(v in os.environ for v in mpi_sizes)
+    ):
+        raise UsageError(
+            "this launch asked for several processes (MASTER_ADDR is set) but started one: accelerate's "
+            "`distributed_type: MULTI_CPU` needs mpirun; use accelerate_configs/cpu_ddp.yaml or torchrun"
+        )
     try:
         return int(os.environ.get("WORLD_SIZE", "1"))
     except ValueError:

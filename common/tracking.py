@@ -101,7 +101,10 @@ def resolve_trackers(report_to: str, output_dir: str, continuing: bool = False) 
         names = available
     for name in names:
         if name not in available:
-            raise UsageError(f"--report_to {name}: that tracker is not installed (installed: {', '.join(available) or 'none'}); pip install {name} or pass --report_to none")
+            raise UsageError(
+                f"--report_to {name}: that tracker is not installed (installed: "
+                f"{', '.join(available) or 'none'}); pip install {name} or pass --report_to none"
+            )
     plan = TrackerPlan(names)
     if "wandb" in names:
         if not os.environ.get("WANDB_MODE") and not wandb_has_credentials():
@@ -109,7 +112,9 @@ def resolve_trackers(report_to: str, output_dir: str, continuing: bool = False) 
         plan.notes["wandb"] = {"mode": os.environ.get("WANDB_MODE", "online")}
         plan.init_kwargs["wandb"] = {"dir": output_dir}
         id_file = os.path.join(output_dir, WANDB_ID_FILE)
-        if continuing and os.path.exists(id_file) and not os.environ.get("WANDB_RUN_ID"):  # a sweep agent's id wins
+        if (
+            continuing and os.path.exists(id_file) and not os.environ.get("WANDB_RUN_ID")
+        ):  # a sweep agent's id wins
             with open(id_file) as handle:
                 plan.init_kwargs["wandb"].update(id=handle.read().strip(), resume="allow")
     return plan
@@ -118,7 +123,15 @@ def resolve_trackers(report_to: str, output_dir: str, continuing: bool = False) 
 class RunRecorder:
     """config.json / metrics.jsonl / summary.json plus the trackers, all on the main process."""
 
-    def __init__(self, accelerator, experiment: str, cfg, output_dir: str, trackers: TrackerPlan, resume_step: int | None = None):
+    def __init__(
+        self,
+        accelerator,
+        experiment: str,
+        cfg,
+        output_dir: str,
+        trackers: TrackerPlan,
+        resume_step: int | None = None,
+    ):
         self.accelerator = accelerator
         self.experiment = experiment
         self.cfg = cfg
@@ -144,7 +157,9 @@ class RunRecorder:
         self._metrics_file.flush()
         if self.trackers_alive:
             try:
-                accelerator.init_trackers(cfg.project, config=dataclasses.asdict(cfg), init_kwargs={**init_kwargs})
+                accelerator.init_trackers(
+                    cfg.project, config=dataclasses.asdict(cfg), init_kwargs={**init_kwargs}
+                )
             except Exception as error:  # a tracker that cannot start must not cost the run
                 self._drop_trackers("init", error)
         if "wandb" in tracker_notes and self.trackers_alive:
@@ -153,7 +168,10 @@ class RunRecorder:
             with open(os.path.join(output_dir, WANDB_ID_FILE), "w") as handle:
                 handle.write(run.id)
             if tracker_notes["wandb"]["mode"] == "offline":
-                self.print(f"W&B offline (no API key): run saved in {os.path.dirname(run.dir)}; upload it later with `wandb sync {os.path.dirname(run.dir)}`")
+                self.print(
+                    f"W&B offline (no API key): run saved in {os.path.dirname(run.dir)}; "
+                    f"upload it later with `wandb sync {os.path.dirname(run.dir)}`"
+                )
 
     def print(self, line: str) -> None:
         if self.is_main:
@@ -161,7 +179,10 @@ class RunRecorder:
 
     def _drop_trackers(self, where: str, error: Exception) -> None:
         self.trackers_alive = False
-        self.print(f"warning: tracker failed at {where} ({type(error).__name__}: {error}); continuing with local metrics.jsonl only")
+        self.print(
+            f"warning: tracker failed at {where} ({type(error).__name__}: "
+            f"{error}); continuing with local metrics.jsonl only"
+        )
         self.tracker_notes["failed"] = f"{where}: {type(error).__name__}: {error}"
 
     def log(self, step: int, metrics: dict, console: bool = True) -> None:
@@ -198,7 +219,12 @@ class RunRecorder:
         try:
             import wandb
 
-            payload = {f"{name}_table": wandb.Table(columns=list(rows[0]), data=[[str(v) if isinstance(v, dict) else v for v in r.values()] for r in rows])}
+            payload = {
+                f"{name}_table": wandb.Table(
+                    columns=list(rows[0]),
+                    data=[[str(v) if isinstance(v, dict) else v for v in r.values()] for r in rows],
+                )
+            }
             if image_path:
                 payload[f"{name}_plot"] = wandb.Image(image_path)
             self.accelerator.get_tracker("wandb", unwrap=True).log(payload, commit=False)
@@ -234,7 +260,10 @@ class RunRecorder:
             self._record_verdict_in_trackers(checks, passed)
             for name, check in checks.items():
                 self.print(f"check {name:<36} {'PASS' if check['passed'] else 'FAIL'}  {check['detail']}")
-            self.print(f"{self.experiment}: {'PASSED' if passed else 'FAILED'} -> {os.path.join(self.output_dir, 'summary.json')}")
+            self.print(
+                f"{self.experiment}: "
+                f"{'PASSED' if passed else 'FAILED'} -> {os.path.join(self.output_dir, 'summary.json')}"
+            )
         verdict = [passed]
         if self.accelerator.num_processes > 1:
             broadcast_object_list(verdict, from_process=0)
@@ -246,7 +275,12 @@ class RunRecorder:
             return
         try:
             run = self.accelerator.get_tracker("wandb", unwrap=True)
-            run.summary.update({"passed": passed, **{f"check/{name}": "PASS" if c["passed"] else "FAIL" for name, c in checks.items()}})
+            run.summary.update(
+                {
+                    "passed": passed,
+                    **{f"check/{name}": "PASS" if c["passed"] else "FAIL" for name, c in checks.items()},
+                }
+            )
         except Exception as error:
             self._drop_trackers("summary", error)
 
@@ -285,4 +319,9 @@ def _versions() -> dict:
     import accelerate
     import torch
 
-    return {"python": platform.python_version(), "torch": torch.__version__, "accelerate": accelerate.__version__, "cpus": os.cpu_count()}
+    return {
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "accelerate": accelerate.__version__,
+        "cpus": os.cpu_count(),
+    }

@@ -37,8 +37,12 @@ class TrainLoop:
         if run.checkpoint:
             self.accelerator.load_state(run.checkpoint)  # model, optimizer and every rank's RNG states
             self._check_restored_state()
-        run.heartbeat = self.heartbeat = Heartbeat(run.output_dir, self.accelerator.process_index, self.accelerator.num_processes)
-        run.progress_bar = self.progress = tqdm(total=self.cfg.max_steps, initial=self.step, desc=run.experiment, disable=not run.is_main)
+        run.heartbeat = self.heartbeat = Heartbeat(
+            run.output_dir, self.accelerator.process_index, self.accelerator.num_processes
+        )
+        run.progress_bar = self.progress = tqdm(
+            total=self.cfg.max_steps, initial=self.step, desc=run.experiment, disable=not run.is_main
+        )
         self.window_loss = torch.zeros((), device=self.accelerator.device)
         self.window_micro_batches, self.in_step = 0, False
         self.last_interval: dict = {}
@@ -51,13 +55,21 @@ class TrainLoop:
         loaded = self.digest()
         self.resumed_state_digest = loaded
         if self.run.is_main:
-            self.run.check("resume_restored_state", loaded == saved,
-                           f"state digest after loading {self.run.checkpoint}: {loaded[:16]}..., saved with it: {str(saved)[:16]}...")
+            self.run.check(
+                "resume_restored_state",
+                loaded == saved,
+                f"state digest after loading {self.run.checkpoint}: "
+                f"{loaded[:16]}..., saved with it: {str(saved)[:16]}...",
+            )
             self.run.print(f"resumed from {self.run.checkpoint} at step {self.step}")
 
     def digest(self) -> str | None:
         """sha256 of parameters + optimizer state (main process; DDP keeps every rank's state equal)."""
-        return state_digest(self.accelerator.unwrap_model(self.model), self.optimizer) if self.run.is_main else None
+        return (
+            state_digest(self.accelerator.unwrap_model(self.model), self.optimizer)
+            if self.run.is_main
+            else None
+        )
 
     def micro_batches(self, batches):
         """Micro-batches from `batches` until --max_steps optimizer steps are done."""
@@ -80,8 +92,10 @@ class TrainLoop:
         self.first_step_unix_time = self.first_step_unix_time or time.time()
         if not torch.isfinite(self.window_loss):  # one scalar check per step: stop before training on NaN
             value = (self.window_loss / self.window_micro_batches).item()
-            raise UsageError(f"loss is {value} at step {self.step} on rank {self.accelerator.process_index}: "
-                             "training diverged; lower --lr" + (f" (now {self.cfg.lr})" if hasattr(self.cfg, "lr") else ""))
+            raise UsageError(
+                f"loss is {value} at step {self.step} on rank {self.accelerator.process_index}: "
+                "training diverged; lower --lr" + (f" (now {self.cfg.lr})" if hasattr(self.cfg, "lr") else "")
+            )
         self.progress.update(1)
         self.heartbeat.finished(self.step)
         if self.step % self.cfg.log_every == 0 or self.step == self.cfg.max_steps:
@@ -90,14 +104,22 @@ class TrainLoop:
         if checkpoint_every and self.step % checkpoint_every == 0:
             self.state_digests[self.step] = self.digest()
             if self.step < self.cfg.max_steps:
-                meta = {"trajectory": {**self.cfg.trajectory(), "world_size": self.accelerator.num_processes},
-                        "state_digest": self.state_digests[self.step]}
-                save_checkpoint(self.accelerator, self.run.output_dir, self.step, self.cfg.keep_checkpoints, meta)
+                meta = {
+                    "trajectory": {**self.cfg.trajectory(), "world_size": self.accelerator.num_processes},
+                    "state_digest": self.state_digests[self.step],
+                }
+                save_checkpoint(
+                    self.accelerator, self.run.output_dir, self.step, self.cfg.keep_checkpoints, meta
+                )
         inject_fault(self.cfg, self.step, self.accelerator.process_index)
 
     def _log_interval(self) -> None:
         mean_loss = self.accelerator.reduce(self.window_loss / self.window_micro_batches, "mean").item()
-        throughput = self.window_micro_batches * self.global_micro_batch_size / (time.perf_counter() - self.window_start)
+        throughput = (
+            self.window_micro_batches
+            * self.global_micro_batch_size
+            / (time.perf_counter() - self.window_start)
+        )
         self.last_interval = {"loss": mean_loss, f"{self.unit}_per_s": throughput}
         if self.step < self.cfg.max_steps:  # the last interval goes out with the experiment's final figures
             self.run.log(self.step, self.last_interval)
@@ -109,8 +131,12 @@ class TrainLoop:
         steps_run = self.step - self.start_step
         per_step = self.global_micro_batch_size * getattr(self.cfg, "gradient_accumulation_steps", 1)
         figures = {
-            "train_time_s": self.train_time_s, "resumed_from_step": self.start_step, "first_step_unix_time": self.first_step_unix_time,
-            f"{self.unit}_per_s": steps_run * per_step / self.train_time_s if steps_run and self.train_time_s > 0 else math.nan,
+            "train_time_s": self.train_time_s,
+            "resumed_from_step": self.start_step,
+            "first_step_unix_time": self.first_step_unix_time,
+            f"{self.unit}_per_s": steps_run * per_step / self.train_time_s
+            if steps_run and self.train_time_s > 0
+            else math.nan,
             "state_digests": {str(step): digest for step, digest in self.state_digests.items()},
             "final_state_digest": self.digest(),
         }

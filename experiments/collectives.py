@@ -37,39 +37,74 @@ from common.config import RunArgs, flag, parse_config, require, require_positive
 from common.run import start_run
 
 EXPERIMENT = "collectives"
-VERIFY_OPS = ("barrier", "all_reduce", "reduce", "broadcast", "all_gather", "all_gather_into_tensor", "reduce_scatter",
-              "reduce_scatter_tensor", "all_to_all", "all_to_all_single", "gather", "scatter", "send_recv")
+VERIFY_OPS = (
+    "barrier",
+    "all_reduce",
+    "reduce",
+    "broadcast",
+    "all_gather",
+    "all_gather_into_tensor",
+    "reduce_scatter",
+    "reduce_scatter_tensor",
+    "all_to_all",
+    "all_to_all_single",
+    "gather",
+    "scatter",
+    "send_recv",
+)
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "int64": torch.int64}
-REDUCE_OPS = {"sum": dist.ReduceOp.SUM, "avg": dist.ReduceOp.AVG, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN,
-              "product": dist.ReduceOp.PRODUCT}
+REDUCE_OPS = {
+    "sum": dist.ReduceOp.SUM,
+    "avg": dist.ReduceOp.AVG,
+    "max": dist.ReduceOp.MAX,
+    "min": dist.ReduceOp.MIN,
+    "product": dist.ReduceOp.PRODUCT,
+}
 
 
 @dataclass
 class Config(RunArgs):
     ops: str = flag("", "comma-separated subset of ops (default: all): " + ",".join(VERIFY_OPS))
-    backend: str = flag("", "process-group backend override: gloo, nccl or mpi (default: Accelerate's choice)", choices=("", "gloo", "nccl", "mpi"))
-    noncontiguous: bool = flag(False, "pass inputs as strided views (every 2nd element of a buffer): shows gloo's silent wrong answers")
+    backend: str = flag(
+        "",
+        "process-group backend override: gloo, nccl or mpi (default: Accelerate's choice)",
+        choices=("", "gloo", "nccl", "mpi"),
+    )
+    noncontiguous: bool = flag(
+        False,
+        "pass inputs as strided views (every 2nd element of a buffer): shows gloo's silent wrong answers",
+    )
     count: int = flag(6, "elements per rank (kept small so bfloat16 holds every closed form exactly)")
 
     def validate(self) -> None:
         super().validate()
-        require(not self.ops.strip() or bool(self.op_list()), f"--ops {self.ops!r} names no op; allowed: {', '.join(VERIFY_OPS)}")
+        require(
+            not self.ops.strip() or bool(self.op_list()),
+            f"--ops {self.ops!r} names no op; allowed: {', '.join(VERIFY_OPS)}",
+        )
         for op in self.op_list():
             require(op in VERIFY_OPS, f"--ops: {op!r} is not a verify op; allowed: {', '.join(VERIFY_OPS)}")
         # Strided inputs only for in-place ops: elsewhere gloo may refuse them on one rank only, and the
         # other rank would wait for a collective that never comes (until --dist_timeout_s).
         in_place = ("all_reduce", "reduce", "broadcast")
-        require(not self.noncontiguous or set(self.op_list()) <= set(in_place),
-                f"--noncontiguous works with --ops from {', '.join(in_place)}, got {self.ops or 'all ops'}")
+        require(
+            not self.noncontiguous or set(self.op_list()) <= set(in_place),
+            f"--noncontiguous works with --ops from {', '.join(in_place)}, got {self.ops or 'all ops'}",
+        )
         require_positive(self, "count")
 
     def op_list(self) -> list[str]:
-        return [op.strip() for op in self.ops.split(",") if op.strip()] or ([] if self.ops.strip() else list(VERIFY_OPS))
+        return [op.strip() for op in self.ops.split(",") if op.strip()] or (
+            [] if self.ops.strip() else list(VERIFY_OPS)
+        )
 
 
 # ----------------------------------------------------------------------------------------------- verify
 
-def verify_op(op: str, variant: str, dtype: torch.dtype, rank: int, n: int, count: int, device, strided: bool = False) -> str:
+
+def verify_op(
+    op: str, variant: str, dtype: torch.dtype, rank: int, n: int, count: int, device, strided: bool = False
+) -> str:
     """Run `op` once on x_r = (r+1) * base and compare with its closed form: returns what was checked,
     raises WrongResult when the result differs (and the backend's own error when it refuses).
     `variant` is the reduction of all_reduce (sum, avg, max, min, product) and empty for other ops."""
@@ -92,8 +127,13 @@ def verify_op(op: str, variant: str, dtype: torch.dtype, rank: int, n: int, coun
         dist.barrier()
         return "every rank passed it"
     if op == "all_reduce":
-        want = {"sum": n * (n + 1) / 2 * base, "avg": (n + 1) / 2 * base, "max": n * base, "min": base,
-                "product": math.factorial(n) * base**n}[variant]
+        want = {
+            "sum": n * (n + 1) / 2 * base,
+            "avg": (n + 1) / 2 * base,
+            "max": n * base,
+            "min": base,
+            "product": math.factorial(n) * base**n,
+        }[variant]
         tensor = x(rank)
         dist.all_reduce(tensor, op=REDUCE_OPS[variant])  # one tensor, reduced in place: not a Python list
         expect(tensor, want)
@@ -207,19 +247,27 @@ def verify_every_op(cfg: Config, run) -> None:
         results += op_results
         verified = [r for r in op_results if r["status"] == "ok"]
         wrong = [r for r in op_results if r["status"] == "wrong"]
-        run.check(op, bool(verified) and not wrong,  # unsupported combinations are listed, never counted as passes
-                  f"{len(verified)} verified, {len(wrong)} wrong, {len(op_results) - len(verified) - len(wrong)} unsupported"
-                  + "".join(f"; {r['op']}/{r['dtype']} WRONG: {r['detail']}" for r in wrong[:3]))
+        run.check(
+            op,
+            bool(verified) and not wrong,  # unsupported combinations are listed, never counted as passes
+            f"{len(verified)} verified, {len(wrong)} wrong, {len(op_results) - len(verified) - len(wrong)} unsupported"
+            + "".join(f"; {r['op']}/{r['dtype']} WRONG: {r['detail']}" for r in wrong[:3]),
+        )
     for row in results:
         run.print(f"{row['op']:<24} {row['dtype']:<9} {row['status']:<12} {row['detail']}")
     unsupported = {f"{r['op']}/{r['dtype']}": r["detail"] for r in results if r["status"] == "unsupported"}
-    run.metrics.update(results=results, unsupported=unsupported, verified=sum(r["status"] == "ok" for r in results))
+    run.metrics.update(
+        results=results, unsupported=unsupported, verified=sum(r["status"] == "ok" for r in results)
+    )
 
 
 def run(cfg: Config) -> int:
     # needs_process_group: in one process, a 1-rank gloo group, so every call still runs
     with start_run(cfg, EXPERIMENT, needs_process_group=True, backend=cfg.backend or None) as run:
-        require(not cfg.backend or dist.get_backend() == cfg.backend, f"--backend {cfg.backend}: the process group uses {dist.get_backend()}")
+        require(
+            not cfg.backend or dist.get_backend() == cfg.backend,
+            f"--backend {cfg.backend}: the process group uses {dist.get_backend()}",
+        )
         verify_every_op(cfg, run)
         run.metrics["backend"] = dist.get_backend()
     return run.exit_code

@@ -48,40 +48,62 @@ class Config(RunArgs):
     sweep_metrics = ()
 
     ops: str = flag("", "comma-separated subset of ops (default: all): " + ",".join(BENCH_OPS))
-    backend: str = flag("", "process-group backend override: gloo, nccl or mpi (default: Accelerate's choice)", choices=("", "gloo", "nccl", "mpi"))
+    backend: str = flag(
+        "",
+        "process-group backend override: gloo, nccl or mpi (default: Accelerate's choice)",
+        choices=("", "gloo", "nccl", "mpi"),
+    )
     min_bytes: int = flag(1024, "smallest message, bytes (a power of two)")
     max_bytes: int = flag(16 * 2**20, "largest message, bytes (a power of two)")
     warmup: int = flag(3, "untimed calls per size before timing")
     iters: int = flag(10, "calls per timing")
     repeats: int = flag(5, "timings per size (median and spread are over these)")
     memcpy_bytes: int = flag(256 * 2**20, "size of the tensor copy that measures memcpy bandwidth")
-    max_memcpy_multiple: float = flag(2.0, "fail a row whose busbw exceeds this multiple of memcpy bandwidth (impossible on one host)")
+    max_memcpy_multiple: float = flag(
+        2.0, "fail a row whose busbw exceeds this multiple of memcpy bandwidth (impossible on one host)"
+    )
 
     def validate(self) -> None:
         super().validate()
-        require(not self.ops.strip() or bool(self.op_list()), f"--ops {self.ops!r} names no op; allowed: {', '.join(BENCH_OPS)}")
+        require(
+            not self.ops.strip() or bool(self.op_list()),
+            f"--ops {self.ops!r} names no op; allowed: {', '.join(BENCH_OPS)}",
+        )
         for op in self.op_list():
             require(op in BENCH_OPS, f"--ops: {op!r} is not a bench op; allowed: {', '.join(BENCH_OPS)}")
         for name in ("min_bytes", "max_bytes", "memcpy_bytes"):
             value = getattr(self, name)
-            require(value >= 64 and value & (value - 1) == 0, f"--{name} must be a power of two >= 64, got {value}")
-        require(self.min_bytes <= self.max_bytes, f"--min_bytes {self.min_bytes} must be <= --max_bytes {self.max_bytes}")
+            require(
+                value >= 64 and value & (value - 1) == 0,
+                f"--{name} must be a power of two >= 64, got {value}",
+            )
+        require(
+            self.min_bytes <= self.max_bytes,
+            f"--min_bytes {self.min_bytes} must be <= --max_bytes {self.max_bytes}",
+        )
         require_positive(self, "iters", "repeats", "max_memcpy_multiple")
         require(self.warmup >= 0, f"--warmup must be >= 0, got {self.warmup}")
 
     def op_list(self) -> list[str]:
-        return [op.strip() for op in self.ops.split(",") if op.strip()] or ([] if self.ops.strip() else list(BENCH_OPS))
+        return [op.strip() for op in self.ops.split(",") if op.strip()] or (
+            [] if self.ops.strip() else list(BENCH_OPS)
+        )
 
 
 def run(cfg: Config) -> int:
     with start_run(cfg, EXPERIMENT, needs_process_group=True, backend=cfg.backend or None) as run:
-        require(not cfg.backend or dist.get_backend() == cfg.backend, f"--backend {cfg.backend}: the process group uses {dist.get_backend()}")
+        require(
+            not cfg.backend or dist.get_backend() == cfg.backend,
+            f"--backend {cfg.backend}: the process group uses {dist.get_backend()}",
+        )
         n, device = dist.get_world_size(), run.accelerator.device
         copy_gbps = memcpy_gbps(cfg.memcpy_bytes, device)
         sizes = [2**k for k in range(int(math.log2(cfg.min_bytes)), int(math.log2(cfg.max_bytes)) + 1)]
         rows = []
         run.print(f"memcpy bandwidth: {copy_gbps:.2f} GB/s ({n} ranks copying at once)")
-        run.print(f"{'op':<24}{'bytes':>12}{'time_us':>12}{'spread_us':>11}{'algbw_GB/s':>12}{'busbw_GB/s':>12}{'%memcpy':>9}")
+        run.print(
+            f"{'op':<24}{'bytes':>12}{'time_us':>12}{'spread_us':>11}{'algbw_GB/s':>12}{'busbw_GB/s':>12}{'%memcpy':>9}"
+        )
         for op in cfg.op_list():
             for size in sizes:
                 fn, message_bytes = make_bench_call(op, size, n, device)
@@ -89,18 +111,39 @@ def run(cfg: Config) -> int:
                 median = timings[len(timings) // 2]
                 algbw = message_bytes / median / 1e9
                 busbw = algbw * bus_factor(op, n)
-                rows.append({"op": op, "bytes": message_bytes, "time_us": median * 1e6, "spread_us": (timings[-1] - timings[0]) * 1e6,
-                             "algbw_gbps": algbw, "busbw_gbps": busbw, "busbw_pct_of_memcpy": 100 * busbw / copy_gbps})
-                run.print(f"{op:<24}{message_bytes:>12,}{median * 1e6:>12.1f}{rows[-1]['spread_us']:>11.1f}"
-                          f"{algbw:>12.3f}{busbw:>12.3f}{rows[-1]['busbw_pct_of_memcpy']:>8.1f}%")
+                rows.append(
+                    {
+                        "op": op,
+                        "bytes": message_bytes,
+                        "time_us": median * 1e6,
+                        "spread_us": (timings[-1] - timings[0]) * 1e6,
+                        "algbw_gbps": algbw,
+                        "busbw_gbps": busbw,
+                        "busbw_pct_of_memcpy": 100 * busbw / copy_gbps,
+                    }
+                )
+                run.print(
+                    f"{op:<24}{message_bytes:>12,}{median * 1e6:>12.1f}{rows[-1]['spread_us']:>11.1f}"
+                    f"{algbw:>12.3f}{busbw:>12.3f}{rows[-1]['busbw_pct_of_memcpy']:>8.1f}%"
+                )
         plot_path = plot_busbw(rows, copy_gbps, n, run.output_dir) if run.is_main else None
         run.log_table("bench", rows, plot_path)
         timed = [(r["op"], r["bytes"]) for r in rows if math.isfinite(r["time_us"]) and r["time_us"] > 0]
-        run.check("every_row_timed", len(timed) == len(sizes) * len(cfg.op_list()),
-                  f"{len(timed)} of {len(sizes) * len(cfg.op_list())} rows ({len(cfg.op_list())} ops x {len(sizes)} sizes) with a finite time > 0")
-        too_fast = [f"{r['op']}@{r['bytes']}" for r in rows if r["busbw_gbps"] > cfg.max_memcpy_multiple * copy_gbps]
-        run.check("below_memory_ceiling", not too_fast or device.type != "cpu",
-                  f"busbw at most {cfg.max_memcpy_multiple}x memcpy ({copy_gbps:.2f} GB/s) on one host; over it: {too_fast or 'none'}")
+        run.check(
+            "every_row_timed",
+            len(timed) == len(sizes) * len(cfg.op_list()),
+            f"{len(timed)} of {len(sizes) * len(cfg.op_list())} rows ({len(cfg.op_list())} ops x {len(sizes)} sizes) "
+            "with a finite time > 0",
+        )
+        too_fast = [
+            f"{r['op']}@{r['bytes']}" for r in rows if r["busbw_gbps"] > cfg.max_memcpy_multiple * copy_gbps
+        ]
+        run.check(
+            "below_memory_ceiling",
+            not too_fast or device.type != "cpu",
+            f"busbw at most {cfg.max_memcpy_multiple}x memcpy ({copy_gbps:.2f} GB/s) on one host; "
+            f"over it: {too_fast or 'none'}",
+        )
         run.metrics.update(rows=rows, memcpy_gbps=copy_gbps, plot=plot_path, backend=dist.get_backend())
     return run.exit_code
 

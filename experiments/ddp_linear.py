@@ -24,7 +24,7 @@ Run it (results in runs/ddp_linear/: summary.json, metrics.jsonl, config.json, W
     # many nodes: edit accelerate_configs/multi_node_ddp.yaml (machine_rank, main_process_ip) on each node
     accelerate launch --config_file accelerate_configs/multi_node_ddp.yaml experiments/ddp_linear.py
     # checkpoints, resume and elastic restarts (common/training.py; README "When things go wrong")
-    TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 torchrun --standalone --nproc_per_node 2 --max-restarts 3 \
+    TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 torchrun --standalone --nproc_per_node 2 --max-restarts 3 \\
         experiments/ddp_linear.py --output_dir runs/ddp_linear_elastic --checkpoint_every 100 --resume_from_checkpoint latest
 """
 
@@ -61,31 +61,52 @@ EXPERIMENT = "ddp_linear"
 @dataclass
 class Config(ResumableArgs):
     sweep_metrics = ("loss", "samples_per_s", "final_mse", "max_weight_error", "bias_error")
-    result_neutral = (*ResumableArgs.result_neutral, "truth_tolerance", "parity_atol", "parity_atol_mixed_precision")  # tolerances change no result
+    result_neutral = (
+        *ResumableArgs.result_neutral,
+        "truth_tolerance",
+        "parity_atol",
+        "parity_atol_mixed_precision",
+    )  # tolerances change no result
 
     n_samples: int = flag(1000, "rows of synthetic data (the tutorial's 1000)")
     n_features: int = flag(10, "input features of synthetic data (the tutorial's nn.Linear(10, 1))")
     noise_std: float = flag(0.1, "standard deviation of the noise added to y = X·w* + b*")
     data_file: str = flag("", "a local csv/json/jsonl/parquet file to train on instead of synthetic data")
     target_column: str = flag("y", "column of --data_file to predict (needs --data_file)")
-    feature_columns: str = flag("", "comma-separated input columns of --data_file (default: all but the target; needs --data_file)")
-    per_rank_batch_size: int = flag(32, "rows per rank per micro-batch; global batch = this x ranks x accumulation")
+    feature_columns: str = flag(
+        "", "comma-separated input columns of --data_file (default: all but the target; needs --data_file)"
+    )
+    per_rank_batch_size: int = flag(
+        32, "rows per rank per micro-batch; global batch = this x ranks x accumulation"
+    )
     gradient_accumulation_steps: int = flag(1, "micro-batches per optimizer step (Accelerate's accumulate())")
     lr: float = flag(0.1, "SGD learning rate (the tutorial's 0.1)")
-    mixed_precision: str = flag("", "no/bf16/fp16 (empty: what `accelerate launch` or its config says); bf16 runs on CPU, fp16 needs a GPU", choices=("", "no", "bf16", "fp16"))
+    mixed_precision: str = flag(
+        "",
+        "no/bf16/fp16 (empty: what `accelerate launch` or its config says); bf16 runs on CPU, fp16 needs a GPU",
+        choices=("", "no", "bf16", "fp16"),
+    )
     truth_tolerance: float = flag(0.05, "largest allowed |learned - true| of any weight or the bias")
     parity_atol: float = flag(1e-5, "largest allowed |DDP - single process| parameter difference in float32")
-    parity_atol_mixed_precision: float = flag(5e-2, "the same under bf16/fp16 mixed precision (both sides round to ~3 digits)")
+    parity_atol_mixed_precision: float = flag(
+        5e-2, "the same under bf16/fp16 mixed precision (both sides round to ~3 digits)"
+    )
 
     def validate(self) -> None:
         super().validate()
-        require_positive(self, "n_samples", "n_features", "per_rank_batch_size", "gradient_accumulation_steps", "lr")
+        require_positive(
+            self, "n_samples", "n_features", "per_rank_batch_size", "gradient_accumulation_steps", "lr"
+        )
         require(self.noise_std >= 0, f"--noise_std must be >= 0, got {self.noise_std}")
         require_positive(self, "truth_tolerance", "parity_atol", "parity_atol_mixed_precision")
         if not self.data_file:
-            require(not self.feature_columns and self.target_column == "y",
-                    "--feature_columns and --target_column choose columns of --data_file; pass --data_file too")
-            require_memory("n_samples", self.n_samples * (self.n_features + 1) * 4 * 3)  # x, y, and a shuffled copy
+            require(
+                not self.feature_columns and self.target_column == "y",
+                "--feature_columns and --target_column choose columns of --data_file; pass --data_file too",
+            )
+            require_memory(
+                "n_samples", self.n_samples * (self.n_features + 1) * 4 * 3
+            )  # x, y, and a shuffled copy
 
 
 def load_data(cfg: Config):
@@ -103,44 +124,70 @@ def full_data_mse(model, x, y, accelerator) -> float:
     """MSE over the whole dataset: each rank sums its shard, one all-reduce adds the shards up."""
     with torch.no_grad():
         squared_error = F.mse_loss(model(x).float(), y, reduction="sum")
-    totals = accelerator.reduce(torch.stack([squared_error, torch.tensor(float(len(x)), device=x.device)]), "sum")
+    totals = accelerator.reduce(
+        torch.stack([squared_error, torch.tensor(float(len(x)), device=x.device)]), "sum"
+    )
     return (totals[0] / totals[1]).item()
 
 
-def replay_single_process(cfg: Config, dataset, world_size: int, initial_state: dict, accelerator) -> torch.nn.Linear:
+def replay_single_process(
+    cfg: Config, dataset, world_size: int, initial_state: dict, accelerator
+) -> torch.nn.Linear:
     """The reference: the global batches of the distributed run, in one process, with no DDP
     (32 per rank x 2 ranks x accumulation 1 = 64 rows per step, one mean loss over them)."""
     model = build_linear(initial_state["weight"].shape[1], seed=cfg.seed)
     model.load_state_dict(initial_state)
     global_batches = iterate_global_batches(dataset, world_size, cfg.per_rank_batch_size, cfg.seed)
-    return train_single_process(model, global_batches, cfg.max_steps, cfg.gradient_accumulation_steps, accelerator.device,
-                                make_optimizer=lambda params: torch.optim.SGD(params, lr=cfg.lr), autocast=accelerator.autocast)
+    return train_single_process(
+        model,
+        global_batches,
+        cfg.max_steps,
+        cfg.gradient_accumulation_steps,
+        accelerator.device,
+        make_optimizer=lambda params: torch.optim.SGD(params, lr=cfg.lr),
+        autocast=accelerator.autocast,
+    )
 
 
 def run(cfg: Config) -> int:
-    with start_run(cfg, EXPERIMENT, gradient_accumulation_steps=cfg.gradient_accumulation_steps,
-                   mixed_precision=cfg.mixed_precision) as run:
+    with start_run(
+        cfg,
+        EXPERIMENT,
+        gradient_accumulation_steps=cfg.gradient_accumulation_steps,
+        mixed_precision=cfg.mixed_precision,
+    ) as run:
         accelerator = run.accelerator
         with accelerator.main_process_first():  # datasets' cache: one rank writes it, the others read it
             dataset, truth = load_data(cfg)
         rank, world_size = accelerator.process_index, accelerator.num_processes
         shard_x, shard_y = (t.to(accelerator.device) for t in shard_tensors(dataset, rank, world_size))
         # A resumed run skips the micro-batches the checkpointed steps consumed: same data order as one long run.
-        batches = iterate_batches(shard_x, shard_y, cfg.per_rank_batch_size, cfg.seed,
-                                  start_batch=run.start_step * cfg.gradient_accumulation_steps)
+        batches = iterate_batches(
+            shard_x,
+            shard_y,
+            cfg.per_rank_batch_size,
+            cfg.seed,
+            start_batch=run.start_step * cfg.gradient_accumulation_steps,
+        )
 
-        model = build_linear(shard_x.shape[1], seed=cfg.seed)  # same seed on every rank, and DDP broadcasts rank 0's anyway
+        model = build_linear(
+            shard_x.shape[1], seed=cfg.seed
+        )  # same seed on every rank, and DDP broadcasts rank 0's anyway
         initial_state = copy.deepcopy(model.state_dict())
         optimizer = torch.optim.SGD(model.parameters(), lr=cfg.lr)
         model, optimizer = accelerator.prepare(model, optimizer)
         initial_mse = full_data_mse(model, shard_x, shard_y, accelerator)
 
         # The idea: each rank trains on its own shard; DDP averages the gradients in backward.
-        loop = TrainLoop(run, model, optimizer, global_micro_batch_size=cfg.per_rank_batch_size * world_size)  # resume, logs, checkpoints
+        loop = TrainLoop(
+            run, model, optimizer, global_micro_batch_size=cfg.per_rank_batch_size * world_size
+        )  # resume, logs, checkpoints
         for x, y in loop.micro_batches(batches):
             with accelerator.accumulate(model):  # no all-reduce until the last micro-batch of a step
                 loss = F.mse_loss(model(x), y)
-                accelerator.backward(loss)  # DDP: all-reduce, then / world size: every rank holds the mean gradient
+                accelerator.backward(
+                    loss
+                )  # DDP: all-reduce, then / world size: every rank holds the mean gradient
                 optimizer.step()
                 optimizer.zero_grad()
             loop.record(loss)
@@ -151,20 +198,47 @@ def run(cfg: Config) -> int:
         weight_error = (weight - torch.tensor(truth["weight"])).abs().max().item()
         bias_error = abs(bias.item() - truth["bias"])
         global_batch_size = cfg.per_rank_batch_size * world_size * cfg.gradient_accumulation_steps
-        run.metrics.update(loop.metrics(), weight=weight.tolist(), bias=bias.item(), true_weight=truth["weight"], true_bias=truth["bias"],
-                           max_weight_error=weight_error, bias_error=bias_error, initial_mse=initial_mse, final_mse=final_mse,
-                           global_batch_size=global_batch_size)
-        run.check("loss_decreased", final_mse < initial_mse, f"full-data MSE {initial_mse:.5f} -> {final_mse:.5f}")
+        run.metrics.update(
+            loop.metrics(),
+            weight=weight.tolist(),
+            bias=bias.item(),
+            true_weight=truth["weight"],
+            true_bias=truth["bias"],
+            max_weight_error=weight_error,
+            bias_error=bias_error,
+            initial_mse=initial_mse,
+            final_mse=final_mse,
+            global_batch_size=global_batch_size,
+        )
+        run.check(
+            "loss_decreased", final_mse < initial_mse, f"full-data MSE {initial_mse:.5f} -> {final_mse:.5f}"
+        )
         if run.is_main:
-            run.check("recovers_truth", max(weight_error, bias_error) <= cfg.truth_tolerance,
-                      f"max |w - w_true| = {weight_error:.4f}, |b - b_true| = {bias_error:.4f} vs {truth.get('source', 'w*, b*')}, "
-                      f"tolerance {cfg.truth_tolerance}")
+            run.check(
+                "recovers_truth",
+                max(weight_error, bias_error) <= cfg.truth_tolerance,
+                f"max |w - w_true| = {weight_error:.4f}, "
+                f"|b - b_true| = {bias_error:.4f} vs {truth.get('source', 'w*, b*')}, "
+                f"tolerance {cfg.truth_tolerance}",
+            )
             reference = replay_single_process(cfg, dataset, world_size, initial_state, accelerator)
             run.metrics["parity_max_abs_diff"] = max_abs_difference(trained, reference)
-            run.parity_check("matches_single_process", run.metrics["parity_max_abs_diff"],
-                             cfg.parity_atol if accelerator.mixed_precision == "no" else cfg.parity_atol_mixed_precision,
-                             f"max |DDP - one process| over all parameters, {cfg.max_steps} steps of global batch {global_batch_size}")
-        run.log(loop.step, {**loop.last_interval, "final_mse": final_mse, "max_weight_error": weight_error, "bias_error": bias_error})
+            run.parity_check(
+                "matches_single_process",
+                run.metrics["parity_max_abs_diff"],
+                cfg.parity_atol if accelerator.mixed_precision == "no" else cfg.parity_atol_mixed_precision,
+                "max |DDP - one process| over all parameters, "
+                f"{cfg.max_steps} steps of global batch {global_batch_size}",
+            )
+        run.log(
+            loop.step,
+            {
+                **loop.last_interval,
+                "final_mse": final_mse,
+                "max_weight_error": weight_error,
+                "bias_error": bias_error,
+            },
+        )
     return run.exit_code
 
 

@@ -1,6 +1,7 @@
 """manual_data_parallel: what does DDP actually do? Data parallelism by hand, proven equal to DDP.
 
-The collectives tutorial this project corrects (docs/tutorials.md) hand-rolls data parallelism and gets it wrong: it all-reduces a *list* of parameter copies,
+The collectives tutorial this project corrects (docs/tutorials.md) hand-rolls data parallelism and gets
+it wrong: it all-reduces a *list* of parameter copies,
 sums gradients without dividing by the number of ranks (so the step is world_size times too large),
 and calls that "moving parameters to workers". Done right, data parallelism is three moves:
   1. start equal: broadcast rank 0's initial parameters once (here every rank deliberately
@@ -24,7 +25,8 @@ issues the collectives it should per step. --average_gradients false reproduces 
 
 Run it:
     accelerate launch --config_file accelerate_configs/cpu_ddp.yaml experiments/manual_data_parallel.py
-    accelerate launch --config_file accelerate_configs/cpu_ddp.yaml experiments/manual_data_parallel.py --model mlp --hidden_features 512 --bucket_mb 0.5
+    accelerate launch --config_file accelerate_configs/cpu_ddp.yaml experiments/manual_data_parallel.py \\
+        --model mlp --hidden_features 512 --bucket_mb 0.5
     torchrun --nproc_per_node 2 experiments/manual_data_parallel.py --strategy bucketed
     accelerate launch --config_file accelerate_configs/multi_gpu_ddp.yaml experiments/manual_data_parallel.py   # NCCL
 """
@@ -55,10 +57,20 @@ STRATEGIES = ("ddp", "per_param", "bucketed", "overlapped")  # ddp first: the ot
 
 @dataclass
 class Config(RunArgs):
-    strategy: str = flag("all", "per_param, bucketed, overlapped, ddp, or all (each from the same init, compared)", choices=(*STRATEGIES, "all"))
-    model: str = flag("linear", "linear: the tutorial's nn.Linear(10, 1); mlp: fc1 -> ReLU -> fc2 (more, larger gradients)", choices=("linear", "mlp"))
+    strategy: str = flag(
+        "all",
+        "per_param, bucketed, overlapped, ddp, or all (each from the same init, compared)",
+        choices=(*STRATEGIES, "all"),
+    )
+    model: str = flag(
+        "linear",
+        "linear: the tutorial's nn.Linear(10, 1); mlp: fc1 -> ReLU -> fc2 (more, larger gradients)",
+        choices=("linear", "mlp"),
+    )
     hidden_features: int = flag(50, "width of the mlp's hidden layer (the tutorial's 50)")
-    bucket_mb: float = flag(25.0, "largest gradient bucket in MiB for `bucketed` (DDP's default bucket_cap_mb is 25)")
+    bucket_mb: float = flag(
+        25.0, "largest gradient bucket in MiB for `bucketed` (DDP's default bucket_cap_mb is 25)"
+    )
     n_samples: int = flag(1000, "rows of synthetic data")
     n_features: int = flag(10, "input features")
     noise_std: float = flag(0.1, "noise on y = X·w* + b*")
@@ -66,13 +78,28 @@ class Config(RunArgs):
     gradient_accumulation_steps: int = flag(1, "micro-batches per optimizer step; syncs only on the last one")
     lr: float = flag(0.1, "SGD learning rate")
     max_steps: int = flag(100, "optimizer steps per strategy")
-    average_gradients: bool = flag(True, "divide the all-reduced gradient sum by world size (false = the tutorial's bug; needs >= 2 ranks to show)")
-    parity_atol: float = flag(1e-5, "largest allowed |strategy - reference| parameter difference in float32 (> 0)")
+    average_gradients: bool = flag(
+        True,
+        "divide the all-reduced gradient sum by world size (false = the tutorial's bug; needs >= 2 ranks to show)",
+    )
+    parity_atol: float = flag(
+        1e-5, "largest allowed |strategy - reference| parameter difference in float32 (> 0)"
+    )
 
     def validate(self) -> None:
         super().validate()
-        require_positive(self, "max_steps", "hidden_features", "n_samples", "n_features", "per_rank_batch_size", "gradient_accumulation_steps",
-                         "bucket_mb", "lr", "parity_atol")
+        require_positive(
+            self,
+            "max_steps",
+            "hidden_features",
+            "n_samples",
+            "n_features",
+            "per_rank_batch_size",
+            "gradient_accumulation_steps",
+            "bucket_mb",
+            "lr",
+            "parity_atol",
+        )
 
 
 def build_model(cfg: Config, seed: int) -> torch.nn.Module:
@@ -150,17 +177,24 @@ def train_by_hand(cfg: Config, strategy: str, batches, accelerator) -> tuple[tor
     for _ in range(cfg.max_steps):
         start = time.perf_counter()
         for micro in range(cfg.gradient_accumulation_steps):
-            sync.sync_this_micro_batch = micro == cfg.gradient_accumulation_steps - 1  # no_sync before the last
+            sync.sync_this_micro_batch = (
+                micro == cfg.gradient_accumulation_steps - 1
+            )  # no_sync before the last
             x, y = next(batches)
-            loss = F.mse_loss(model(x), y) / cfg.gradient_accumulation_steps  # grads add up to the step's mean
+            loss = (
+                F.mse_loss(model(x), y) / cfg.gradient_accumulation_steps
+            )  # grads add up to the step's mean
             loss.backward()
         sync.finish()
         optimizer.step()
         optimizer.zero_grad()
         step_times.append(time.perf_counter() - start)
-    stats = {"collectives_per_step": sync.collectives / cfg.max_steps, "bytes_per_step": sync.bytes / cfg.max_steps,
-             "median_step_ms": 1e3 * statistics.median(step_times), "expected_collectives_per_step":
-             len(sync.params) if strategy != "bucketed" else len(sync.buckets)}
+    stats = {
+        "collectives_per_step": sync.collectives / cfg.max_steps,
+        "bytes_per_step": sync.bytes / cfg.max_steps,
+        "median_step_ms": 1e3 * statistics.median(step_times),
+        "expected_collectives_per_step": len(sync.params) if strategy != "bucketed" else len(sync.buckets),
+    }
     return model, stats
 
 
@@ -190,14 +224,20 @@ def train_with_ddp(cfg: Config, batches, accelerator) -> tuple[torch.nn.Module, 
         if accelerator.sync_gradients:
             step_times.append(time.perf_counter() - start)
             start = time.perf_counter()
-    stats = {"collectives_per_step": counted["collectives"] / cfg.max_steps, "bytes_per_step": counted["bytes"] / cfg.max_steps,
-             "median_step_ms": 1e3 * statistics.median(step_times), "all_reduces_inside_no_sync": counted["inside_no_sync"]}
+    stats = {
+        "collectives_per_step": counted["collectives"] / cfg.max_steps,
+        "bytes_per_step": counted["bytes"] / cfg.max_steps,
+        "median_step_ms": 1e3 * statistics.median(step_times),
+        "all_reduces_inside_no_sync": counted["inside_no_sync"],
+    }
     return accelerator.unwrap_model(model), stats
 
 
 def run(cfg: Config) -> int:
     # needs_process_group: in one process, a 1-rank gloo group, so the hand-rolled collectives still run
-    with start_run(cfg, EXPERIMENT, needs_process_group=True, gradient_accumulation_steps=cfg.gradient_accumulation_steps) as run:
+    with start_run(
+        cfg, EXPERIMENT, needs_process_group=True, gradient_accumulation_steps=cfg.gradient_accumulation_steps
+    ) as run:
         accelerator = run.accelerator
         dataset, _ = make_regression_dataset(cfg.n_samples, cfg.n_features, cfg.noise_std, cfg.seed)
         rank, world_size = accelerator.process_index, accelerator.num_processes
@@ -205,7 +245,9 @@ def run(cfg: Config) -> int:
         strategies = STRATEGIES if cfg.strategy == "all" else (cfg.strategy,)
         trained, stats = {}, {}
         for strategy in strategies:
-            batches = iterate_batches(shard_x, shard_y, cfg.per_rank_batch_size, cfg.seed)  # same batches for each
+            batches = iterate_batches(
+                shard_x, shard_y, cfg.per_rank_batch_size, cfg.seed
+            )  # same batches for each
             if strategy == "ddp":
                 trained[strategy], stats[strategy] = train_with_ddp(cfg, batches, accelerator)
             else:
@@ -222,26 +264,49 @@ def compare_with_references(cfg: Config, run, dataset, trained: dict, stats: dic
     world_size = run.accelerator.num_processes
     reference = build_model(cfg, seed=cfg.seed)
     global_batches = iterate_global_batches(dataset, world_size, cfg.per_rank_batch_size, cfg.seed)
-    train_single_process(reference, global_batches, cfg.max_steps, cfg.gradient_accumulation_steps, run.accelerator.device,
-                         make_optimizer=lambda params: torch.optim.SGD(params, lr=cfg.lr))
-    run.print(f"{'strategy':<12}{'median ms/step':>15}{'all_reduces/step':>18}{'bytes/step':>12}{'max|Δ| vs 1 proc':>19}")
+    train_single_process(
+        reference,
+        global_batches,
+        cfg.max_steps,
+        cfg.gradient_accumulation_steps,
+        run.accelerator.device,
+        make_optimizer=lambda params: torch.optim.SGD(params, lr=cfg.lr),
+    )
+    run.print(
+        f"{'strategy':<12}{'median ms/step':>15}{'all_reduces/step':>18}{'bytes/step':>12}{'max|Δ| vs 1 proc':>19}"
+    )
     for strategy, model in trained.items():
         s = stats[strategy]
         s["diff_vs_single_process"] = max_abs_difference(model, reference)
-        run.print(f"{strategy:<12}{s['median_step_ms']:>15.3f}{s['collectives_per_step']:>18.1f}{s['bytes_per_step']:>12,.0f}"
-                  f"{s['diff_vs_single_process']:>19.2e}")
-        run.parity_check(f"{strategy}_matches_single_process", s["diff_vs_single_process"], cfg.parity_atol,
-                         f"max |{strategy} - one process|")
+        run.print(
+            f"{strategy:<12}{s['median_step_ms']:>15.3f}{s['collectives_per_step']:>18.1f}{s['bytes_per_step']:>12,.0f}"
+            f"{s['diff_vs_single_process']:>19.2e}"
+        )
+        run.parity_check(
+            f"{strategy}_matches_single_process",
+            s["diff_vs_single_process"],
+            cfg.parity_atol,
+            f"max |{strategy} - one process|",
+        )
         if "ddp" in trained and strategy != "ddp":
             s["diff_vs_ddp"] = max_abs_difference(model, trained["ddp"])
-            run.parity_check(f"{strategy}_matches_ddp", s["diff_vs_ddp"], cfg.parity_atol, f"max |{strategy} - ddp|")
+            run.parity_check(
+                f"{strategy}_matches_ddp", s["diff_vs_ddp"], cfg.parity_atol, f"max |{strategy} - ddp|"
+            )
         if strategy == "ddp" and world_size > 1:
-            run.check("ddp_no_sync_skips_all_reduce", s["all_reduces_inside_no_sync"] == 0 and s["collectives_per_step"] > 0,
-                      f"{s['all_reduces_inside_no_sync']} all_reduces on non-final micro-batches, {s['collectives_per_step']:.1f} per step in all")
+            run.check(
+                "ddp_no_sync_skips_all_reduce",
+                s["all_reduces_inside_no_sync"] == 0 and s["collectives_per_step"] > 0,
+                f"{s['all_reduces_inside_no_sync']} all_reduces on non-final micro-batches, "
+                f"{s['collectives_per_step']:.1f} per step in all",
+            )
         if "expected_collectives_per_step" in s:  # only the last micro-batch of a step may communicate
-            run.check(f"{strategy}_syncs_once_per_step", s["collectives_per_step"] == s["expected_collectives_per_step"],
-                      f"{s['collectives_per_step']:.1f} all_reduces per step, expected {s['expected_collectives_per_step']} "
-                      f"with {cfg.gradient_accumulation_steps} micro-batches per step")
+            run.check(
+                f"{strategy}_syncs_once_per_step",
+                s["collectives_per_step"] == s["expected_collectives_per_step"],
+                f"{s['collectives_per_step']:.1f} all_reduces per step, expected {s['expected_collectives_per_step']} "
+                f"with {cfg.gradient_accumulation_steps} micro-batches per step",
+            )
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -20,7 +20,8 @@ blocks and reports the measured bubble beside GPipe's theory; timeline.png draws
 
 Run it (>= 2 ranks, one stage each; p = world size):
     accelerate launch --config_file accelerate_configs/cpu_ddp.yaml experiments/pipeline_parallel.py
-    accelerate launch --config_file accelerate_configs/cpu_ddp.yaml experiments/pipeline_parallel.py --schedule 1f1b --n_microbatches 8
+    accelerate launch --config_file accelerate_configs/cpu_ddp.yaml experiments/pipeline_parallel.py \\
+        --schedule 1f1b --n_microbatches 8
     torchrun --nproc_per_node 4 experiments/pipeline_parallel.py --n_layers 8        # 4 stages
     accelerate launch --config_file accelerate_configs/multi_gpu_ddp.yaml experiments/pipeline_parallel.py  # one GPU per stage
 """
@@ -50,47 +51,82 @@ from common.runtime import launched_world_size
 
 EXPERIMENT = "pipeline_parallel"
 # Stage 0's input needs no gradient, so torch warns that its backward hook fires on outputs: expected here.
-warnings.filterwarnings("ignore", message="Full backward hook is firing when gradients are computed with respect to module outputs")
+warnings.filterwarnings(
+    "ignore",
+    message="Full backward hook is firing when gradients are computed with respect to module outputs",
+)
 SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}
 
 
 @dataclass
 class Config(TrainArgs):
-    schedule: str = flag("gpipe", "pipeline schedule: gpipe (all F then all B) or 1f1b (alternating)", choices=tuple(SCHEDULES))
+    schedule: str = flag(
+        "gpipe", "pipeline schedule: gpipe (all F then all B) or 1f1b (alternating)", choices=tuple(SCHEDULES)
+    )
     n_microbatches: int = flag(4, "micro-batches per step (the batch must split evenly)")
     n_layers: int = flag(4, "Linear layers fc1..fcN, cut into world_size contiguous stages")
-    hidden_features: int = flag(512, "hidden width: large enough that compute, not messaging, dominates a stage")
+    hidden_features: int = flag(
+        512, "hidden width: large enough that compute, not messaging, dominates a stage"
+    )
     n_features: int = flag(10, "input features")
     n_samples: int = flag(4096, "rows of synthetic regression data")
     batch_size: int = flag(512, "rows per step (split into micro-batches)")
     lr: float = flag(0.01, "SGD learning rate")
     max_steps: int = flag(10, "training steps checked against the full model")
     log_every: int = flag(5, "steps between console lines")
-    bubble_microbatches: str = flag("1,2,4,8", "comma-separated m values for the bubble measurement ('' to skip)")
+    bubble_microbatches: str = flag(
+        "1,2,4,8", "comma-separated m values for the bubble measurement ('' to skip)"
+    )
     bubble_steps: int = flag(3, "timed steps per m (median bubble reported)")
-    skip_gradient_scaling: bool = flag(False, "a classic mistake: sum micro-batch gradients instead of averaging (scale_grads=False)")
-    parity_atol: float = flag(1e-5, "largest allowed |pipeline - full model| difference in loss, gradient or parameter, float32 (> 0)")
+    skip_gradient_scaling: bool = flag(
+        False, "a classic mistake: sum micro-batch gradients instead of averaging (scale_grads=False)"
+    )
+    parity_atol: float = flag(
+        1e-5,
+        "largest allowed |pipeline - full model| difference in loss, gradient or parameter, float32 (> 0)",
+    )
 
     def validate(self) -> None:
         super().validate()
-        require_positive(self, "n_microbatches", "n_layers", "hidden_features", "n_features", "n_samples", "batch_size", "bubble_steps")
+        require_positive(
+            self,
+            "n_microbatches",
+            "n_layers",
+            "hidden_features",
+            "n_features",
+            "n_samples",
+            "batch_size",
+            "bubble_steps",
+        )
         require(self.lr > 0 and self.parity_atol > 0, "--lr and --parity_atol must be > 0")
         for m in [self.n_microbatches, *self.bubble_values()]:
-            require(self.batch_size % m == 0, f"--batch_size {self.batch_size} must split evenly into {m} micro-batches")
+            require(
+                self.batch_size % m == 0,
+                f"--batch_size {self.batch_size} must split evenly into {m} micro-batches",
+            )
         # Refused now, before any output or tracker run exists: the launch's world size is the stage count.
         n_stages = launched_world_size(self)
-        require(n_stages >= 2 and self.n_layers >= n_stages,
-                f"a pipeline needs >= 2 ranks and >= 1 layer per rank: {n_stages} ranks, --n_layers {self.n_layers}; "
-                "launch with accelerate_configs/cpu_ddp.yaml")
-        require(self.schedule != "1f1b" or self.n_microbatches >= n_stages,
-                f"--schedule 1f1b needs --n_microbatches >= the {n_stages} stages, got {self.n_microbatches}")
+        require(
+            n_stages >= 2 and self.n_layers >= n_stages,
+            f"a pipeline needs >= 2 ranks and >= 1 layer per rank: {n_stages} ranks, --n_layers {self.n_layers}; "
+            "launch with accelerate_configs/cpu_ddp.yaml",
+        )
+        require(
+            self.schedule != "1f1b" or self.n_microbatches >= n_stages,
+            f"--schedule 1f1b needs --n_microbatches >= the {n_stages} stages, got {self.n_microbatches}",
+        )
 
     def bubble_values(self) -> list[int]:
         try:
             values = [int(v) for v in self.bubble_microbatches.split(",") if v.strip()]
         except ValueError:
-            raise UsageError(f"--bubble_microbatches {self.bubble_microbatches!r}: expected whole numbers like 1,2,4,8") from None
-        require(all(v > 0 for v in values), f"--bubble_microbatches {self.bubble_microbatches!r}: values must be > 0")
+            raise UsageError(
+                f"--bubble_microbatches {self.bubble_microbatches!r}: expected whole numbers like 1,2,4,8"
+            ) from None
+        require(
+            all(v > 0 for v in values),
+            f"--bubble_microbatches {self.bubble_microbatches!r}: values must be > 0",
+        )
         return values
 
 
@@ -123,11 +159,17 @@ class BlockTimer:
 
     def __init__(self, stage_module: nn.Module):
         self.blocks = []
-        stage_module.register_forward_pre_hook(lambda *_: self.blocks.append(["F", time.perf_counter(), None]))
+        stage_module.register_forward_pre_hook(
+            lambda *_: self.blocks.append(["F", time.perf_counter(), None])
+        )
         stage_module.register_forward_hook(lambda *_: self.blocks[-1].__setitem__(2, time.perf_counter()))
-        stage_module.register_full_backward_pre_hook(lambda *_: self.blocks.append(["B", time.perf_counter(), time.perf_counter()]))
+        stage_module.register_full_backward_pre_hook(
+            lambda *_: self.blocks.append(["B", time.perf_counter(), time.perf_counter()])
+        )
         for param in stage_module.parameters():
-            param.register_post_accumulate_grad_hook(lambda _p: self.blocks[-1].__setitem__(2, time.perf_counter()))
+            param.register_post_accumulate_grad_hook(
+                lambda _p: self.blocks[-1].__setitem__(2, time.perf_counter())
+            )
 
 
 def run_step(schedule, rank: int, n_stages: int, x, y):
@@ -150,18 +192,35 @@ def reduce_max(value: float, device) -> float:
 
 def run(cfg: Config) -> int:
     with start_run(cfg, EXPERIMENT) as run:
-        rank, n_stages, device = run.accelerator.process_index, run.accelerator.num_processes, run.accelerator.device
-        full_model = build_mlp(cfg.n_features, cfg.hidden_features, 1, seed=cfg.seed, n_layers=cfg.n_layers).to(device)
-        pipeline_model = build_mlp(cfg.n_features, cfg.hidden_features, 1, seed=cfg.seed, n_layers=cfg.n_layers).to(device)
-        stage_module, my_layers = cut_stage(pipeline_model, rank, n_stages)  # same init as full_model: same seed
-        run.print(f"{n_stages} stages of {cfg.n_layers} layers; rank 0 holds {my_layers}; {cfg.schedule}, m = {cfg.n_microbatches}")
+        rank, n_stages, device = (
+            run.accelerator.process_index,
+            run.accelerator.num_processes,
+            run.accelerator.device,
+        )
+        full_model = build_mlp(
+            cfg.n_features, cfg.hidden_features, 1, seed=cfg.seed, n_layers=cfg.n_layers
+        ).to(device)
+        pipeline_model = build_mlp(
+            cfg.n_features, cfg.hidden_features, 1, seed=cfg.seed, n_layers=cfg.n_layers
+        ).to(device)
+        stage_module, my_layers = cut_stage(
+            pipeline_model, rank, n_stages
+        )  # same init as full_model: same seed
+        run.print(
+            f"{n_stages} stages of {cfg.n_layers} layers; "
+            f"rank 0 holds {my_layers}; {cfg.schedule}, m = {cfg.n_microbatches}"
+        )
 
         def make_schedule(m: int):
             stage = PipelineStage(stage_module, stage_index=rank, num_stages=n_stages, device=device)
-            return SCHEDULES[cfg.schedule](stage, n_microbatches=m, loss_fn=F.mse_loss, scale_grads=not cfg.skip_gradient_scaling)
+            return SCHEDULES[cfg.schedule](
+                stage, n_microbatches=m, loss_fn=F.mse_loss, scale_grads=not cfg.skip_gradient_scaling
+            )
 
         dataset, _ = make_regression_dataset(cfg.n_samples, cfg.n_features, 0.1, cfg.seed)
-        x_all, y_all = (t.to(device) for t in shard_tensors(dataset, 0, 1))  # every rank sees the same full batches
+        x_all, y_all = (
+            t.to(device) for t in shard_tensors(dataset, 0, 1)
+        )  # every rank sees the same full batches
         batches = iterate_batches(x_all, y_all, cfg.batch_size, cfg.seed)
         schedule = make_schedule(cfg.n_microbatches)
         optimizers = [torch.optim.SGD(m.parameters(), lr=cfg.lr) for m in (stage_module, full_model)]
@@ -172,7 +231,13 @@ def run(cfg: Config) -> int:
             full_loss = F.mse_loss(full_model(x), y)  # the reference: whole model, whole batch, one process
             full_loss.backward()
             if step == 1:
-                grad_diff = max((getattr(pipeline_model, n).weight.grad - getattr(full_model, n).weight.grad).abs().max().item() for n in my_layers)
+                grad_diff = max(
+                    (getattr(pipeline_model, n).weight.grad - getattr(full_model, n).weight.grad)
+                    .abs()
+                    .max()
+                    .item()
+                    for n in my_layers
+                )
             if pipeline_loss is not None:
                 loss_diff = max(loss_diff, abs(pipeline_loss - full_loss.item()))
             for optimizer in optimizers:
@@ -180,17 +245,42 @@ def run(cfg: Config) -> int:
                 optimizer.zero_grad()
             if step % cfg.log_every == 0 or step == cfg.max_steps:
                 run.log(step, {"full_model_loss": full_loss.item()})
-        param_diff = max((p - q).abs().max().item() for n in my_layers
-                         for p, q in zip(getattr(pipeline_model, n).parameters(), getattr(full_model, n).parameters(), strict=True))
+        param_diff = max(
+            (p - q).abs().max().item()
+            for n in my_layers
+            for p, q in zip(
+                getattr(pipeline_model, n).parameters(), getattr(full_model, n).parameters(), strict=True
+            )
+        )
         loss_diff, grad_diff, param_diff = (reduce_max(v, device) for v in (loss_diff, grad_diff, param_diff))
-        run.parity_check("loss_matches_full_model", loss_diff, cfg.parity_atol, "max |pipeline - full model| loss at every step")
-        run.parity_check("gradients_match_full_model", grad_diff, cfg.parity_atol, "max |pipeline - full model| weight gradients of step 1")
-        run.parity_check("parameters_match_full_model", param_diff, cfg.parity_atol,
-                         f"max |pipeline - full model| parameters after {cfg.max_steps} steps")
+        run.parity_check(
+            "loss_matches_full_model",
+            loss_diff,
+            cfg.parity_atol,
+            "max |pipeline - full model| loss at every step",
+        )
+        run.parity_check(
+            "gradients_match_full_model",
+            grad_diff,
+            cfg.parity_atol,
+            "max |pipeline - full model| weight gradients of step 1",
+        )
+        run.parity_check(
+            "parameters_match_full_model",
+            param_diff,
+            cfg.parity_atol,
+            f"max |pipeline - full model| parameters after {cfg.max_steps} steps",
+        )
 
         bubbles, timeline = measure_bubbles(cfg, make_schedule, stage_module, batches, rank, n_stages, run)
-        run.metrics.update(stages=n_stages, schedule=cfg.schedule, loss_max_abs_diff=loss_diff, grad_max_abs_diff=grad_diff,
-                           param_max_abs_diff=param_diff, bubbles=bubbles)
+        run.metrics.update(
+            stages=n_stages,
+            schedule=cfg.schedule,
+            loss_max_abs_diff=loss_diff,
+            grad_max_abs_diff=grad_diff,
+            param_max_abs_diff=param_diff,
+            bubbles=bubbles,
+        )
         if run.is_main and timeline:
             run.metrics["timeline_png"] = draw_timeline(timeline, cfg, n_stages, run.output_dir)
         run.log_table("bubble", bubbles, run.metrics.get("timeline_png"))
@@ -216,7 +306,9 @@ def measure_bubbles(cfg: Config, make_schedule, stage_module, batches, rank: int
             timer.blocks.clear()
             run_step(schedule, rank, n_stages, x, y)
             every_stage = [None] * n_stages
-            dist.all_gather_object(every_stage, timer.blocks)  # perf_counter is one clock for all processes of a host
+            dist.all_gather_object(
+                every_stage, timer.blocks
+            )  # perf_counter is one clock for all processes of a host
             start = min(b[1] for blocks in every_stage for b in blocks)
             makespan = max(b[2] for blocks in every_stage for b in blocks) - start
             busy = [sum(b[2] - b[1] for b in blocks) for blocks in every_stage]
@@ -225,10 +317,17 @@ def measure_bubbles(cfg: Config, make_schedule, stage_module, batches, rank: int
             if m == cfg.n_microbatches or timeline is None:
                 timeline = [[(kind, s - start, e - start) for kind, s, e in blocks] for blocks in every_stage]
         theory = (n_stages - 1) / (m + n_stages - 1)
-        row = {"m": m, "measured_bubble": statistics.median(fractions), "gpipe_theory": theory, "step_ms": statistics.median(step_ms),
-               # what the timer saw in the last step: m forward and m backward blocks per stage, each of some length
-               "blocks_per_stage": [{kind: sum(b[0] == kind for b in blocks) for kind in "FB"} for blocks in every_stage],
-               "shortest_block_us": 1e6 * min(b[2] - b[1] for blocks in every_stage for b in blocks)}
+        row = {
+            "m": m,
+            "measured_bubble": statistics.median(fractions),
+            "gpipe_theory": theory,
+            "step_ms": statistics.median(step_ms),
+            # what the timer saw in the last step: m forward and m backward blocks per stage, each of some length
+            "blocks_per_stage": [
+                {kind: sum(b[0] == kind for b in blocks) for kind in "FB"} for blocks in every_stage
+            ],
+            "shortest_block_us": 1e6 * min(b[2] - b[1] for blocks in every_stage for b in blocks),
+        }
         rows.append(row)
         run.print(f"{m:>4}{row['measured_bubble']:>17.3f}{theory:>14.3f}{row['step_ms']:>10.1f}")
     return rows, timeline
@@ -244,9 +343,19 @@ def draw_timeline(timeline, cfg: Config, n_stages: int, output_dir: str) -> str:
     colors = {"F": "tab:blue", "B": "tab:orange"}
     for stage, blocks in enumerate(timeline):
         for kind, start, end in blocks:
-            axes.broken_barh([(start * 1e3, (end - start) * 1e3)], (stage - 0.4, 0.8), color=colors[kind], edgecolor="black", linewidth=0.3)
-    axes.set(yticks=range(n_stages), yticklabels=[f"stage {s}" for s in range(n_stages)], xlabel="time in step (ms)",
-             title=f"{cfg.schedule}: one step, m = {cfg.n_microbatches} micro-batches (blue forward, orange backward)")
+            axes.broken_barh(
+                [(start * 1e3, (end - start) * 1e3)],
+                (stage - 0.4, 0.8),
+                color=colors[kind],
+                edgecolor="black",
+                linewidth=0.3,
+            )
+    axes.set(
+        yticks=range(n_stages),
+        yticklabels=[f"stage {s}" for s in range(n_stages)],
+        xlabel="time in step (ms)",
+        title=f"{cfg.schedule}: one step, m = {cfg.n_microbatches} micro-batches (blue forward, orange backward)",
+    )
     axes.invert_yaxis()
     path = os.path.join(output_dir, "timeline.png")
     figure.savefig(path, dpi=100, bbox_inches="tight")

@@ -49,8 +49,17 @@ class Finished:
         return [json.loads(line) for line in (self.output_dir / "metrics.jsonl").read_text().splitlines()]
 
 
-def launch(script: str, args: list[str], output_dir: Path, *, config: str | None = CPU_DDP, launcher: str = "accelerate",
-           env: dict | None = None, timeout: float = LAUNCH_TIMEOUT_S, num_processes: int | None = None) -> Finished:
+def launch(
+    script: str,
+    args: list[str],
+    output_dir: Path,
+    *,
+    config: str | None = CPU_DDP,
+    launcher: str = "accelerate",
+    env: dict | None = None,
+    timeout: float = LAUNCH_TIMEOUT_S,
+    num_processes: int | None = None,
+) -> Finished:
     """Run experiments/<script> through a real launcher. launcher: accelerate | torchrun | python."""
     program = str(REPO / "experiments" / script)
     if launcher == "accelerate":
@@ -61,8 +70,16 @@ def launch(script: str, args: list[str], output_dir: Path, *, config: str | None
             command += ["--num_processes", str(num_processes)]
         command += [program]
     elif launcher == "torchrun":
-        command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(num_processes or 2),
-                   "--master_port", str(free_port()), program]
+        command = [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--nproc_per_node",
+            str(num_processes or 2),
+            "--master_port",
+            str(free_port()),
+            program,
+        ]
     else:
         command = [sys.executable, program]
     command += ["--output_dir", str(output_dir), *args]
@@ -71,7 +88,9 @@ def launch(script: str, args: list[str], output_dir: Path, *, config: str | None
         home.mkdir(exist_ok=True)
         env = clean_env(HOME=str(home))
     done = run_process_tree(command, timeout, env=env, cwd=REPO)
-    assert done.returncode != TIMED_OUT, f"{script} ran past its {timeout} s timeout (every process ended):\n{done.stderr[-3000:]}"
+    assert done.returncode != TIMED_OUT, (
+        f"{script} ran past its {timeout} s timeout (every process ended):\n{done.stderr[-3000:]}"
+    )
     return Finished(done.returncode, done.stdout, done.stderr, output_dir)
 
 
@@ -95,7 +114,9 @@ def _main_in_process(main, argv: list[str], capsys) -> tuple[int, str, str]:
 
     from common.config import UsageError
 
-    AcceleratorState._reset_state(True)  # each call starts from a fresh Accelerate state, as a new process would
+    AcceleratorState._reset_state(
+        True
+    )  # each call starts from a fresh Accelerate state, as a new process would
     capsys.readouterr()
     try:
         code = main(argv)

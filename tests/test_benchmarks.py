@@ -8,6 +8,8 @@ import math
 import subprocess
 import sys
 
+import pytest
+
 from helpers import REPO, clean_env
 
 
@@ -15,39 +17,77 @@ def positive(value) -> bool:
     return isinstance(value, int | float) and math.isfinite(value) and value > 0
 
 
+@pytest.mark.launch
 def test_run_all_quick_writes_every_figure(tmp_path):
     output = tmp_path / "results.json"
-    done = subprocess.run([sys.executable, "-m", "benchmarks.run_all", "--quick", "--output", str(output)], cwd=REPO,
-                          capture_output=True, text=True, timeout=300, env=clean_env(HOME=str(tmp_path)))
+    done = subprocess.run(
+        [sys.executable, "-m", "benchmarks.run_all", "--quick", "--output", str(output)],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=clean_env(HOME=str(tmp_path)),
+    )
     assert done.returncode == 0, done.stderr[-3000:]
     results = json.loads(output.read_text())
-    assert results["quick"] is True and results["machine"]["cpus"] >= 1 and results["machine"]["torch"].startswith("2.13")
+    assert (
+        results["quick"] is True
+        and results["machine"]["cpus"] >= 1
+        and results["machine"]["torch"].startswith("2.13")
+    )
     step = results["step_overhead"]
-    loops = ("bare", "bare_again", "bare_plus_common", "accelerate_model", "accelerate_no_accumulate", "accelerate",
-             "accelerate_cached_lookups")
+    loops = (
+        "bare",
+        "bare_again",
+        "bare_plus_common",
+        "accelerate_model",
+        "accelerate_no_accumulate",
+        "accelerate",
+        "accelerate_cached_lookups",
+    )
     assert step["world_size"] == 2 and all(positive(step[f"{loop}_steps_per_s"]) for loop in loops)
-    assert set(step["overhead_us"]) == {"common", "prepared_model", "backward_and_optimizer", "accumulate",
-                                        "lookups_saved_by_caching", "accelerate_and_common"}
+    assert set(step["overhead_us"]) == {
+        "common",
+        "prepared_model",
+        "backward_and_optimizer",
+        "accumulate",
+        "lookups_saved_by_caching",
+        "accelerate_and_common",
+    }
     assert step["met"] is (step["ratio"] >= 0.95) and 0 < step["noise_floor_ratio"] < 2
     for batch in ("batch_32", "batch_1024"):
         row = results["data_path"][batch]
-        assert all(positive(row[k]) for k in ("common_iterator", "raw_slicing", "raw_shuffled_slicing", "dataloader"))
+        assert all(
+            positive(row[k]) for k in ("common_iterator", "raw_slicing", "raw_shuffled_slicing", "dataloader")
+        )
     scaling = results["scaling"]
     assert positive(scaling["one_rank_samples_per_s"])
     assert set(scaling["two_ranks"]) == {"ddp"}  # accumulation and bucket variants run in full mode only
-    assert all(positive(r["samples_per_s"]) and positive(r["efficiency"]) for r in scaling["two_ranks"].values())
+    assert all(
+        positive(r["samples_per_s"]) and positive(r["efficiency"]) for r in scaling["two_ranks"].values()
+    )
     harness = results["collective_bench_overhead"]
     assert positive(harness["memcpy_gbps"]) and len(harness["rows"]) == 4
-    assert all(positive(r[k]) for r in harness["rows"] for k in ("harness_us", "bare_us", "bare_again_us", "busbw_gbps"))
-    assert all(math.isfinite(harness[k]) for k in ("overhead", "noise_floor", "max_row_overhead", "max_row_noise_floor"))
+    assert all(
+        positive(r[k])
+        for r in harness["rows"]
+        for k in ("harness_us", "bare_us", "bare_again_us", "busbw_gbps")
+    )
+    assert all(
+        math.isfinite(harness[k])
+        for k in ("overhead", "noise_floor", "max_row_overhead", "max_row_noise_floor")
+    )
     assert harness["met"] is (harness["overhead"] < 0.05)
     startup = results["startup"]
     assert set(startup["imports_s"]) == {"torch", "accelerate", "datasets", "wandb"}
     assert 0 < startup["launch_to_first_step_s"] < 120
-    assert startup["wandb_imported_without_wandb_tracker"] is False  # W&B is imported only when it is the tracker
+    assert (
+        startup["wandb_imported_without_wandb_tracker"] is False
+    )  # W&B is imported only when it is the tracker
     assert "| 1. step overhead" in done.stdout and "| 5. start-up" in done.stdout
 
 
+@pytest.mark.launch
 def test_a_slowed_loop_shows_in_the_step_overhead_where_it_was_slowed():
     """The figures are not identities of the code: 4 ms of busy work added to the `accelerate` loop's
     step must appear as accumulate()'s share (accelerate minus accelerate_no_accumulate) and drop the
@@ -58,6 +98,8 @@ def test_a_slowed_loop_shows_in_the_step_overhead_where_it_was_slowed():
     result = step_overhead.run(quick=True, slow_loop="accelerate", slow_us=4000)
     parts = result["overhead_us"]
     assert parts["accumulate"] > 3000 and parts["accelerate_and_common"] > 3000
-    assert parts["common"] < 2000 and parts["prepared_model"] < 2000 and parts["backward_and_optimizer"] < 2000
+    assert (
+        parts["common"] < 2000 and parts["prepared_model"] < 2000 and parts["backward_and_optimizer"] < 2000
+    )
     assert parts["lookups_saved_by_caching"] > 3000  # the cached variant is not slowed
     assert result["ratio"] < 0.5

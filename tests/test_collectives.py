@@ -12,6 +12,7 @@ from helpers import launch, run_in_process, run_main_in_process
 QUIET = ["--report_to", "none"]
 
 
+@pytest.mark.launch
 def test_two_ranks_verify_every_op_and_list_what_gloo_refuses(tmp_path):
     finished = launch("collectives.py", [*QUIET, "--backend", "gloo"], tmp_path / "run")
     assert finished.returncode == 0, finished.stderr[-3000:]
@@ -33,10 +34,15 @@ def test_one_process_runs_the_api_on_a_one_rank_group(tmp_path, capsys):
     assert any(r["op"] == "send_recv" and r["status"] == "skipped" for r in summary["metrics"]["results"])
 
 
+@pytest.mark.launch
 def test_strided_inputs_are_caught_as_wrong(tmp_path):
     """FIELD_NOTES' trap: gloo all_reduce on a non-contiguous view returns wrong values, silently."""
-    finished = launch("collectives.py", [*QUIET, "--ops", "all_reduce", "--noncontiguous", "--dist_timeout_s", "30"],
-                      tmp_path / "run", launcher="torchrun")
+    finished = launch(
+        "collectives.py",
+        [*QUIET, "--ops", "all_reduce", "--noncontiguous", "--dist_timeout_s", "30"],
+        tmp_path / "run",
+        launcher="torchrun",
+    )
     assert finished.returncode != 0
     check = finished.summary["checks"]["all_reduce"]
     assert check["passed"] is False and "WRONG: rank" in check["detail"] and "got [" in check["detail"]
@@ -54,10 +60,15 @@ def test_strided_inputs_are_caught_as_wrong(tmp_path):
     ],
 )
 def test_bad_input(tmp_path, program, args, message, capsys):
-    code, stderr = run_main_in_process(program, [*QUIET, "--output_dir", str(tmp_path / "run"), *args], capsys)
+    code, stderr = run_main_in_process(
+        program, [*QUIET, "--output_dir", str(tmp_path / "run"), *args], capsys
+    )
     assert code == 2 and message in stderr and stderr.count("\n") == 1
 
 
+@pytest.mark.launch
 def test_bad_input_from_the_command_line_is_one_line(tmp_path):
     finished = launch("collectives.py", [*QUIET, "--ops", "alltoall"], tmp_path / "run", launcher="python")
-    assert finished.returncode == 2 and finished.stderr.count("\n") == 1 and "Traceback" not in finished.stderr
+    assert (
+        finished.returncode == 2 and finished.stderr.count("\n") == 1 and "Traceback" not in finished.stderr
+    )

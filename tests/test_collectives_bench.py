@@ -19,9 +19,26 @@ QUIET = ["--report_to", "none"]
 def test_bench_tiny_sizes_rows_plot_and_wandb_table(tmp_path):
     home = tmp_path / "home"
     home.mkdir()
-    args = ["--min_bytes", "1024", "--max_bytes", "4096", "--iters", "2", "--repeats", "3", "--warmup", "1",
-            "--memcpy_bytes", str(2**20)]
-    finished = launch("collectives_bench.py", args, tmp_path / "run", env=clean_env(HOME=str(home), NETRC=str(home / "none")))
+    args = [
+        "--min_bytes",
+        "1024",
+        "--max_bytes",
+        "4096",
+        "--iters",
+        "2",
+        "--repeats",
+        "3",
+        "--warmup",
+        "1",
+        "--memcpy_bytes",
+        str(2**20),
+    ]
+    finished = launch(
+        "collectives_bench.py",
+        args,
+        tmp_path / "run",
+        env=clean_env(HOME=str(home), NETRC=str(home / "none")),
+    )
     assert finished.returncode == 0, finished.stderr[-3000:]
     assert set(finished.summary["checks"]) == {"distributed", "every_row_timed", "below_memory_ceiling"}
     metrics = finished.summary["metrics"]
@@ -36,21 +53,43 @@ def test_bench_tiny_sizes_rows_plot_and_wandb_table(tmp_path):
     assert [r["table"] for r in finished.metrics] == ["bench"] * len(rows)
     assert "all_reduce" in finished.stdout and "busbw_GB/s" in finished.stdout
     run_dir = finished.summary["trackers"]["wandb"]["run_dir"]
-    inspected = subprocess.run([sys.executable, "-m", "wandb", "leet", "inspect", "--json", run_dir],
-                               capture_output=True, text=True, timeout=60, check=True).stdout
+    inspected = subprocess.run(
+        [sys.executable, "-m", "wandb", "leet", "inspect", "--json", run_dir],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=True,
+    ).stdout
     logged_keys = set()
     for line in inspected.splitlines():
         record = json.loads(line)
         if record.get("type") == "history":
-            logged_keys |= {key.split(".")[0] for key in record["history"]["item"]}  # "bench_plot._type" -> bench_plot
+            logged_keys |= {
+                key.split(".")[0] for key in record["history"]["item"]
+            }  # "bench_plot._type" -> bench_plot
     assert {"bench_table", "bench_plot"} <= logged_keys
 
 
 @pytest.mark.launch
 def test_a_row_faster_than_memory_fails_the_bench(tmp_path):
     """The ceiling check can fail: with the allowed multiple of memcpy set absurdly low, every row is 'too fast'."""
-    args = [*QUIET, "--ops", "all_reduce", "--min_bytes", "1024", "--max_bytes", "1024", "--iters", "2", "--repeats", "1",
-            "--memcpy_bytes", str(2**20), "--max_memcpy_multiple", "1e-12"]
+    args = [
+        *QUIET,
+        "--ops",
+        "all_reduce",
+        "--min_bytes",
+        "1024",
+        "--max_bytes",
+        "1024",
+        "--iters",
+        "2",
+        "--repeats",
+        "1",
+        "--memcpy_bytes",
+        str(2**20),
+        "--max_memcpy_multiple",
+        "1e-12",
+    ]
     finished = launch("collectives_bench.py", args, tmp_path / "run")
     assert finished.returncode == 1
     check = finished.summary["checks"]["below_memory_ceiling"]
@@ -63,5 +102,3 @@ def test_bus_factors_follow_nccl_tests():
     assert bus_factor("all_to_all_single", 2) == 0.5
     assert bus_factor("broadcast", 8) == 1.0 == bus_factor("reduce", 8)
     assert bus_factor("all_reduce", 1) == 0.0  # one rank moves nothing
-
-

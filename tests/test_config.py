@@ -59,7 +59,15 @@ def test_bad_input_is_one_line_and_exit_2(argv, expected, capsys):
 
 def test_help_explains_every_flag():
     text = build_parser(DemoConfig).format_help()
-    for name in ("--output_dir", "--seed", "--report_to", "--max_steps", "--lr", "--mode", "--dist_timeout_s"):
+    for name in (
+        "--output_dir",
+        "--seed",
+        "--report_to",
+        "--max_steps",
+        "--lr",
+        "--mode",
+        "--dist_timeout_s",
+    ):
         assert name in text
     assert "learning rate" in text and "(default: 0.1)" in text
 
@@ -80,7 +88,10 @@ def test_accelerate_runs_as_shipped(tmp_path):
     from common.config import RunArgs
     from common.runtime import make_accelerator
 
-    shipped_zero_grad, shipped_lookup = accelerate.optimizer.AcceleratedOptimizer.zero_grad, accelerate.optimizer.is_lomo_available
+    shipped_zero_grad, shipped_lookup = (
+        accelerate.optimizer.AcceleratedOptimizer.zero_grad,
+        accelerate.optimizer.is_lomo_available,
+    )
     AcceleratorState._reset_state(True)
     try:
         accelerator = make_accelerator(RunArgs(), str(tmp_path))
@@ -92,7 +103,9 @@ def test_accelerate_runs_as_shipped(tmp_path):
     finally:
         AcceleratorState._reset_state(True)
     assert accelerate.optimizer.AcceleratedOptimizer.zero_grad is shipped_zero_grad
-    assert accelerate.optimizer.is_lomo_available is shipped_lookup and not hasattr(shipped_lookup, "cache_info")
+    assert accelerate.optimizer.is_lomo_available is shipped_lookup and not hasattr(
+        shipped_lookup, "cache_info"
+    )
     assert shipped_zero_grad.__module__ == "accelerate.optimizer"
 
 

@@ -57,7 +57,9 @@ def test_global_batch_is_the_ranks_batches_in_rank_order():
     for _ in range(5):
         gx, gy = next(global_batches)
         parts = [next(b) for b in rank_batches]
-        assert torch.equal(gx, torch.cat([p[0] for p in parts])) and torch.equal(gy, torch.cat([p[1] for p in parts]))
+        assert torch.equal(gx, torch.cat([p[0] for p in parts])) and torch.equal(
+            gy, torch.cat([p[1] for p in parts])
+        )
 
 
 def test_too_few_rows_per_rank_is_a_usage_error():
@@ -114,7 +116,11 @@ def test_small_and_large_batches_follow_the_same_seeded_order(batch_size):
         order = torch.randperm(1024, generator=torch.Generator().manual_seed(7 * 100_003 + epoch))
         for start in range(0, 1024 - batch_size + 1, batch_size):
             xb, yb = next(batches)
-            assert torch.equal(xb, x[order][start : start + batch_size]) and torch.equal(yb, y[order][start : start + batch_size])
-    resumed = iterate_batches(x, y, batch_size, seed=7, start_batch=1024 // batch_size + 1)  # epoch 1, batch 1
+            assert torch.equal(xb, x[order][start : start + batch_size]) and torch.equal(
+                yb, y[order][start : start + batch_size]
+            )
+    resumed = iterate_batches(
+        x, y, batch_size, seed=7, start_batch=1024 // batch_size + 1
+    )  # epoch 1, batch 1
     order = torch.randperm(1024, generator=torch.Generator().manual_seed(7 * 100_003 + 1))
     assert torch.equal(next(resumed)[0], x[order][batch_size : 2 * batch_size])

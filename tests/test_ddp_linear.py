@@ -35,6 +35,7 @@ def two_rank_run(tmp_path_factory):
     return launch("ddp_linear.py", TINY, tmp_path_factory.mktemp("two_ranks") / "run")
 
 
+@pytest.mark.launch
 def test_two_cpu_ranks_match_one_process_and_recover_the_truth(two_rank_run):
     finished = two_rank_run
     summary = assert_passed(finished, world_size=2)
@@ -52,28 +53,41 @@ def test_two_cpu_ranks_match_one_process_and_recover_the_truth(two_rank_run):
     assert json.loads((finished.output_dir / "config.json").read_text())["max_steps"] == 120
 
 
+@pytest.mark.launch
 def test_one_process_with_no_config(tmp_path):
     assert_passed(launch("ddp_linear.py", TINY, tmp_path / "run", config=None), world_size=1)
 
 
+@pytest.mark.launch
 def test_torchrun_accumulation_and_bf16(tmp_path):
     args = [*TINY, "--gradient_accumulation_steps", "2", "--mixed_precision", "bf16"]
-    summary = assert_passed(launch("ddp_linear.py", args, tmp_path / "run", launcher="torchrun"), world_size=2)
+    summary = assert_passed(
+        launch("ddp_linear.py", args, tmp_path / "run", launcher="torchrun"), world_size=2
+    )
     assert summary["metrics"]["global_batch_size"] == 128  # 32 x 2 ranks x 2 micro-batches
     assert summary["config"]["mixed_precision"] == "bf16"
 
 
+@pytest.mark.launch
 def test_wandb_offline_without_key_logs_what_metrics_jsonl_says(tmp_path):
     """No key, WANDB_MODE unset, no netrc: the run must neither prompt nor hang, and go offline."""
     home = tmp_path / "home"
     home.mkdir()
     env = clean_env(HOME=str(home), NETRC=str(home / "absent"))
-    finished = launch("ddp_linear.py", ["--max_steps", "60", "--log_every", "20"], tmp_path / "run", env=env, timeout=180)
+    finished = launch(
+        "ddp_linear.py", ["--max_steps", "60", "--log_every", "20"], tmp_path / "run", env=env, timeout=180
+    )
     summary = assert_passed(finished, world_size=2)
     run_dir = summary["trackers"]["wandb"]["run_dir"]
     assert summary["trackers"]["wandb"]["mode"] == "offline" and "offline-run-" in run_dir
     assert f"wandb sync {run_dir}" in finished.stdout
-    inspected = subprocess.run([sys.executable, "-m", "wandb", "leet", "inspect", "--json", run_dir], capture_output=True, text=True, timeout=60, check=True)
+    inspected = subprocess.run(
+        [sys.executable, "-m", "wandb", "leet", "inspect", "--json", run_dir],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=True,
+    )
     logged = {}
     for line in inspected.stdout.splitlines():
         record = json.loads(line)
@@ -85,14 +99,18 @@ def test_wandb_offline_without_key_logs_what_metrics_jsonl_says(tmp_path):
     assert logged == pytest.approx(local) and sorted(local) == [20, 40, 60]
 
 
+@pytest.mark.launch
 def test_distributed_check_fails_when_ranks_are_missing(tmp_path):
-    finished = launch("ddp_linear.py", [*TINY, "--expected_world_size", "3"], tmp_path / "run", launcher="torchrun")
+    finished = launch(
+        "ddp_linear.py", [*TINY, "--expected_world_size", "3"], tmp_path / "run", launcher="torchrun"
+    )
     assert finished.returncode != 0
     summary = finished.summary
     assert summary["passed"] is False and summary["checks"]["distributed"]["passed"] is False
     assert "launched 3" in summary["checks"]["distributed"]["detail"]
 
 
+@pytest.mark.launch
 def test_single_process_reference_tells_apart_a_different_run(two_rank_run):
     """The parity check can fail: replaying the batches of a 1-rank run (batch 32, not 64) ends far from
     the 2-rank result, far beyond the tolerance that the 2-rank replay meets."""
@@ -138,13 +156,18 @@ def test_finished_run_is_not_overwritten(tmp_path, capsys):
         (["--keep_checkpoints", "0"], "--keep_checkpoints must be > 0, got 0"),
         (["--gradient_accumulation_steps", "0"], "--gradient_accumulation_steps must be > 0, got 0"),
         (["--mixed_precision", "fp8"], "invalid choice: 'fp8'"),
-        (["--feature_columns", "a,b"], "--feature_columns and --target_column choose columns of --data_file; pass --data_file too"),
+        (
+            ["--feature_columns", "a,b"],
+            "--feature_columns and --target_column choose columns of --data_file; pass --data_file too",
+        ),
         (["--n_samples", "10000000000"], "--n_samples: the data would need about"),
         (["--fail_at_step", "3", "--fail_rank", "5"], "--fail_rank 5: this launch has ranks 0..0"),
     ],
 )
 def test_bad_input_one_line_exit_2(tmp_path, args, message, capsys):
-    code, stderr = run_main_in_process(main, ["--report_to", "none", "--output_dir", str(tmp_path / "run"), *args], capsys)
+    code, stderr = run_main_in_process(
+        main, ["--report_to", "none", "--output_dir", str(tmp_path / "run"), *args], capsys
+    )
     assert code == 2, stderr
     assert stderr.strip().count("\n") == 0 and message in stderr
     assert not (tmp_path / "run" / "summary.json").exists()
@@ -152,17 +175,39 @@ def test_bad_input_one_line_exit_2(tmp_path, args, message, capsys):
 
 def test_a_target_listed_as_a_feature_is_refused(tmp_path, capsys):
     (tmp_path / "t.csv").write_text("a,y\n1,2\n3,4\n")
-    argv = ["--report_to", "none", "--output_dir", str(tmp_path / "run"), "--data_file", str(tmp_path / "t.csv"), "--feature_columns", "a,y"]
+    argv = [
+        "--report_to",
+        "none",
+        "--output_dir",
+        str(tmp_path / "run"),
+        "--data_file",
+        str(tmp_path / "t.csv"),
+        "--feature_columns",
+        "a,y",
+    ]
     code, stderr = run_main_in_process(main, argv, capsys)
     assert code == 2 and "--feature_columns lists the target column 'y'" in stderr
 
 
+@pytest.mark.launch
 def test_trains_on_a_local_csv(tmp_path):
     x = torch.randn(256, 3, generator=torch.Generator().manual_seed(0))
     y = x @ torch.tensor([1.0, -2.0, 0.5]) + 0.25
-    rows = ["a,b,c,target"] + [",".join(f"{v:.6f}" for v in (*r.tolist(), t.item())) for r, t in zip(x, y, strict=True)]
+    rows = ["a,b,c,target"] + [
+        ",".join(f"{v:.6f}" for v in (*r.tolist(), t.item())) for r, t in zip(x, y, strict=True)
+    ]
     (tmp_path / "table.csv").write_text("\n".join(rows) + "\n")
-    args = [*TINY, "--data_file", str(tmp_path / "table.csv"), "--target_column", "target", "--per_rank_batch_size", "16"]
+    args = [
+        *TINY,
+        "--data_file",
+        str(tmp_path / "table.csv"),
+        "--target_column",
+        "target",
+        "--per_rank_batch_size",
+        "16",
+    ]
     summary = assert_passed(launch("ddp_linear.py", args, tmp_path / "run"), world_size=2)
-    assert summary["metrics"]["true_weight"] == pytest.approx([1.0, -2.0, 0.5], abs=1e-4)  # least squares of exact data
+    assert summary["metrics"]["true_weight"] == pytest.approx(
+        [1.0, -2.0, 0.5], abs=1e-4
+    )  # least squares of exact data
     assert "least squares" in summary["checks"]["recovers_truth"]["detail"]

@@ -13,8 +13,17 @@ MULTI_GPU_YAML = str(REPO / "accelerate_configs" / "multi_gpu_ddp.yaml")
 
 
 def test_auto_plan_for_two_fake_gpus_splits_respects_budgets_and_trains_like_one_device(tmp_path, capsys):
-    args = [*QUIET, "--hidden_features", "256", "--n_layers", "4", "--device_map", "auto",
-            "--max_memory", '{"0": "300KB", "1": "1MB", "cpu": "1GB"}']
+    args = [
+        *QUIET,
+        "--hidden_features",
+        "256",
+        "--n_layers",
+        "4",
+        "--device_map",
+        "auto",
+        "--max_memory",
+        '{"0": "300KB", "1": "1MB", "cpu": "1GB"}',
+    ]
     finished = run_in_process(model_parallel_main, args, tmp_path / "run", capsys)
     assert finished.returncode == 0, finished.stderr[-3000:]
     summary = finished.summary
@@ -26,23 +35,32 @@ def test_auto_plan_for_two_fake_gpus_splits_respects_budgets_and_trains_like_one
     assert summary["checks"]["plan_respects_max_memory"]["passed"]
     bytes_on_0 = sum(summary["metrics"]["module_bytes"][m] for m, d in plan.items() if d == "0")
     assert bytes_on_0 <= 300_000
-    assert summary["checks"]["outputs_match_unsplit"]["passed"] and summary["checks"]["trains_like_one_device"]["passed"]
+    assert (
+        summary["checks"]["outputs_match_unsplit"]["passed"]
+        and summary["checks"]["trains_like_one_device"]["passed"]
+    )
 
 
+@pytest.mark.launch
 def test_explicit_map_through_the_model_parallel_config(tmp_path):
-    finished = launch("model_parallel.py", [*QUIET, "--max_steps", "20"], tmp_path / "run", config=MODEL_PARALLEL_YAML)
+    finished = launch(
+        "model_parallel.py", [*QUIET, "--max_steps", "20"], tmp_path / "run", config=MODEL_PARALLEL_YAML
+    )
     assert finished.returncode == 0, finished.stderr[-3000:]
     assert finished.summary["metrics"]["plan"] == {"fc1": "0", "fc2": "1"} and finished.summary["passed"]
 
 
 def test_cutting_the_graph_between_devices_is_caught(tmp_path, capsys):
-    finished = run_in_process(model_parallel_main, [*QUIET, "--detach_between_devices"], tmp_path / "run", capsys)
+    finished = run_in_process(
+        model_parallel_main, [*QUIET, "--detach_between_devices"], tmp_path / "run", capsys
+    )
     assert finished.returncode == 1
     checks = finished.summary["checks"]
     assert checks["outputs_match_unsplit"]["passed"]  # forward is still right...
     assert not checks["trains_like_one_device"]["passed"]  # ...but fc1 never learns
 
 
+@pytest.mark.launch
 def test_multi_gpu_ddp_launch_is_refused(tmp_path):
     finished = launch("model_parallel.py", QUIET, tmp_path / "run", config=MULTI_GPU_YAML, num_processes=2)
     assert finished.returncode != 0
@@ -60,15 +78,35 @@ def test_multi_gpu_ddp_launch_is_refused(tmp_path):
     ],
 )
 def test_bad_device_maps(tmp_path, device_map, message, capsys):
-    code, stderr = run_main_in_process(model_parallel_main, [*QUIET, "--output_dir", str(tmp_path / "run"), "--device_map", device_map], capsys)
+    code, stderr = run_main_in_process(
+        model_parallel_main,
+        [*QUIET, "--output_dir", str(tmp_path / "run"), "--device_map", device_map],
+        capsys,
+    )
     assert code == 2 and message in stderr and stderr.strip().count("\n") == 0
 
 
-PIPE = [*QUIET, "--max_steps", "4", "--log_every", "2", "--hidden_features", "64", "--batch_size", "64",
-        "--n_samples", "512", "--bubble_microbatches", "2,4", "--bubble_steps", "1"]
+PIPE = [
+    *QUIET,
+    "--max_steps",
+    "4",
+    "--log_every",
+    "2",
+    "--hidden_features",
+    "64",
+    "--batch_size",
+    "64",
+    "--n_samples",
+    "512",
+    "--bubble_microbatches",
+    "2,4",
+    "--bubble_steps",
+    "1",
+]
 
 
 @pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+@pytest.mark.launch
 def test_pipeline_equals_the_full_model(tmp_path, schedule):
     finished = launch("pipeline_parallel.py", [*PIPE, "--schedule", schedule], tmp_path / "run")
     assert finished.returncode == 0, finished.stderr[-3000:]
@@ -80,14 +118,23 @@ def test_pipeline_equals_the_full_model(tmp_path, schedule):
     assert [b["m"] for b in bubbles] == [2, 4]
     assert [b["gpipe_theory"] for b in bubbles] == pytest.approx([1 / 3, 1 / 5])
     assert all(0 < b["measured_bubble"] < 1 for b in bubbles)
-    for row in bubbles:  # the timer saw every block: m forwards and m backwards on each of the 2 stages, none empty
-        assert row["blocks_per_stage"] == [{"F": row["m"], "B": row["m"]}] * 2 and row["shortest_block_us"] > 0
+    for (
+        row
+    ) in bubbles:  # the timer saw every block: m forwards and m backwards on each of the 2 stages, none empty
+        assert (
+            row["blocks_per_stage"] == [{"F": row["m"], "B": row["m"]}] * 2 and row["shortest_block_us"] > 0
+        )
     png = (tmp_path / "run" / "timeline.png").read_bytes()
     assert png[:4] == b"\x89PNG" and len(png) > 5000
 
 
+@pytest.mark.launch
 def test_summed_micro_batch_gradients_are_caught(tmp_path):
-    finished = launch("pipeline_parallel.py", [*PIPE, "--skip_gradient_scaling", "--bubble_microbatches", ""], tmp_path / "run")
+    finished = launch(
+        "pipeline_parallel.py",
+        [*PIPE, "--skip_gradient_scaling", "--bubble_microbatches", ""],
+        tmp_path / "run",
+    )
     assert finished.returncode != 0
     checks = finished.summary["checks"]
     assert not checks["gradients_match_full_model"]["passed"]  # m times too large

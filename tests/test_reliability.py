@@ -39,7 +39,9 @@ def same_parameters(a: dict, b: dict) -> bool:
 def start_and_kill_every_process(command: list[str], env: dict, until) -> None:
     """Start a launch, wait for `until()`, then SIGKILL the launcher AND its ranks by pid (torchrun
     starts each rank in a session of its own: killing the launcher's group would leave them running)."""
-    victim = subprocess.Popen(command, cwd=REPO, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    victim = subprocess.Popen(
+        command, cwd=REPO, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
+    )
     deadline = time.monotonic() + 120
     while not until():
         assert victim.poll() is None and time.monotonic() < deadline, "the run ended before the kill point"
@@ -48,17 +50,34 @@ def start_and_kill_every_process(command: list[str], env: dict, until) -> None:
     assert len(everyone) >= 3, "expected the launcher and two ranks"
     kill_tree(victim.pid)
     victim.wait(timeout=30)
-    assert not any(p.is_running() and p.status() != psutil.STATUS_ZOMBIE for p in everyone), "a process survived the kill"
+    assert not any(p.is_running() and p.status() != psutil.STATUS_ZOMBIE for p in everyone), (
+        "a process survived the kill"
+    )
 
 
 @pytest.mark.launch
-def test_kill_every_process_then_resume_equals_the_clean_run_at_the_resume_step_and_at_the_end(clean_run, tmp_path):
+def test_kill_every_process_then_resume_equals_the_clean_run_at_the_resume_step_and_at_the_end(
+    clean_run, tmp_path
+):
     out = tmp_path / "run"
     home = tmp_path / "home"
     home.mkdir()
-    command = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", CPU_DDP, "--main_process_port", str(free_port()),
-               str(REPO / "experiments" / "ddp_linear.py"), "--output_dir", str(out), *LONG]
-    start_and_kill_every_process(command, clean_env(HOME=str(home)), until=lambda: (out / "checkpoints" / "step_00000300").exists())
+    command = [
+        sys.executable,
+        "-m",
+        "accelerate.commands.launch",
+        "--config_file",
+        CPU_DDP,
+        "--main_process_port",
+        str(free_port()),
+        str(REPO / "experiments" / "ddp_linear.py"),
+        "--output_dir",
+        str(out),
+        *LONG,
+    ]
+    start_and_kill_every_process(
+        command, clean_env(HOME=str(home)), until=lambda: (out / "checkpoints" / "step_00000300").exists()
+    )
     assert not (out / "summary.json").exists(), "killed too late: the run had finished"
 
     resumed = launch("ddp_linear.py", [*LONG, "--resume_from_checkpoint", "latest"], out)
@@ -74,7 +93,9 @@ def test_kill_every_process_then_resume_equals_the_clean_run_at_the_resume_step_
     steps = [r["step"] for r in resumed.metrics]
     assert steps == [150, 300, 450, 600]  # each step exactly once
     checkpoints = sorted(p.name for p in (out / "checkpoints").iterdir())
-    assert len(checkpoints) <= 2 and not any(name.endswith(".partial") for name in checkpoints)  # --keep_checkpoints 2
+    assert len(checkpoints) <= 2 and not any(
+        name.endswith(".partial") for name in checkpoints
+    )  # --keep_checkpoints 2
 
 
 @pytest.mark.launch
@@ -88,14 +109,23 @@ def test_a_checkpoint_with_another_runs_weights_fails_its_resume_check(tmp_path,
     other = run_in_process(main, [*args, "--seed", "1"], tmp_path / "b", capsys)
     assert first.returncode == other.returncode == 0
     for name in ("model.safetensors",):
-        shutil.copy(tmp_path / "b" / "checkpoints" / "step_00000020" / name, tmp_path / "a" / "checkpoints" / "step_00000020" / name)
-    resumed = run_in_process(main, [*args, "--max_steps", "60", "--resume_from_checkpoint", "latest", "--overwrite"], tmp_path / "a", capsys)
+        shutil.copy(
+            tmp_path / "b" / "checkpoints" / "step_00000020" / name,
+            tmp_path / "a" / "checkpoints" / "step_00000020" / name,
+        )
+    resumed = run_in_process(
+        main,
+        [*args, "--max_steps", "60", "--resume_from_checkpoint", "latest", "--overwrite"],
+        tmp_path / "a",
+        capsys,
+    )
     assert resumed.returncode == 1
     check = resumed.summary["checks"]["resume_restored_state"]
     assert check["passed"] is False and "state digest after loading" in check["detail"]
 
 
 @pytest.mark.parametrize("launcher", ["torchrun", "accelerate"])
+@pytest.mark.launch
 def test_elastic_restart_recovers_an_injected_crash(clean_run, tmp_path, launcher):
     """torchrun --standalone --max-restarts 1 + --resume_from_checkpoint latest: rank 1 dies after step 400 in the first
     attempt; torchrun restarts both ranks, they resume from step 300 and finish equal to the clean run."""
@@ -107,10 +137,30 @@ def test_elastic_restart_recovers_an_injected_crash(clean_run, tmp_path, launche
     # c10d rendezvous plus TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1: with the static rendezvous restarted ranks
     # connected to the dead attempt's addresses; without the variable they hung (pytorch/pytorch#135712).
     if launcher == "torchrun":
-        command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", "--max-restarts", "1"]
+        command = [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nproc_per_node",
+            "2",
+            "--max-restarts",
+            "1",
+        ]
     else:
-        command = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", CPU_DDP, "--main_process_port", str(free_port()),
-                   "--rdzv_backend", "c10d", "--max_restarts", "1"]
+        command = [
+            sys.executable,
+            "-m",
+            "accelerate.commands.launch",
+            "--config_file",
+            CPU_DDP,
+            "--main_process_port",
+            str(free_port()),
+            "--rdzv_backend",
+            "c10d",
+            "--max_restarts",
+            "1",
+        ]
     command += [str(REPO / "experiments" / "ddp_linear.py"), "--output_dir", str(out), *args]
     done = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=240)
     assert done.returncode == 0, done.stderr[-3000:]
@@ -122,15 +172,21 @@ def test_elastic_restart_recovers_an_injected_crash(clean_run, tmp_path, launche
     assert steps == [150, 300, 450, 600]
 
 
+@pytest.mark.launch
 def test_a_dead_rank_ends_the_job_fast_and_is_named(tmp_path):
     started = time.monotonic()
-    finished = launch("ddp_linear.py", ["--report_to", "none", "--fail_at_step", "30", "--fail_rank", "1"], tmp_path / "run",
-                      timeout=120)
+    finished = launch(
+        "ddp_linear.py",
+        ["--report_to", "none", "--fail_at_step", "30", "--fail_rank", "1"],
+        tmp_path / "run",
+        timeout=120,
+    )
     assert finished.returncode != 0 and time.monotonic() - started < 60
     assert "rank 1: injected failure after step 30" in finished.stderr
     assert "exitcode  : 13" in finished.stderr  # torchrun's report of the failed rank
 
 
+@pytest.mark.launch
 def test_a_stuck_rank_times_out_and_is_named(tmp_path):
     started = time.monotonic()
     args = ["--report_to", "none", "--hang_at_step", "30", "--hang_rank", "1", "--dist_timeout_s", "5"]
@@ -140,6 +196,7 @@ def test_a_stuck_rank_times_out_and_is_named(tmp_path):
     assert not (tmp_path / "run" / "summary.json").exists()
 
 
+@pytest.mark.launch
 def test_two_machines_rendezvous_on_localhost(tmp_path):
     """machine_rank 0 and 1 of num_machines 2, one process each, through accelerate launch."""
     port = free_port()
@@ -147,11 +204,42 @@ def test_two_machines_rendezvous_on_localhost(tmp_path):
     home.mkdir()
     launchers = []
     for machine_rank in (0, 1):
-        command = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(REPO / "accelerate_configs" / "multi_node_ddp.yaml"),
-                   "--num_machines", "2", "--num_processes", "2", "--machine_rank", str(machine_rank), "--main_process_ip", "127.0.0.1",
-                   "--main_process_port", str(port), "--mixed_precision", "no", str(REPO / "experiments" / "ddp_linear.py"),
-                   "--output_dir", str(tmp_path / "run"), "--report_to", "none", "--max_steps", "100"]
-        launchers.append(subprocess.Popen(command, cwd=REPO, env=clean_env(HOME=str(home)), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
+        command = [
+            sys.executable,
+            "-m",
+            "accelerate.commands.launch",
+            "--config_file",
+            str(REPO / "accelerate_configs" / "multi_node_ddp.yaml"),
+            "--num_machines",
+            "2",
+            "--num_processes",
+            "2",
+            "--machine_rank",
+            str(machine_rank),
+            "--main_process_ip",
+            "127.0.0.1",
+            "--main_process_port",
+            str(port),
+            "--mixed_precision",
+            "no",
+            str(REPO / "experiments" / "ddp_linear.py"),
+            "--output_dir",
+            str(tmp_path / "run"),
+            "--report_to",
+            "none",
+            "--max_steps",
+            "100",
+        ]
+        launchers.append(
+            subprocess.Popen(
+                command,
+                cwd=REPO,
+                env=clean_env(HOME=str(home)),
+                stdout=subprocess.PIPE,
+                stderr=subprocess.STDOUT,
+                text=True,
+            )
+        )
     outputs = [p.communicate(timeout=180)[0] for p in launchers]
     assert [p.returncode for p in launchers] == [0, 0], outputs[0][-2000:] + outputs[1][-2000:]
     summary = json.loads((tmp_path / "run" / "summary.json").read_text())
@@ -167,7 +255,10 @@ def test_half_written_checkpoints_are_never_latest(tmp_path):
     (root / "step_00000300").mkdir()  # no step.json: not complete
     cfg = ResumableArgs(resume_from_checkpoint="latest")
     assert find_checkpoint(cfg, str(tmp_path)) == (str(root / "step_00000100"), {"step": 100})
-    assert find_checkpoint(ResumableArgs(resume_from_checkpoint="latest"), str(tmp_path / "empty")) == (None, {"step": 0})
+    assert find_checkpoint(ResumableArgs(resume_from_checkpoint="latest"), str(tmp_path / "empty")) == (
+        None,
+        {"step": 0},
+    )
     with pytest.raises(UsageError, match="is not a complete checkpoint"):
         find_checkpoint(ResumableArgs(resume_from_checkpoint=str(root / "step_00000300")), str(tmp_path))
 
@@ -176,11 +267,23 @@ def test_data_file_without_the_target_column(tmp_path, capsys):
     from experiments.ddp_linear import main
 
     (tmp_path / "t.csv").write_text("a,b\n1,2\n3,4\n")
-    code, stderr = run_main_in_process(main, ["--report_to", "none", "--output_dir", str(tmp_path / "run"), "--data_file", str(tmp_path / "t.csv")], capsys)
+    code, stderr = run_main_in_process(
+        main,
+        [
+            "--report_to",
+            "none",
+            "--output_dir",
+            str(tmp_path / "run"),
+            "--data_file",
+            str(tmp_path / "t.csv"),
+        ],
+        capsys,
+    )
     assert code == 2 and "has no target column 'y'; its columns: a, b" in stderr
 
 
 @pytest.mark.parametrize("config_text", [None, "distributed_type: [oops\n"], ids=["missing", "malformed"])
+@pytest.mark.launch
 def test_bad_accelerate_config_is_refused_by_the_launcher(tmp_path, config_text):
     """Accelerate's CLI reads the config before our script runs: it refuses, naming the file (its own
     traceback, not ours), and no result is written."""
@@ -192,6 +295,7 @@ def test_bad_accelerate_config_is_refused_by_the_launcher(tmp_path, config_text)
     assert not Path(tmp_path / "run" / "summary.json").exists()
 
 
+@pytest.mark.launch
 def test_slurm_script_is_valid_bash():
     subprocess.run(["bash", "-n", str(REPO / "scripts" / "slurm_ddp.sbatch")], check=True)
 
@@ -223,7 +327,9 @@ def test_resume_latest_never_overwrites_a_finished_run(tmp_path, capsys):
     before = (tmp_path / "run" / "summary.json").read_text()
     other = ddp_linear(["--resume_from_checkpoint", "latest", "--lr", "0.05"], tmp_path / "run", capsys)
     assert first.returncode == 0 and other.returncode == 2
-    assert "already holds a finished run with other settings (--lr: 0.1 in that run, 0.05 now)" in other.stderr
+    assert (
+        "already holds a finished run with other settings (--lr: 0.1 in that run, 0.05 now)" in other.stderr
+    )
     same = ddp_linear(["--resume_from_checkpoint", "latest"], tmp_path / "run", capsys)
     assert same.returncode == 0 and "already finished (summary.json); nothing to resume" in same.stdout
     assert (tmp_path / "run" / "summary.json").read_text() == before
@@ -247,8 +353,14 @@ def test_a_second_run_into_a_busy_folder_is_refused_naming_the_holder(tmp_path, 
     [
         (["--max_steps", "20"], "--max_steps 20: the checkpoint"),
         (["--max_steps", "60", "--lr", "0.2"], "--lr: 0.1 in the checkpoint, 0.2 now"),
-        (["--max_steps", "60", "--per_rank_batch_size", "16"], "--per_rank_batch_size: 32 in the checkpoint, 16 now"),
-        (["--max_steps", "60", "--gradient_accumulation_steps", "2"], "--gradient_accumulation_steps: 1 in the checkpoint, 2 now"),
+        (
+            ["--max_steps", "60", "--per_rank_batch_size", "16"],
+            "--per_rank_batch_size: 32 in the checkpoint, 16 now",
+        ),
+        (
+            ["--max_steps", "60", "--gradient_accumulation_steps", "2"],
+            "--gradient_accumulation_steps: 1 in the checkpoint, 2 now",
+        ),
         (["--max_steps", "60", "--expected_world_size", "2"], "world_size: 1 in the checkpoint, 2 now"),
     ],
 )
@@ -256,7 +368,9 @@ def test_a_resume_whose_settings_differ_is_refused(tmp_path, argv, message, caps
     out = tmp_path / "run"
     assert ddp_linear(["--checkpoint_every", "20", "--max_steps", "30"], out, capsys).returncode == 0
     (out / "summary.json").unlink()  # as if killed after the step-20 checkpoint
-    refused = ddp_linear(["--checkpoint_every", "20", "--resume_from_checkpoint", "latest", *argv], out, capsys)
+    refused = ddp_linear(
+        ["--checkpoint_every", "20", "--resume_from_checkpoint", "latest", *argv], out, capsys
+    )
     assert refused.returncode == 2 and message in refused.stderr, refused.stderr
     assert refused.stderr.strip().count("\n") == 0 and not (out / "summary.json").exists()
 
@@ -292,12 +406,18 @@ def test_a_diverging_run_stops_at_the_first_non_finite_loss(tmp_path, capsys):
     assert not (tmp_path / "run" / "summary.json").exists()
 
 
+@pytest.mark.launch
 def test_a_full_disk_keeps_the_last_complete_checkpoint(tmp_path, capsys):
     """Checkpoints on a 1 MiB tmpfs: the first fits, a later one fills the disk. One line naming the
     folder, the half-written one removed, the newest complete checkpoint kept."""
     disk = tmp_path / "disk"
     disk.mkdir()
-    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=160k", "tmpfs", str(disk)], capture_output=True).returncode != 0:
+    if (
+        subprocess.run(
+            ["mount", "-t", "tmpfs", "-o", "size=160k", "tmpfs", str(disk)], capture_output=True
+        ).returncode
+        != 0
+    ):
         pytest.skip("cannot mount a small tmpfs here (needs root)")
     try:
         out = tmp_path / "run"
@@ -309,7 +429,10 @@ def test_a_full_disk_keeps_the_last_complete_checkpoint(tmp_path, capsys):
     finally:
         subprocess.run(["umount", "--lazy", str(disk)], check=True)
     assert finished.returncode == 2 and finished.stderr.strip().count("\n") == 0, finished.stderr
-    assert "could not write the step-" in finished.stderr and "(disk full); newest complete checkpoint kept: step_" in finished.stderr
+    assert (
+        "could not write the step-" in finished.stderr
+        and "(disk full); newest complete checkpoint kept: step_" in finished.stderr
+    )
     assert complete and not any(name.endswith(".partial") for name in complete)
 
 
@@ -318,7 +441,9 @@ def test_a_full_disk_under_metrics_is_one_line(tmp_path, capsys):
     out.mkdir()
     (out / "metrics.jsonl").symlink_to("/dev/full")  # every write: ENOSPC
     finished = ddp_linear([], out, capsys)
-    assert finished.returncode == 2 and "could not write" in finished.stderr and "disk full" in finished.stderr
+    assert (
+        finished.returncode == 2 and "could not write" in finished.stderr and "disk full" in finished.stderr
+    )
     assert finished.stderr.strip().count("\n") == 0
 
 
@@ -326,7 +451,9 @@ def test_pipeline_refusals_come_before_any_output(tmp_path, capsys):
     from experiments.pipeline_parallel import main
 
     for argv in (["--schedule", "1f1b", "--n_microbatches", "1"], ["--n_layers", "1"], []):
-        code, stderr = run_main_in_process(main, ["--report_to", "wandb", "--output_dir", str(tmp_path / "run"), *argv], capsys)
+        code, stderr = run_main_in_process(
+            main, ["--report_to", "wandb", "--output_dir", str(tmp_path / "run"), *argv], capsys
+        )
         assert code == 2 and stderr.strip().count("\n") == 0
         assert not (tmp_path / "run").exists()  # no folder, no config.json, no W&B run
 
@@ -336,10 +463,15 @@ def test_a_multi_cpu_config_that_starts_one_process_is_refused(tmp_path):
     """accelerate 1.16: `distributed_type: MULTI_CPU`, num_processes 2, no mpirun -> ONE process. It would
     pass every check as a 1-rank run; it is refused with the fix instead."""
     config = tmp_path / "multi_cpu.yaml"
-    config.write_text("compute_environment: LOCAL_MACHINE\ndistributed_type: MULTI_CPU\nnum_processes: 2\nnum_machines: 1\n"
-                      "machine_rank: 0\nuse_cpu: true\nmixed_precision: 'no'\n")
+    config.write_text(
+        "compute_environment: LOCAL_MACHINE\ndistributed_type: MULTI_CPU\nnum_processes: 2\nnum_machines: 1\n"
+        "machine_rank: 0\nuse_cpu: true\nmixed_precision: 'no'\n"
+    )
     finished = launch("ddp_linear.py", QUICK, tmp_path / "run", config=str(config))
-    assert finished.returncode != 0 and "MULTI_CPU` needs mpirun; use accelerate_configs/cpu_ddp.yaml" in finished.stderr
+    assert (
+        finished.returncode != 0
+        and "MULTI_CPU` needs mpirun; use accelerate_configs/cpu_ddp.yaml" in finished.stderr
+    )
     assert not (tmp_path / "run" / "summary.json").exists()
 
 
@@ -350,15 +482,31 @@ def test_a_resumed_run_continues_its_wandb_run_and_records_the_verdicts(tmp_path
     home.mkdir()
     env = clean_env(HOME=str(home), NETRC=str(home / "none"))
     args = ["--max_steps", "600", "--log_every", "150", "--checkpoint_every", "150"]
-    command = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", CPU_DDP, "--main_process_port", str(free_port()),
-               str(REPO / "experiments" / "ddp_linear.py"), "--output_dir", str(out), *args]
+    command = [
+        sys.executable,
+        "-m",
+        "accelerate.commands.launch",
+        "--config_file",
+        CPU_DDP,
+        "--main_process_port",
+        str(free_port()),
+        str(REPO / "experiments" / "ddp_linear.py"),
+        "--output_dir",
+        str(out),
+        *args,
+    ]
     start_and_kill_every_process(command, env, until=lambda: (out / "checkpoints" / "step_00000300").exists())
     first_id = (out / "wandb_run_id").read_text()
     resumed = launch("ddp_linear.py", [*args, "--resume_from_checkpoint", "latest"], out, env=env)
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     wandb = resumed.summary["trackers"]["wandb"]
     assert wandb["run_id"] == first_id and wandb["run_dir"].endswith(first_id)
-    inspected = subprocess.run([sys.executable, "-m", "wandb", "leet", "inspect", "--summary", "--json", wandb["run_dir"]],
-                               capture_output=True, text=True, timeout=60, check=True)
+    inspected = subprocess.run(
+        [sys.executable, "-m", "wandb", "leet", "inspect", "--summary", "--json", wandb["run_dir"]],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=True,
+    )
     summary = json.loads(inspected.stdout)["summary"]
     assert summary["passed"] is True and summary["check/matches_single_process"] == "PASS"

@@ -31,29 +31,65 @@ def test_expanded_command_is_what_the_agent_runs(monkeypatch):
     monkeypatch.chdir(REPO)
     sweep = validate_sweep("sweep_configs/ddp_linear_lr.yaml")
     command = expand_command(sweep, {"lr": 0.1, "per_rank_batch_size": 16}, "/tmp/args.json")
-    assert command == ["/usr/bin/env", "accelerate", "launch", "--config_file", "accelerate_configs/cpu_ddp.yaml",
-                       "experiments/ddp_linear.py", "--lr=0.1", "--per_rank_batch_size=16"]
+    assert command == [
+        "/usr/bin/env",
+        "accelerate",
+        "launch",
+        "--config_file",
+        "accelerate_configs/cpu_ddp.yaml",
+        "experiments/ddp_linear.py",
+        "--lr=0.1",
+        "--per_rank_batch_size=16",
+    ]
 
 
 BAD = {
     "not yaml": ("program: [unclosed\n", "is not valid YAML"),
-    "no metric": ("program: experiments/ddp_linear.py\nmethod: grid\nparameters: {lr: {values: [0.1]}}\n", "has no 'metric'"),
-    "bad method": ("program: experiments/ddp_linear.py\nmethod: grd\nmetric: {name: final_mse}\nparameters: {lr: {values: [0.1]}}\n",
-                   "breaks W&B's sweep schema: 'grd' is not one of"),
-    "not a flag": ("program: experiments/ddp_linear.py\nmethod: grid\nmetric: {name: final_mse}\nparameters: {learning_rate: {values: [0.1]}}\n",
-                   "parameter 'learning_rate' is not a flag of experiments/ddp_linear.py"),
-    "metric never logged": ("program: experiments/ddp_linear.py\nmethod: grid\nmetric: {name: val_acc}\nparameters: {lr: {values: [0.1]}}\n",
-                            "metric 'val_acc' is never logged by experiments/ddp_linear.py"),
-    "one item with two words": ("program: experiments/ddp_linear.py\nmethod: grid\nmetric: {name: final_mse}\nparameters: {lr: {values: [0.1]}}\n"
-                                "command: [\"${env}\", \"accelerate launch\", \"${program}\", \"${args}\"]\n", "holds several words"),
-    "no args": ("program: experiments/ddp_linear.py\nmethod: grid\nmetric: {name: final_mse}\nparameters: {lr: {values: [0.1]}}\n"
-                "command: [\"${env}\", \"accelerate\", \"launch\", \"${program}\"]\n", "never passes ${args}"),
-    "a value the program refuses": ("program: experiments/ddp_linear.py\nmethod: grid\nmetric: {name: final_mse}\n"
-                                   "parameters: {lr: {values: [0.1, abc]}}\n", "parameter 'lr' may propose 'abc', which the program refuses"),
-    "a negative range": ("program: experiments/ddp_linear.py\nmethod: random\nmetric: {name: final_mse}\n"
-                         "parameters: {lr: {min: -0.5, max: 0.1}}\n", "parameter 'lr' may propose -0.5"),
-    "missing program": ("program: experiments/nope.py\nmethod: grid\nmetric: {name: final_mse}\nparameters: {lr: {values: [0.1]}}\n",
-                        "program 'experiments/nope.py' not found"),
+    "no metric": (
+        "program: experiments/ddp_linear.py\nmethod: grid\nparameters: {lr: {values: [0.1]}}\n",
+        "has no 'metric'",
+    ),
+    "bad method": (
+        "program: experiments/ddp_linear.py\nmethod: grd\nmetric: "
+        "{name: final_mse}\nparameters: {lr: {values: [0.1]}}\n",
+        "breaks W&B's sweep schema: 'grd' is not one of",
+    ),
+    "not a flag": (
+        "program: experiments/ddp_linear.py\nmethod: grid\nmetric: "
+        "{name: final_mse}\nparameters: {learning_rate: {values: [0.1]}}\n",
+        "parameter 'learning_rate' is not a flag of experiments/ddp_linear.py",
+    ),
+    "metric never logged": (
+        "program: experiments/ddp_linear.py\nmethod: grid\nmetric: "
+        "{name: val_acc}\nparameters: {lr: {values: [0.1]}}\n",
+        "metric 'val_acc' is never logged by experiments/ddp_linear.py",
+    ),
+    "one item with two words": (
+        "program: experiments/ddp_linear.py\nmethod: grid\nmetric: "
+        "{name: final_mse}\nparameters: {lr: {values: [0.1]}}\n"
+        'command: ["${env}", "accelerate launch", "${program}", "${args}"]\n',
+        "holds several words",
+    ),
+    "no args": (
+        "program: experiments/ddp_linear.py\nmethod: grid\nmetric: "
+        "{name: final_mse}\nparameters: {lr: {values: [0.1]}}\n"
+        'command: ["${env}", "accelerate", "launch", "${program}"]\n',
+        "never passes ${args}",
+    ),
+    "a value the program refuses": (
+        "program: experiments/ddp_linear.py\nmethod: grid\nmetric: {name: final_mse}\n"
+        "parameters: {lr: {values: [0.1, abc]}}\n",
+        "parameter 'lr' may propose 'abc', which the program refuses",
+    ),
+    "a negative range": (
+        "program: experiments/ddp_linear.py\nmethod: random\nmetric: {name: final_mse}\n"
+        "parameters: {lr: {min: -0.5, max: 0.1}}\n",
+        "parameter 'lr' may propose -0.5",
+    ),
+    "missing program": (
+        "program: experiments/nope.py\nmethod: grid\nmetric: {name: final_mse}\nparameters: {lr: {values: [0.1]}}\n",
+        "program 'experiments/nope.py' not found",
+    ),
 }
 
 
@@ -68,25 +104,50 @@ def test_bad_sweeps_are_refused(case, tmp_path, monkeypatch):
     assert message in str(refused.value)
 
 
+@pytest.mark.launch
 def test_cli_refuses_a_bad_sweep_with_one_line_and_exit_2(tmp_path):
     path = tmp_path / "bad.yaml"
     path.write_text(BAD["not a flag"][0])
-    done = subprocess.run([sys.executable, "-m", "tools.sweep", str(path), "--output_dir", str(tmp_path / "out")],
-                          capture_output=True, text=True, cwd=REPO, timeout=120, env=clean_env(HOME=str(tmp_path)))
+    done = subprocess.run(
+        [sys.executable, "-m", "tools.sweep", str(path), "--output_dir", str(tmp_path / "out")],
+        capture_output=True,
+        text=True,
+        cwd=REPO,
+        timeout=120,
+        env=clean_env(HOME=str(tmp_path)),
+    )
     assert done.returncode == 2 and done.stderr.count("\n") == 1 and "learning_rate" in done.stderr
     assert not (tmp_path / "out" / "trial001").exists()
 
 
+@pytest.mark.launch
 def test_offline_two_trial_grid_end_to_end(tmp_path):
     out = tmp_path / "sweep"
     home = tmp_path / "home"
     home.mkdir()
-    done = subprocess.run([sys.executable, "-m", "tools.sweep", "sweep_configs/ddp_linear_lr.yaml", "--count", "2", "--output_dir", str(out)],
-                          capture_output=True, text=True, cwd=REPO, timeout=300, env=clean_env(HOME=str(home), NETRC=str(home / "none")))
+    done = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "tools.sweep",
+            "sweep_configs/ddp_linear_lr.yaml",
+            "--count",
+            "2",
+            "--output_dir",
+            str(out),
+        ],
+        capture_output=True,
+        text=True,
+        cwd=REPO,
+        timeout=300,
+        env=clean_env(HOME=str(home), NETRC=str(home / "none")),
+    )
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
     with open(out / "leaderboard.csv") as handle:
         rows = list(csv.DictReader(handle))
-    assert [r["state"] for r in rows] == ["finished", "finished"] and {r["checks_passed"] for r in rows} == {"True"}
+    assert [r["state"] for r in rows] == ["finished", "finished"] and {r["checks_passed"] for r in rows} == {
+        "True"
+    }
     assert {r["per_rank_batch_size"] for r in rows} == {"16", "32"} and {r["lr"] for r in rows} == {"0.02"}
     assert float(rows[0]["final_mse"]) <= float(rows[1]["final_mse"])  # sorted best first (minimize)
     assert f"best: {rows[0]['trial']}" in done.stdout
@@ -94,15 +155,28 @@ def test_offline_two_trial_grid_end_to_end(tmp_path):
     for row in rows:
         trial = Path(row["dir"])
         summary = json.loads((trial / "summary.json").read_text())
-        assert summary["passed"] and summary["world_size"] == 2  # each trial ran on 2 ranks, every rank got the flags
+        assert (
+            summary["passed"] and summary["world_size"] == 2
+        )  # each trial ran on 2 ranks, every rank got the flags
         assert summary["config"]["per_rank_batch_size"] == int(row["per_rank_batch_size"])
         assert summary["metrics"]["final_mse"] == pytest.approx(float(row["final_mse"]))
         run_dir = summary["trackers"]["wandb"]["run_dir"]
-        assert summary["trackers"]["wandb"]["mode"] == "offline" and row["trial"] in run_dir  # the agent's WANDB_RUN_ID
-        assert row["trial"].startswith("sweep-") and summary["trackers"]["wandb"]["run_id"] == row["trial"]  # unique per sweep
-        inspected = subprocess.run([sys.executable, "-m", "wandb", "leet", "inspect", "--summary", "--json", run_dir],
-                                   capture_output=True, text=True, timeout=60, check=True)
-        assert json.loads(inspected.stdout)["config"]["per_rank_batch_size"] == int(row["per_rank_batch_size"])
+        assert (
+            summary["trackers"]["wandb"]["mode"] == "offline" and row["trial"] in run_dir
+        )  # the agent's WANDB_RUN_ID
+        assert (
+            row["trial"].startswith("sweep-") and summary["trackers"]["wandb"]["run_id"] == row["trial"]
+        )  # unique per sweep
+        inspected = subprocess.run(
+            [sys.executable, "-m", "wandb", "leet", "inspect", "--summary", "--json", run_dir],
+            capture_output=True,
+            text=True,
+            timeout=60,
+            check=True,
+        )
+        assert json.loads(inspected.stdout)["config"]["per_rank_batch_size"] == int(
+            row["per_rank_batch_size"]
+        )
 
 
 def test_the_search_is_seeded():
@@ -110,8 +184,11 @@ def test_the_search_is_seeded():
     from tools.sweep import import_sweeps
 
     sweeps = import_sweeps()
-    config = {"method": "random", "metric": {"name": "final_mse", "goal": "minimize"},
-              "parameters": {"lr": {"distribution": "log_uniform_values", "min": 0.001, "max": 0.3}}}
+    config = {
+        "method": "random",
+        "metric": {"name": "final_mse", "goal": "minimize"},
+        "parameters": {"lr": {"distribution": "log_uniform_values", "min": 0.001, "max": 0.3}},
+    }
 
     def proposals(seed):
         import random
@@ -126,9 +203,13 @@ def test_the_search_is_seeded():
         return values
 
     assert proposals(0) == proposals(0) != proposals(1)
-    assert proposable_values(config["parameters"]["lr"]) == [0.001, 0.3]  # both ends checked against the program
+    assert proposable_values(config["parameters"]["lr"]) == [
+        0.001,
+        0.3,
+    ]  # both ends checked against the program
 
 
+@pytest.mark.launch
 def test_a_timed_out_trial_leaves_no_process_and_no_late_writes(tmp_path):
     """The trial's ranks (torchrun puts each in a session of its own) are all ended on the timeout,
     before the trial is reported failed; nothing writes into its folder afterwards."""
@@ -138,11 +219,32 @@ def test_a_timed_out_trial_leaves_no_process_and_no_late_writes(tmp_path):
 
     out = tmp_path / "sweep"
     sweep_file = tmp_path / "slow.yaml"
-    sweep_file.write_text((REPO / "sweep_configs" / "ddp_linear_lr.yaml").read_text().replace("value: 150", "value: 100000000")
-                          .replace("values: [0.02, 0.1]", "values: [0.1]").replace("values: [16, 32]", "values: [32]"))
-    done = subprocess.run([sys.executable, "-m", "tools.sweep", str(sweep_file), "--count", "1", "--output_dir", str(out),
-                           "--trial_timeout_s", "12"], capture_output=True, text=True, cwd=REPO, timeout=180,
-                          env=clean_env(HOME=str(tmp_path), NETRC=str(tmp_path / "none")))
+    sweep_file.write_text(
+        (REPO / "sweep_configs" / "ddp_linear_lr.yaml")
+        .read_text()
+        .replace("value: 150", "value: 100000000")
+        .replace("values: [0.02, 0.1]", "values: [0.1]")
+        .replace("values: [16, 32]", "values: [32]")
+    )
+    done = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "tools.sweep",
+            str(sweep_file),
+            "--count",
+            "1",
+            "--output_dir",
+            str(out),
+            "--trial_timeout_s",
+            "12",
+        ],
+        capture_output=True,
+        text=True,
+        cwd=REPO,
+        timeout=180,
+        env=clean_env(HOME=str(tmp_path), NETRC=str(tmp_path / "none")),
+    )
     assert "(exit timeout)" in done.stdout, done.stdout[-2000:] + done.stderr[-2000:]
     trial_dir = next(p for p in out.iterdir() if p.is_dir())
 

@@ -52,16 +52,26 @@ def test_a_resumed_run_continues_its_wandb_run(tmp_path, monkeypatch):
     monkeypatch.delenv("WANDB_RUN_ID", raising=False)
     monkeypatch.setenv("WANDB_MODE", "offline")
     (tmp_path / "wandb_run_id").write_text("abc123")
-    assert resolve_trackers("wandb", str(tmp_path), continuing=True).init_kwargs["wandb"] == {"dir": str(tmp_path), "id": "abc123", "resume": "allow"}
-    assert "id" not in resolve_trackers("wandb", str(tmp_path), continuing=False).init_kwargs["wandb"]  # a fresh run: a new W&B run
+    assert resolve_trackers("wandb", str(tmp_path), continuing=True).init_kwargs["wandb"] == {
+        "dir": str(tmp_path),
+        "id": "abc123",
+        "resume": "allow",
+    }
+    assert (
+        "id" not in resolve_trackers("wandb", str(tmp_path), continuing=False).init_kwargs["wandb"]
+    )  # a fresh run: a new W&B run
     monkeypatch.setenv("WANDB_RUN_ID", "sweep-trial-7")  # a sweep agent's id wins
     assert "id" not in resolve_trackers("wandb", str(tmp_path), continuing=True).init_kwargs["wandb"]
 
 
 def test_non_finite_numbers_become_null_and_are_named():
     text = strict_json({"loss": float("nan"), "rows": [1.0, float("inf")], "ok": 2.0})
-    assert json.loads(text) == {"loss": None, "rows": [1.0, None], "ok": 2.0,
-                                "non_finite": {"null_means": "the value was NaN or infinite", "fields": ["loss", "rows[1]"]}}
+    assert json.loads(text) == {
+        "loss": None,
+        "rows": [1.0, None],
+        "ok": 2.0,
+        "non_finite": {"null_means": "the value was NaN or infinite", "fields": ["loss", "rows[1]"]},
+    }
     assert ": NaN" not in text and "Infinity" not in text  # no bare tokens
 
 
@@ -121,7 +131,9 @@ class TinyArgs(RunArgs):
 def test_failing_tracker_never_costs_local_metrics(tmp_path, fresh_accelerate_state):
     tracker = ExplodingTracker()
     accelerator = Accelerator(cpu=True, log_with=[tracker])
-    recorder = RunRecorder(accelerator, "demo", TinyArgs(output_dir=str(tmp_path)), str(tmp_path), TrackerPlan(["exploding"]))
+    recorder = RunRecorder(
+        accelerator, "demo", TinyArgs(output_dir=str(tmp_path)), str(tmp_path), TrackerPlan(["exploding"])
+    )
     for step in (1, 2, 3):
         recorder.log(step, {"loss": 1.0 / step})
     code = recorder.finish({"final": 1}, {"ok": {"passed": True, "detail": "fine"}})
@@ -138,7 +150,17 @@ def test_failing_tracker_never_costs_local_metrics(tmp_path, fresh_accelerate_st
 def test_a_failed_check_means_exit_1(tmp_path, fresh_accelerate_state):
     accelerator = Accelerator(cpu=True)
     recorder = RunRecorder(accelerator, "demo", TinyArgs(), str(tmp_path), TrackerPlan([]))
-    code = recorder.finish({}, {"good": {"passed": True, "detail": ""}, "bad": {"passed": False, "detail": "off by 1"}})
+    code = recorder.finish(
+        {}, {"good": {"passed": True, "detail": ""}, "bad": {"passed": False, "detail": "off by 1"}}
+    )
     summary = json.loads((tmp_path / "summary.json").read_text())
     assert code == 1 and summary["passed"] is False and summary["checks"]["bad"]["detail"] == "off by 1"
-    assert set(summary) >= {"experiment", "config", "world_size", "distributed_type", "metrics", "checks", "passed"}
+    assert set(summary) >= {
+        "experiment",
+        "config",
+        "world_size",
+        "distributed_type",
+        "metrics",
+        "checks",
+        "passed",
+    }

@@ -47,12 +47,19 @@ class SweepArgs:
     sweep_file: str = flag("", "a W&B sweep YAML (e.g. sweep_configs/ddp_linear_lr.yaml)", positional=True)
     count: int = flag(4, "most trials to run (grid stops earlier when exhausted)")
     output_dir: str = flag("", "folder for trials and leaderboard (default runs/sweeps/local-<name>-<time>)")
-    trial_timeout_s: float = flag(1800.0, "end a trial (every process of its launch) that runs longer than this")
-    seed: int = flag(0, "seed of the search (random and bayes proposals): the same seed proposes the same values")
+    trial_timeout_s: float = flag(
+        1800.0, "end a trial (every process of its launch) that runs longer than this"
+    )
+    seed: int = flag(
+        0, "seed of the search (random and bayes proposals): the same seed proposes the same values"
+    )
 
     def validate(self) -> None:
         require_positive(self, "count")
-        require(0 < self.trial_timeout_s < math.inf, f"--trial_timeout_s must be > 0 and finite, got {self.trial_timeout_s}")
+        require(
+            0 < self.trial_timeout_s < math.inf,
+            f"--trial_timeout_s must be > 0 and finite, got {self.trial_timeout_s}",
+        )
         require(0 <= self.seed <= MAX_SEED, f"--seed must be between 0 and {MAX_SEED}, got {self.seed}")
 
 
@@ -65,7 +72,14 @@ def import_sweeps():
 
 
 DEFAULT_COMMAND = ["${env}", "${interpreter}", "${program}", "${args}"]  # wandb agent's default
-ARG_MACROS = ("${args}", "${args_no_equals}", "${args_no_hyphens}", "${args_json}", "${args_json_file}", "${args_no_boolean_flags}")
+ARG_MACROS = (
+    "${args}",
+    "${args_no_equals}",
+    "${args_no_hyphens}",
+    "${args_json}",
+    "${args_json_file}",
+    "${args_no_boolean_flags}",
+)
 
 
 @dataclass
@@ -105,7 +119,9 @@ def validate_sweep(path: str) -> Sweep:
     except yaml.YAMLError as error:
         raise UsageError(f"sweep file {path!r} is not valid YAML: {str(error).splitlines()[0]}") from None
     if not isinstance(config, dict):
-        raise UsageError(f"sweep file {path!r} must be a YAML mapping with program, method, metric, parameters")
+        raise UsageError(
+            f"sweep file {path!r} must be a YAML mapping with program, method, metric, parameters"
+        )
     for key in ("program", "method", "metric", "parameters"):
         if key not in config:
             raise UsageError(f"sweep file {path!r} has no {key!r}")
@@ -118,23 +134,42 @@ def validate_sweep(path: str) -> Sweep:
     flags = [f.name for f in dataclasses.fields(module.Config)]
     for name, spec in config["parameters"].items():
         if name not in flags:
-            raise UsageError(f"sweep file {path!r}: parameter {name!r} is not a flag of {config['program']}; its flags: {', '.join(flags)}")
+            raise UsageError(
+                f"sweep file {path!r}: parameter {name!r} is not a flag of {config['program']}; "
+                f"its flags: {', '.join(flags)}"
+            )
         for value in proposable_values(spec):
             refuse_value(path, module.Config, name, value)
     metric = config["metric"].get("name") if isinstance(config["metric"], dict) else None
     logged = list(module.Config.sweep_metrics)
     if metric not in logged:
-        raise UsageError(f"sweep file {path!r}: metric {metric!r} is never logged by {config['program']}; it logs: {', '.join(logged) or 'nothing sweepable'}")
+        raise UsageError(
+            f"sweep file {path!r}: metric {metric!r} is never logged by {config['program']}; "
+            f"it logs: {', '.join(logged) or 'nothing sweepable'}"
+        )
     command = config.get("command", DEFAULT_COMMAND)
     if not isinstance(command, list) or not all(isinstance(c, str | int | float) for c in command):
         raise UsageError(f"sweep file {path!r}: command must be a list of words")
     for word in map(str, command):
         if " " in word:
-            raise UsageError(f"sweep file {path!r}: command item {word!r} holds several words; give each its own item "
-                             "(the agent runs it without a shell: FileNotFoundError)")
+            raise UsageError(
+                f"sweep file {path!r}: command item {word!r} holds several words; give each its own item "
+                "(the agent runs it without a shell: FileNotFoundError)"
+            )
     if not any(str(c) in ARG_MACROS for c in command):
-        raise UsageError(f"sweep file {path!r}: command never passes ${{args}}: hyper-parameters would reach only rank 0's wandb.config")
-    return Sweep(path, config, config["program"], flags, metric, config["metric"].get("goal", "minimize"), [str(c) for c in command])
+        raise UsageError(
+            f"sweep file {path!r}: command never passes ${{args}}: "
+            "hyper-parameters would reach only rank 0's wandb.config"
+        )
+    return Sweep(
+        path,
+        config,
+        config["program"],
+        flags,
+        metric,
+        config["metric"].get("goal", "minimize"),
+        [str(c) for c in command],
+    )
 
 
 def proposable_values(spec: dict) -> list:
@@ -153,8 +188,10 @@ def refuse_value(path: str, config_cls, name: str, value) -> None:
     try:
         parse_config(config_cls, [f"--{name}={value}", "--report_to", "none"])
     except SystemExit:
-        raise UsageError(f"sweep file {path!r}: parameter {name!r} may propose {value!r}, which the program refuses "
-                         f"(run it with --{name}={value} to see why)") from None
+        raise UsageError(
+            f"sweep file {path!r}: parameter {name!r} may propose {value!r}, which the program refuses "
+            f"(run it with --{name}={value} to see why)"
+        ) from None
 
 
 def expand_command(sweep: Sweep, values: dict, args_json_path: str) -> list[str]:
@@ -162,7 +199,12 @@ def expand_command(sweep: Sweep, values: dict, args_json_path: str) -> list[str]
     from wandb.sdk.launch.sweeps.utils import create_sweep_command, create_sweep_command_args
 
     sweep_vars = create_sweep_command_args({"args": {k: {"value": v} for k, v in values.items()}})
-    sweep_vars.update(interpreter=[sys.executable], program=[sweep.program], args_json_file=[args_json_path], env=["/usr/bin/env"])
+    sweep_vars.update(
+        interpreter=[sys.executable],
+        program=[sweep.program],
+        args_json_file=[args_json_path],
+        env=["/usr/bin/env"],
+    )
     command = []
     for word in create_sweep_command(list(sweep.command)):
         if word.startswith("${") and word.endswith("}"):
@@ -209,7 +251,10 @@ def run_sweep(sweep: Sweep, count: int, output_dir: str, trial_timeout_s: float,
         if proposal is None:
             print(f"sweep: the {sweep.config['method']} search is exhausted after {trial - 1} trials")
             break
-        values = {k: (float(v["value"]) if hasattr(v["value"], "dtype") else v["value"]) for k, v in proposal.config.items()}
+        values = {
+            k: (float(v["value"]) if hasattr(v["value"], "dtype") else v["value"])
+            for k, v in proposal.config.items()
+        }
         run_id = f"{sweep_id}-trial{trial:03d}"  # W&B run ids must not collide across sweeps
         trial_dir = os.path.join(output_dir, run_id)
         os.makedirs(trial_dir, exist_ok=True)
@@ -218,23 +263,43 @@ def run_sweep(sweep: Sweep, count: int, output_dir: str, trial_timeout_s: float,
         param_path = os.path.join(output_dir, f"sweep-config-{run_id}.yaml")
         config_util.save_config_file_from_dict(param_path, {k: {"value": v} for k, v in values.items()})
         command = expand_command(sweep, values, os.path.join(trial_dir, "sweep-args.json"))
-        env = {**os.environ, "WANDB_MODE": "offline", "WANDB_SWEEP_ID": sweep_id, "WANDB_RUN_ID": run_id,
-               "WANDB_SWEEP_PARAM_PATH": param_path, "WANDB_PROJECT": os.environ.get("WANDB_PROJECT", sweep.config.get("project", "dist-experiments"))}
+        env = {
+            **os.environ,
+            "WANDB_MODE": "offline",
+            "WANDB_SWEEP_ID": sweep_id,
+            "WANDB_RUN_ID": run_id,
+            "WANDB_SWEEP_PARAM_PATH": param_path,
+            "WANDB_PROJECT": os.environ.get("WANDB_PROJECT", sweep.config.get("project", "dist-experiments")),
+        }
         print(f"sweep: trial {trial}/{count} {run_id}: {' '.join(command)}", flush=True)
         started = time.perf_counter()
         with open(os.path.join(trial_dir, "trial.log"), "w") as log:
             # Ends every process of the launch on a timeout (or Ctrl-C), and returns only once they are gone.
-            exit_code = run_process_tree(command, trial_timeout_s, capture=False, env=env, stdout=log, stderr=log).returncode
+            exit_code = run_process_tree(
+                command, trial_timeout_s, capture=False, env=env, stdout=log, stderr=log
+            ).returncode
         exit_code = "timeout" if exit_code == TIMED_OUT else exit_code
         value = read_metric(trial_dir, sweep.metric)
         # Exit 1 means the run completed but one of its checks failed (e.g. an lr too small to recover the
         # truth): its metric is real and the search should learn from it. Anything else is a failed trial.
-        state = sweeps.RunState.finished if exit_code in (0, 1) and value is not None else sweeps.RunState.failed
+        state = (
+            sweeps.RunState.finished if exit_code in (0, 1) and value is not None else sweeps.RunState.failed
+        )
         checks_passed = exit_code == 0
         proposal.state, proposal.summary_metrics = state, ({sweep.metric: value} if value is not None else {})
         runs.append(proposal)
-        rows.append({"trial": run_id, "state": state.value, "checks_passed": checks_passed, "exit_code": exit_code, sweep.metric: value, **values,
-                     "seconds": round(time.perf_counter() - started, 1), "dir": trial_dir})
+        rows.append(
+            {
+                "trial": run_id,
+                "state": state.value,
+                "checks_passed": checks_passed,
+                "exit_code": exit_code,
+                sweep.metric: value,
+                **values,
+                "seconds": round(time.perf_counter() - started, 1),
+                "dir": trial_dir,
+            }
+        )
         print(f"sweep: {run_id} {state.value} (exit {exit_code}) {sweep.metric}={value}", flush=True)
     return rows
 
@@ -256,8 +321,13 @@ def write_leaderboard(sweep: Sweep, rows: list[dict], output_dir: str) -> dict |
     swept = [p for p in sweep.config["parameters"] if len({repr(r.get(p)) for r in rows}) > 1]
     plot_leaderboard(sweep, rows, swept, output_dir)
     if best:
-        print(f"best: {best['trial']} {sweep.metric}={best[sweep.metric]:.6g} with " + " ".join(f"{p}={best[p]}" for p in sweep.config["parameters"]))
-    print(f"leaderboard: {os.path.join(output_dir, 'leaderboard.csv')}, {os.path.join(output_dir, 'leaderboard.png')}")
+        print(
+            f"best: {best['trial']} {sweep.metric}={best[sweep.metric]:.6g} with "
+            + " ".join(f"{p}={best[p]}" for p in sweep.config["parameters"])
+        )
+    print(
+        f"leaderboard: {os.path.join(output_dir, 'leaderboard.csv')}, {os.path.join(output_dir, 'leaderboard.png')}"
+    )
     print(f"W&B runs (offline): upload with `wandb sync {output_dir}/*/wandb/offline-run-*`")
     return best
 
@@ -275,7 +345,11 @@ def plot_leaderboard(sweep: Sweep, rows: list[dict], swept: list[str], output_di
     shown = swept or list(sweep.config["parameters"])[:1]
     figure, axes = plt.subplots(1, max(len(shown), 1), figsize=(4.5 * max(len(shown), 1), 3.5), squeeze=False)
     for axis, param in zip(axes[0], shown, strict=False):
-        points = [(r[param], r[sweep.metric]) for r in rows if r[sweep.metric] is not None and isinstance(r.get(param), int | float)]
+        points = [
+            (r[param], r[sweep.metric])
+            for r in rows
+            if r[sweep.metric] is not None and isinstance(r.get(param), int | float)
+        ]
         if points:
             axis.scatter(*zip(*points, strict=True))
             xs = [p[0] for p in points]
@@ -292,7 +366,9 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_config(SweepArgs, argv, description=__doc__.split("\n")[0], prog="python -m tools.sweep")
     sweep = validate_sweep(args.sweep_file)
     name = os.path.splitext(os.path.basename(args.sweep_file))[0]
-    output_dir = os.path.abspath(args.output_dir or os.path.join("runs", "sweeps", f"local-{name}-{time.strftime('%Y%m%d-%H%M%S')}"))
+    output_dir = os.path.abspath(
+        args.output_dir or os.path.join("runs", "sweeps", f"local-{name}-{time.strftime('%Y%m%d-%H%M%S')}")
+    )
     if os.path.exists(output_dir) and not os.path.isdir(output_dir):
         raise UsageError(f"--output_dir {output_dir} exists and is not a directory")
     if os.path.exists(os.path.join(output_dir, "leaderboard.csv")):
@@ -300,11 +376,24 @@ def main(argv: list[str] | None = None) -> int:
     try:
         os.makedirs(output_dir, exist_ok=True)
     except OSError as error:
-        raise UsageError(f"--output_dir {output_dir}: cannot write there ({error.strerror or error})") from None
+        raise UsageError(
+            f"--output_dir {output_dir}: cannot write there ({error.strerror or error})"
+        ) from None
     rows = run_sweep(sweep, args.count, output_dir, args.trial_timeout_s, args.seed)
     best = write_leaderboard(sweep, rows, output_dir)
     with open(os.path.join(output_dir, "sweep.json"), "w") as handle:
-        json.dump({"sweep_file": sweep.path, "seed": args.seed, "config": sweep.config, "trials": rows, "best": best}, handle, indent=2, default=str)
+        json.dump(
+            {
+                "sweep_file": sweep.path,
+                "seed": args.seed,
+                "config": sweep.config,
+                "trials": rows,
+                "best": best,
+            },
+            handle,
+            indent=2,
+            default=str,
+        )
     return 0 if best is not None and not math.isnan(best[sweep.metric]) else 1
 
 
