@@ -146,9 +146,14 @@ def iterate_batches(
 
 def iterate_global_batches(dataset: Dataset, world_size: int, per_rank_batch_size: int, seed: int):
     """What all ranks see at each step, concatenated in rank order: the single-process reference's batches."""
-    per_rank = [
-        iterate_batches(*shard_tensors(dataset, rank, world_size), per_rank_batch_size, seed)
-        for rank in range(world_size)
-    ]
+    shards = [shard_tensors(dataset, rank, world_size) for rank in range(world_size)]
+    return concatenate_rank_batches(shards, per_rank_batch_size, seed)
+
+
+def concatenate_rank_batches(
+    shards: list[tuple[torch.Tensor, torch.Tensor]], per_rank_batch_size: int, seed: int
+):
+    """Every rank's batches from its own shard, concatenated in rank order: one global batch per micro-step."""
+    per_rank = [iterate_batches(x, y, per_rank_batch_size, seed) for x, y in shards]
     for rank_batches in zip(*per_rank, strict=True):
         yield torch.cat([b[0] for b in rank_batches]), torch.cat([b[1] for b in rank_batches])

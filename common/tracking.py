@@ -306,8 +306,8 @@ def format_console_line(step: int, metrics: dict) -> str:
     """`step | loss | samples/s` and any other figures, aligned."""
     parts = [f"step {step:>6}"]
     for key, value in metrics.items():
-        if key == "samples_per_s":
-            parts.append(f"samples/s {value:>10,.0f}")
+        if key.endswith("_per_s"):  # samples_per_s -> samples/s
+            parts.append(f"{key[: -len('_per_s')]}/s {value:>10,.0f}")
         elif isinstance(value, float):
             parts.append(f"{key} {value:.6f}")
         else:

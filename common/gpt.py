@@ -1,0 +1,141 @@
+"""A small decoder-only transformer (GPT), readable like nanoGPT's model.py.
+
+token + position embeddings -> n_layer x [LayerNorm -> causal self-attention -> residual,
+LayerNorm -> MLP (4x, GELU) -> residual] -> LayerNorm -> linear head (tied to the token embedding
+by default) -> logits. The loss is the mean cross-entropy over every target token of the batch.
+
+Two choices made for distributed training:
+- q, k, v and the attention output are separate Linear layers (nanoGPT fuses q, k, v), so that
+  tensor parallelism can split each by heads (column-parallel q/k/v, row-parallel output);
+- the key projection has NO bias: softmax(q·(k + b)) = softmax(q·k + q·b), and q·b is the same for
+  every key of a query, so softmax ignores it and its true gradient is exactly zero. Under AdamW
+  that bias would turn float noise (~1e-9, different in every strategy) into full-size updates
+  (Adam divides by the square root of its tiny second moment): a 1.2e-3 parity difference from
+  a parameter that does nothing (measured, FIELD_NOTES).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+@dataclass
+class GPTConfig:
+    vocab_size: int = 2048
+    block_size: int = 128  # context length in tokens
+    n_layer: int = 4
+    n_head: int = 4
+    d_model: int = 128
+    tie_weights: bool = True  # head shares the token embedding (nanoGPT, GPT-2)
+
+
+class CausalSelfAttention(nn.Module):
+    def __init__(self, cfg: GPTConfig):
+        super().__init__()
+        self.n_head, self.head_dim = cfg.n_head, cfg.d_model // cfg.n_head
+        self.q_proj = nn.Linear(cfg.d_model, cfg.d_model)
+        self.k_proj = nn.Linear(cfg.d_model, cfg.d_model, bias=False)  # see the module docstring
+        self.v_proj = nn.Linear(cfg.d_model, cfg.d_model)
+        self.o_proj = nn.Linear(cfg.d_model, cfg.d_model)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        batch, time, _ = x.shape
+        # (B, T, C) -> (B, heads, T, head_dim); -1 rather than n_head: under tensor parallelism a rank
+        # holds only its share of the heads, and the same code must run there.
+        q, k, v = (
+            proj(x).view(batch, time, -1, self.head_dim).transpose(1, 2)
+            for proj in (self.q_proj, self.k_proj, self.v_proj)
+        )
+        attended = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.o_proj(attended.transpose(1, 2).reshape(batch, time, -1))
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: GPTConfig):
+        super().__init__()
+        self.fc_in = nn.Linear(cfg.d_model, 4 * cfg.d_model)
+        self.fc_out = nn.Linear(4 * cfg.d_model, cfg.d_model)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc_out(F.gelu(self.fc_in(x)))
+
+
+class Block(nn.Module):
+    def __init__(self, cfg: GPTConfig):
+        super().__init__()
+        self.ln_1, self.attn = nn.LayerNorm(cfg.d_model), CausalSelfAttention(cfg)
+        self.ln_2, self.mlp = nn.LayerNorm(cfg.d_model), MLP(cfg)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.attn(self.ln_1(x))
+        return x + self.mlp(self.ln_2(x))
+
+
+class GPT(nn.Module):
+    def __init__(self, cfg: GPTConfig):
+        super().__init__()
+        self.cfg = cfg
+        self.tok_emb = nn.Embedding(cfg.vocab_size, cfg.d_model)
+        self.pos_emb = nn.Embedding(cfg.block_size, cfg.d_model)
+        self.blocks = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layer))
+        self.ln_f = nn.LayerNorm(cfg.d_model)
+        self.head = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
+        if cfg.tie_weights:
+            self.head.weight = self.tok_emb.weight
+        self.apply(self._init_weights)
+        for name, param in self.named_parameters():  # GPT-2: residual projections scaled by depth
+            if name.endswith(("o_proj.weight", "fc_out.weight")):
+                nn.init.normal_(param, mean=0.0, std=0.02 / math.sqrt(2 * cfg.n_layer))
+
+    @staticmethod
+    def _init_weights(module: nn.Module) -> None:
+        if isinstance(module, nn.Linear | nn.Embedding):
+            nn.init.normal_(module.weight, mean=0.0, std=0.02)
+        if isinstance(module, nn.Linear) and module.bias is not None:
+            nn.init.zeros_(module.bias)
+
+    def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None):
+        """Logits (B, T, vocab); with targets, also the mean cross-entropy over all B*T targets."""
+        positions = torch.arange(idx.shape[1], device=idx.device)
+        x = self.tok_emb(idx) + self.pos_emb(positions)
+        for block in self.blocks:
+            x = block(x)
+        logits = self.head(self.ln_f(x))
+        if targets is None:
+            return logits, None
+        return logits, F.cross_entropy(logits.float().flatten(0, 1), targets.flatten())
+
+    @torch.no_grad()
+    def generate(
+        self,
+        idx: torch.Tensor,
+        max_new_tokens: int,
+        temperature: float = 0.8,
+        top_k: int = 40,
+        generator: torch.Generator | None = None,
+    ) -> torch.Tensor:
+        """Sample max_new_tokens tokens after idx (B, T), seeded by `generator`."""
+        for _ in range(max_new_tokens):
+            logits, _ = self(idx[:, -self.cfg.block_size :])
+            logits = logits[:, -1, :] / temperature
+            cutoff = torch.topk(logits, min(top_k, logits.shape[-1])).values[:, [-1]]
+            logits[logits < cutoff] = -float("inf")
+            next_token = torch.multinomial(F.softmax(logits, dim=-1), 1, generator=generator)
+            idx = torch.cat([idx, next_token], dim=1)
+        return idx
+
+
+def build_gpt(cfg: GPTConfig, seed: int) -> GPT:
+    """The same initial weights on every rank and in the reference: seeded, on the CPU."""
+    torch.manual_seed(seed)
+    return GPT(cfg)
+
+
+def count_parameters(model: nn.Module) -> int:
+    """Distinct parameters (a tied head counts once), as nanoGPT reports them."""
+    return sum(p.numel() for p in {id(p): p for p in model.parameters()}.values())
