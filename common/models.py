@@ -7,7 +7,8 @@ from torch import nn
 
 
 def build_linear(in_features: int = 10, seed: int = 0) -> nn.Linear:
-    """The DDP tutorial's `nn.Linear(10, 1)` regression (docs/tutorials.md), initialised from `seed` so every rank and the reference agree."""
+    """The DDP tutorial's `nn.Linear(10, 1)` regression (docs/tutorials.md), initialised from `seed` so every
+    rank and the reference agree."""
     torch.manual_seed(seed)
     return nn.Linear(in_features, 1)
 
