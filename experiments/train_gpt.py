@@ -17,11 +17,14 @@ it silently falls back to DDP (measured). fully_shard on a DeviceMesh of the acc
 type (gloo on CPU, NCCL on GPU) runs inside the process group Accelerate made: one code path.
 
 Checks (each with a wrong variant, --wrong_variant, that fails it):
-- matches_single_process  loss at every step and every parameter after training equal a
-                          one-process run on the same global batches (--loss_atol, --param_atol);
-                          same_data_on_every_rank (the forgotten sampler) fails it;
-- grad_norm_is_global     the norm clipping uses equals the one-process gradient norm at every step;
-                          local_grad_norm (each rank clips by its own shard's norm) fails it;
+- matches_single_process  over the first --parity_steps steps, the loss at every step and every
+                          parameter after them equal a one-process run on the same global batches
+                          (--loss_atol, --param_atol); same_data_on_every_rank (the forgotten
+                          sampler) fails it. Why not over all steps: AdamW at this learning rate
+                          amplifies float rounding (sums in another order) about 10x every few
+                          steps (measured, README); equality is judged where it still means something;
+- grad_norm_is_global     the norm clipping uses equals the one-process gradient norm at each of
+                          those steps; local_grad_norm (each rank clips by its own shard) fails it;
 - memory_per_rank         bytes of parameters, gradients and optimizer state each rank holds at rest,
                           and of parameters between forward and backward, equal the theory within
                           --memory_rtol; unwrapped_root (fully_shard on the blocks only) fails it;
@@ -77,6 +80,7 @@ class Config(ResumableArgs):
         "memory_rtol",
         "min_loss_drop",
         "sample_tokens",
+        "parity_steps",
     )
 
     strategy: str = flag(
@@ -108,11 +112,12 @@ class Config(ResumableArgs):
         "no or bf16 (autocast for none/ddp; FSDP2's MixedPrecisionPolicy for zero2/fsdp)",
         choices=("no", "bf16"),
     )
+    parity_steps: int = flag(20, "steps compared with the one-process run (0: none; at most --max_steps)")
     loss_atol: float = flag(
-        1e-4, "largest allowed |distributed - one process| loss at any step (fp32; see README for bf16)"
+        1e-5, "largest allowed |distributed - one process| loss in those steps (fp32: ~1e-6 measured)"
     )
     param_atol: float = flag(
-        2e-3, "largest allowed |distributed - one process| parameter after training (AdamW, see README)"
+        1e-4, "largest allowed |distributed - one process| parameter after them (fp32: ~1e-5 measured)"
     )
     memory_rtol: float = flag(0.01, "allowed relative difference of bytes held per rank from the theory")
     min_loss_drop: float = flag(0.3, "validation loss must fall by at least this (nats)")
@@ -169,6 +174,10 @@ class Config(ResumableArgs):
         require(
             not self.wrong_variant or self.strategy != "none",
             "--wrong_variant needs a distributed --strategy",
+        )
+        require(
+            0 <= self.parity_steps <= self.max_steps,
+            f"--parity_steps must be in [0, --max_steps], got {self.parity_steps}",
         )
 
 
@@ -310,44 +319,47 @@ def full_state(model: torch.nn.Module, accelerator) -> dict:
     """Every parameter in full on the main process (a collective: every rank calls it). Sharded
     parameters are all-gathered; DDP's are already full."""
     if not any(isinstance(module, FSDPModule) for module in model.modules()):
-        return {k: v.detach().cpu() for k, v in accelerator.unwrap_model(model).state_dict().items()}
+        return {k: v.detach().cpu().clone() for k, v in accelerator.unwrap_model(model).state_dict().items()}
     return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
 
 
 def train_reference(
     cfg: Config, gpt_cfg: GPTConfig, initial_state: dict, global_batches, accelerator
 ) -> dict:
-    """The same training in ONE process: each step one batch holding every rank's micro-batches (the
-    global batch), one mean loss over all its tokens, the same AdamW, schedule and clipping."""
+    """The same training in ONE process, for --parity_steps steps: each step one batch holding every
+    rank's micro-batches (the global batch), one mean loss over all its tokens, the same AdamW,
+    schedule and clipping."""
     model = GPT(gpt_cfg).to(accelerator.device)
     model.load_state_dict(initial_state)
     optimizer = make_optimizer(model, cfg)
     losses, norms = [], []
-    for step in range(1, cfg.max_steps + 1):
+    for step in range(1, cfg.parity_steps + 1):
         micro_batches = [next(global_batches) for _ in range(cfg.gradient_accumulation_steps)]
         x, y = (torch.cat(parts).to(accelerator.device) for parts in zip(*micro_batches, strict=True))
         with accelerator.autocast():
             _, loss = model(x, y)
         loss.backward()
         norms.append(clip_by_global_norm(model, cfg.grad_clip))
-        for group in optimizer.param_groups:
-            group["lr"] = lr_at(step, cfg)
+        set_lr(optimizer, lr_at(step, cfg))
         optimizer.step()
         optimizer.zero_grad()
         losses.append(loss.item())
-    return {
-        "losses": losses,
-        "grad_norms": norms,
-        "state": {k: v.detach().cpu() for k, v in model.state_dict().items()},
-    }
+    state = {k: v.detach().cpu() for k, v in model.state_dict().items()}
+    return {"losses": losses, "grad_norms": norms, "state": state}
+
+
+def set_lr(optimizer, lr: float) -> None:
+    for group in optimizer.param_groups:
+        group["lr"] = lr
 
 
 def run(cfg: Config) -> int:
+    precision = cfg.mixed_precision if cfg.strategy in ("none", "ddp") else "no"  # zero2/fsdp: FSDP2's policy
     with start_run(
         cfg,
         EXPERIMENT,
         gradient_accumulation_steps=cfg.gradient_accumulation_steps,
-        mixed_precision=cfg.mixed_precision if cfg.strategy in ("none", "ddp") else "no",
+        mixed_precision=precision,
     ) as run:
         accelerator = run.accelerator
         rank, world_size = accelerator.process_index, accelerator.num_processes
@@ -356,8 +368,8 @@ def run(cfg: Config) -> int:
         gpt_cfg = GPTConfig(
             corpus["vocab_size"], cfg.block_size, cfg.n_layer, cfg.n_head, cfg.d_model, cfg.tie_weights
         )
-        data_rank = 0 if cfg.wrong_variant == "same_data_on_every_rank" else rank  # the forgotten sampler
         train_shards = [shard_rows(corpus["train"], r, world_size) for r in range(world_size)]
+        data_rank = 0 if cfg.wrong_variant == "same_data_on_every_rank" else rank  # the forgotten sampler
         batches = iterate_batches(
             *train_shards[data_rank],
             cfg.per_rank_batch_size,
@@ -368,74 +380,59 @@ def run(cfg: Config) -> int:
 
         model = build_gpt(gpt_cfg, cfg.seed)  # the same initial weights on every rank and in the reference
         initial_state = copy.deepcopy(model.state_dict())
+        n_parameters = count_parameters(model)
         model = distribute(model, cfg, accelerator)
-        optimizer = accelerator.prepare(
-            make_optimizer(model, cfg)
-        )  # steps only on the last micro-batch of a step
+        optimizer = accelerator.prepare(make_optimizer(model, cfg))  # steps only on a step's last micro-batch
         val_loss_before = evaluate(model, val_shard, cfg.per_rank_batch_size, accelerator)
         run.print(
-            f"{count_parameters(build_gpt(gpt_cfg, cfg.seed)):,} parameters, {corpus['tokens']:,} tokens of "
-            f"{corpus['name']}, {cfg.strategy} on {world_size} rank(s), validation loss {val_loss_before:.3f}"
+            f"{n_parameters:,} parameters, {corpus['tokens']:,} tokens of {corpus['name']}, {cfg.strategy} "
+            f"on {world_size} rank(s), validation loss {val_loss_before:.3f}"
         )
 
         # The idea: each rank trains on its own shard of the data; the strategy decides who holds what.
         tokens_per_micro_batch = cfg.per_rank_batch_size * cfg.block_size * world_size
         loop = TrainLoop(run, model, optimizer, global_micro_batch_size=tokens_per_micro_batch, unit="tokens")
-        step_losses, grad_norms, step_loss, held = [], [], torch.zeros((), device=accelerator.device), {}
+        probe = Probe(
+            cfg, accelerator
+        )  # bytes held, per-step loss and grad norm, the state at --parity_steps
         for x, y in loop.micro_batches(batches):
-            with accelerator.accumulate(
-                model
-            ):  # DDP's no_sync and 1/k loss scaling on all but the last micro-batch
+            # Accelerate's accumulate(): DDP's no_sync and loss / k on all but the last micro-batch of a step
+            with accelerator.accumulate(model):
                 sync_gradients_this_micro_batch(model, accelerator.sync_gradients)  # FSDP2's no_sync
                 _, loss = model(x, y)
-                held = held or {
-                    "params_between_forward_and_backward": bytes_held(model)["params"]
-                }  # first step only
+                probe.after_forward(model)
                 accelerator.backward(loss)
                 if accelerator.sync_gradients:
-                    grad_norms.append(
+                    probe.grad_norms.append(
                         clip_by_global_norm(model, cfg.grad_clip, cfg.wrong_variant == "local_grad_norm")
                     )
-                    for group in optimizer.param_groups:
-                        group["lr"] = lr_at(loop.step + 1, cfg)
+                    set_lr(optimizer, lr_at(loop.step + 1, cfg))
                 optimizer.step()
-                if (
-                    accelerator.sync_gradients and "params" not in held
-                ):  # memory at rest, after the first step
-                    held.update(bytes_held(model, optimizer))
+                probe.after_step(model, optimizer, loss, loop.step + 1)
                 optimizer.zero_grad()
-            step_loss += loss.detach() / cfg.gradient_accumulation_steps
-            if accelerator.sync_gradients:
-                step_losses.append(step_loss.clone())
-                step_loss.zero_()
             loop.record(loss)
 
         val_loss = evaluate(model, val_shard, cfg.per_rank_batch_size, accelerator)
         step_losses = accelerator.reduce(
-            torch.stack(step_losses), "mean"
-        ).tolist()  # the global loss of each step
+            torch.stack(probe.step_losses), "mean"
+        ).tolist()  # each step's global loss
         trained = full_state(model, accelerator)
-        figures = {
-            "params": held["params"],
-            "grads": held["grads"],
-            "optimizer": held["optimizer"],
-            "params_between_forward_and_backward": held["params_between_forward_and_backward"],
-        }
         every_rank = accelerator.gather_for_metrics(
-            [figures | {"peak_rss_bytes": peak_rss_bytes()}], use_gather_object=True
+            [probe.held | {"peak_rss_bytes": peak_rss_bytes()}], use_gather_object=True
         )
+        corpus_facts = {
+            k: corpus[k]
+            for k in ("name", "sha256", "characters", "tokens", "characters_per_token", "vocab_size")
+        }
         run.metrics.update(
             loop.metrics(),
             val_loss_before=val_loss_before,
             val_loss=val_loss,
             step_losses=step_losses,
-            grad_norms=grad_norms,
+            grad_norms=probe.grad_norms,
             bytes_per_rank=every_rank,
-            parameters=count_parameters(build_gpt(gpt_cfg, 0)),
-            corpus={
-                k: corpus[k]
-                for k in ("name", "sha256", "characters", "tokens", "characters_per_token", "vocab_size")
-            },
+            parameters=n_parameters,
+            corpus=corpus_facts,
         )
         run.check(
             "loss_decreased",
@@ -444,14 +441,48 @@ def run(cfg: Config) -> int:
         )
         if run.is_main:
             check_memory(run, cfg, build_gpt(gpt_cfg, cfg.seed), every_rank)
-            if cfg.strategy != "none":
+            if cfg.strategy != "none" and probe.at_parity_step is not None and run.start_step == 0:
                 compare_with_one_process(
-                    run, cfg, gpt_cfg, initial_state, train_shards, trained, step_losses, grad_norms
+                    run,
+                    cfg,
+                    gpt_cfg,
+                    initial_state,
+                    train_shards,
+                    probe.at_parity_step,
+                    step_losses,
+                    probe.grad_norms,
                 )
             run.metrics["sample"] = generate_sample(cfg, gpt_cfg, trained, corpus, accelerator.device)
             run.print(f"sample: {run.metrics['sample']!r}")
         run.log(loop.step, {**loop.last_interval, "val_loss": val_loss})
     return run.exit_code
+
+
+class Probe:
+    """What the checks need from inside the loop, one call per place: the bytes this rank holds between
+    forward and backward and at rest (first step), each step's loss and gradient norm, and the full
+    state right after step --parity_steps (a collective for sharded models: every rank takes it)."""
+
+    def __init__(self, cfg: Config, accelerator):
+        self.cfg, self.accelerator = cfg, accelerator
+        self.held: dict = {}
+        self.step_losses, self.grad_norms, self.at_parity_step = [], [], None
+        self.step_loss = torch.zeros((), device=accelerator.device)
+
+    def after_forward(self, model) -> None:
+        if not self.held:
+            self.held["params_between_forward_and_backward"] = bytes_held(model)["params"]
+
+    def after_step(self, model, optimizer, loss: torch.Tensor, step: int) -> None:
+        self.step_loss += loss.detach() / self.cfg.gradient_accumulation_steps
+        if not self.accelerator.sync_gradients:
+            return
+        if "params" not in self.held:
+            self.held.update(bytes_held(model, optimizer))
+        self.step_losses.append(self.step_loss.clone())
+        self.step_loss.zero_()
+        if step == self.cfg.parity_steps:
+            self.at_parity_step = full_state(model, self.accelerator)
 
 
 def peak_rss_bytes() -> int:
@@ -460,41 +491,39 @@ def peak_rss_bytes() -> int:
 
 def check_memory(run, cfg: Config, reference: GPT, every_rank: list[dict]) -> None:
     """Each rank's held bytes against expected_bytes, within --memory_rtol."""
-    worst, lines = 0.0, []
-    for rank, measured in enumerate(every_rank):
-        theory = expected_bytes(reference, cfg, rank, len(every_rank))
-        for kind, expected in theory.items():
-            worst = max(worst, abs(measured[kind] - expected) / expected)
-        lines.append(
-            f"rank {rank}: " + ", ".join(f"{kind} {measured[kind]:,}/{theory[kind]:,}" for kind in theory)
-        )
-    run.metrics["bytes_theory"] = [
-        expected_bytes(reference, cfg, r, len(every_rank)) for r in range(len(every_rank))
+    theories = [expected_bytes(reference, cfg, rank, len(every_rank)) for rank in range(len(every_rank))]
+    worst = max(
+        abs(held[kind] - theory[kind]) / theory[kind]
+        for held, theory in zip(every_rank, theories, strict=True)
+        for kind in theory
+    )
+    lines = [
+        f"rank {rank}: " + ", ".join(f"{kind} {held[kind]:,}/{theory[kind]:,}" for kind in theory)
+        for rank, (held, theory) in enumerate(zip(every_rank, theories, strict=True))
     ]
+    run.metrics["bytes_theory"] = theories
     run.check(
         "memory_per_rank",
         worst <= cfg.memory_rtol,
-        f"measured/theory bytes: {'; '.join(lines)}; worst relative difference {worst:.4f}, tolerance {cfg.memory_rtol}",
+        f"held/theory bytes: {'; '.join(lines)}; worst relative "
+        f"difference {worst:.4f}, tolerance {cfg.memory_rtol}",
     )
 
 
 def compare_with_one_process(
-    run, cfg, gpt_cfg, initial_state, train_shards, trained, step_losses, grad_norms
+    run, cfg, gpt_cfg, initial_state, train_shards, at_parity_step, step_losses, grad_norms
 ) -> None:
-    reference = train_reference(
-        cfg,
-        gpt_cfg,
-        initial_state,
-        concatenate_rank_batches(train_shards, cfg.per_rank_batch_size, cfg.seed),
-        run.accelerator,
-    )
-    loss_diff = max(abs(a - b) for a, b in zip(step_losses, reference["losses"], strict=True))
+    """The first --parity_steps steps against the same steps in one process."""
+    global_batches = concatenate_rank_batches(train_shards, cfg.per_rank_batch_size, cfg.seed)
+    reference = train_reference(cfg, gpt_cfg, initial_state, global_batches, run.accelerator)
+    n = cfg.parity_steps
+    loss_diff = max(abs(a - b) for a, b in zip(step_losses[:n], reference["losses"], strict=True))
     norm_diff = max(
-        abs(a - b) / max(b, 1e-12) for a, b in zip(grad_norms, reference["grad_norms"], strict=True)
+        abs(a - b) / max(b, 1e-12) for a, b in zip(grad_norms[:n], reference["grad_norms"], strict=True)
     )
     param_diff = max(
-        (trained[name].float() - reference["state"][name].float()).abs().max().item()
-        for name in reference["state"]
+        (at_parity_step[k].float() - reference["state"][k].float()).abs().max().item()
+        for k in reference["state"]
     )
     run.metrics.update(
         loss_max_abs_diff=loss_diff,
@@ -506,14 +535,15 @@ def compare_with_one_process(
         "matches_single_process",
         max(loss_diff / cfg.loss_atol, param_diff / cfg.param_atol),
         1.0,
-        f"max |loss - one process| {loss_diff:.2e} over {cfg.max_steps} steps (tolerance {cfg.loss_atol:.0e}), "
-        f"max |parameter - one process| {param_diff:.2e} (tolerance {cfg.param_atol:.0e}); the larger share of its tolerance",
+        f"over the first {n} steps: max |loss - one process| {loss_diff:.2e} (tolerance {cfg.loss_atol:.0e}), "
+        f"max |parameter - one process| after them {param_diff:.2e} (tolerance {cfg.param_atol:.0e}); "
+        "the larger share of its tolerance",
     )
     run.parity_check(
         "grad_norm_is_global",
         norm_diff,
         1e-3,
-        "max relative |clipped-by norm - one process's gradient norm| over every step",
+        f"max relative |norm clipped by - one process's gradient norm| over the first {n} steps",
     )
 
 
