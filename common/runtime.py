@@ -35,6 +35,7 @@ def make_accelerator(
       this is False and Accelerate picks NCCL as usual.
     - a process-group timeout, so a dead or stuck rank ends the job instead of hanging it.
     """
+    refuse_plugins_dropped_on_cpu(accelerator_kwargs)
     if accelerator_kwargs.get("mixed_precision") == "":
         accelerator_kwargs["mixed_precision"] = None  # "": whatever `accelerate launch` / its config says
     try:
@@ -54,6 +55,29 @@ def make_accelerator(
         # Accelerate 1.16 accepts fp16 on CPU and silently trains in float32 (measured): refuse instead.
         raise UsageError("--mixed_precision fp16 needs a GPU; on CPU use bf16 or no")
     return accelerator
+
+
+def refuse_plugins_dropped_on_cpu(accelerator_kwargs: dict) -> None:
+    """Accelerate 1.16 on CPU drops FSDP and DeepSpeed silently: `Accelerator(cpu=True, fsdp_plugin=...)`
+    under a 2-rank launch is MULTI_CPU with a plain DDP model (measured; tests/test_runtime.py records
+    it), and an FSDP launch config gives N independent DistributedType.NO processes. Refuse instead."""
+    if torch.accelerator.is_available():
+        return
+    asked = [
+        name
+        for name in ("fsdp_plugin", "deepspeed_plugin", "parallelism_config")
+        if accelerator_kwargs.get(name)
+    ]
+    asked += [
+        name
+        for name in ("ACCELERATE_USE_FSDP", "ACCELERATE_USE_DEEPSPEED")
+        if os.environ.get(name, "false").lower() in ("1", "true", "yes")
+    ]
+    if asked:
+        raise UsageError(
+            f"{', '.join(asked)}: Accelerate cannot shard on CPU and would silently run DDP instead; "
+            "for sharded data parallelism on CPU use experiments/train_gpt.py --strategy fsdp (PyTorch's fully_shard)"
+        )
 
 
 def launched_world_size(cfg: RunArgs) -> int:

@@ -1,0 +1,69 @@
+"""Unit tests of common/gpt.py and common/text.py: the model's shapes and loss, the key bias that is
+left out, generation; the corpus, the tokenizer's round trip and cache, blocks and shards."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from common.gpt import GPTConfig, build_gpt, count_parameters
+from common.text import load_corpus, make_blocks, shard_rows
+
+SMALL = GPTConfig(vocab_size=64, block_size=16, n_layer=2, n_head=2, d_model=16)
+
+
+def test_forward_shapes_and_initial_loss_near_uniform():
+    model = build_gpt(SMALL, seed=0)
+    generator = torch.Generator().manual_seed(0)
+    idx, targets = (
+        torch.randint(0, 64, (3, 16), generator=generator),
+        torch.randint(0, 64, (3, 16), generator=generator),
+    )
+    logits, loss = model(idx, targets)
+    assert logits.shape == (3, 16, 64)
+    assert abs(loss.item() - math.log(64)) < 0.1  # small init: close to a uniform guess
+
+
+def test_the_model_is_causal():
+    model = build_gpt(SMALL, seed=0)
+    idx = torch.randint(0, 64, (1, 16), generator=torch.Generator().manual_seed(1))
+    changed = idx.clone()
+    changed[0, 10] = (idx[0, 10] + 1) % 64
+    before, after = model(idx)[0], model(changed)[0]
+    assert torch.equal(before[0, :10], after[0, :10]) and not torch.equal(before[0, 10:], after[0, 10:])
+
+
+def test_tied_head_counts_once_and_key_projection_has_no_bias():
+    tied, untied = build_gpt(SMALL, 0), build_gpt(GPTConfig(**{**SMALL.__dict__, "tie_weights": False}), 0)
+    assert tied.head.weight is tied.tok_emb.weight
+    assert count_parameters(untied) - count_parameters(tied) == 64 * 16
+    assert tied.blocks[0].attn.k_proj.bias is None and tied.blocks[0].attn.q_proj.bias is not None
+
+
+def test_generation_is_seeded():
+    model = build_gpt(SMALL, seed=0)
+    prompt = torch.zeros(1, 4, dtype=torch.long)
+    first = model.generate(prompt, 8, generator=torch.Generator().manual_seed(3))
+    again = model.generate(prompt, 8, generator=torch.Generator().manual_seed(3))
+    assert first.shape == (1, 12) and torch.equal(first, again)
+
+
+def test_pydoc_corpus_round_trips_through_the_tokenizer_and_is_cached(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)  # the cache goes under ./runs/.cache/text
+    corpus = load_corpus("", vocab_size=512, block_size=32, val_fraction=0.1)
+    assert corpus["characters"] > 100_000 and 2 < corpus["characters_per_token"] < 6
+    text = "def f(x):\n    return x ** 2  # squares"
+    assert corpus["tokenizer"].decode(corpus["tokenizer"].encode(text).ids) == text
+    cached = sorted(p.name for p in (tmp_path / "runs" / ".cache" / "text").iterdir())
+    assert any(name.startswith("bpe-") and name.endswith("-512.json") for name in cached)
+    again = load_corpus("", vocab_size=512, block_size=32, val_fraction=0.1)
+    assert torch.equal(again["train"][0], corpus["train"][0])  # the cached tokenizer encodes the same
+
+
+def test_blocks_shift_by_one_and_shards_are_equal():
+    ids = torch.arange(23)
+    x, y = make_blocks(ids, 5)
+    assert x.shape == y.shape == (4, 5) and torch.equal(y, x + 1)
+    shards = [shard_rows((x, y), r, 3) for r in range(3)]
+    assert [len(s[0]) for s in shards] == [1, 1, 1] and torch.equal(shards[2][0], x[2:3])
