@@ -9,32 +9,10 @@ from experiments.train_gpt import main
 from helpers import launch, run_in_process, run_main_in_process
 
 # ~20k-parameter GPT, 12 steps: seconds per run. Parity over the first 6 steps.
-TINY = [
-    "--report_to",
-    "none",
-    "--max_steps",
-    "12",
-    "--parity_steps",
-    "6",
-    "--log_every",
-    "6",
-    "--d_model",
-    "32",
-    "--n_layer",
-    "2",
-    "--n_head",
-    "2",
-    "--block_size",
-    "32",
-    "--vocab_size",
-    "512",
-    "--warmup_steps",
-    "2",
-    "--sample_tokens",
-    "5",
-    "--min_loss_drop",
-    "0.1",
-]
+TINY = (
+    "--report_to none --max_steps 12 --parity_steps 6 --log_every 6 --d_model 32 --n_layer 2 --n_head 2 "
+    "--block_size 32 --vocab_size 512 --warmup_steps 2 --sample_tokens 5 --min_loss_drop 0.1"
+).split()
 DISTRIBUTED_CHECKS = {
     "distributed",
     "loss_decreased",
