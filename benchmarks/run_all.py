@@ -97,10 +97,19 @@ def main() -> None:
         default=os.path.join(REPO, "benchmarks", "results.json"),
         help="where to write the figures",
     )
+    parser.add_argument(
+        "--slow_loop", default="", help="for tests: slow this step_overhead loop down on purpose"
+    )
+    parser.add_argument("--slow_us", type=float, default=0.0, help="for tests: by this many µs per step")
     args = parser.parse_args()
     results = {"quick": args.quick, "machine": machine()}
     for name, module in BENCHMARKS.items():
-        results[name] = module.run(quick=args.quick)
+        extra = (
+            {"slow_loop": args.slow_loop, "slow_us": args.slow_us}
+            if name == "step_overhead" and args.slow_loop
+            else {}
+        )
+        results[name] = module.run(quick=args.quick, **extra)
     with open(args.output, "w") as handle:
         json.dump(results, handle, indent=2)
     rendered = table(results)
