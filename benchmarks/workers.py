@@ -54,7 +54,9 @@ def spawn(script: str, nproc: int, args: list[str], timeout_s: float = 900) -> d
 
 def benchmark_parser(doc: str, has_workers: bool = False) -> argparse.ArgumentParser:
     """Every benchmark's command line: --quick, plus the hidden --worker / --result that `spawn` passes."""
-    parser = argparse.ArgumentParser(description=doc.split("\n")[0])
+    parser = argparse.ArgumentParser(
+        description=doc.split("\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter
+    )
     parser.add_argument(
         "--quick", action="store_true", help="seconds, not minutes: checks the figures are well-formed"
     )

@@ -46,6 +46,7 @@ class TrainLoop:
         self.window_loss = torch.zeros((), device=self.accelerator.device)
         self.window_micro_batches, self.in_step = 0, False
         self.last_interval: dict = {}
+        self.latest: dict = {}
         self.first_step_unix_time = None  # benchmarks/startup.py reads it from summary.json
         self.train_start = self.window_start = time.perf_counter()
 
@@ -81,8 +82,10 @@ class TrainLoop:
         self.progress.close()
         self.train_time_s = time.perf_counter() - self.train_start
 
-    def record(self, loss: torch.Tensor) -> None:
-        """After each micro-batch: the loss window; after each optimizer step everything else."""
+    def record(self, loss: torch.Tensor, **latest: float) -> None:
+        """After each micro-batch: the loss window; after each optimizer step everything else.
+        `latest` (e.g. lr=..., grad_norm=...) goes into the next interval's record as its last value."""
+        self.latest.update(latest)
         self.window_loss += loss.detach()
         self.window_micro_batches += 1
         if not self.accelerator.sync_gradients:
@@ -120,7 +123,7 @@ class TrainLoop:
             * self.global_micro_batch_size
             / (time.perf_counter() - self.window_start)
         )
-        self.last_interval = {"loss": mean_loss, f"{self.unit}_per_s": throughput}
+        self.last_interval = {"loss": mean_loss, f"{self.unit}_per_s": throughput, **self.latest}
         if self.step < self.cfg.max_steps:  # the last interval goes out with the experiment's final figures
             self.run.log(self.step, self.last_interval)
         self.window_loss.zero_()

@@ -451,7 +451,7 @@ def run(cfg: Config) -> int:
                 optimizer.step()
                 probe.after_step(model, optimizer, loss, loop.step + 1)
                 optimizer.zero_grad()
-            loop.record(loss)
+            loop.record(loss, **probe.latest(optimizer))
 
         val_loss = evaluate(model, val_shard, cfg.per_rank_batch_size, accelerator)
         step_losses = accelerator.reduce(
@@ -509,6 +509,14 @@ class Probe:
         self.held: dict = {}
         self.step_losses, self.grad_norms, self.at_parity_step = [], [], None
         self.step_loss = torch.zeros((), device=accelerator.device)
+
+    def latest(self, optimizer) -> dict:
+        """The learning rate and gradient norm of the last optimizer step, for the logged interval."""
+        return (
+            {"lr": optimizer.param_groups[0]["lr"], "grad_norm": self.grad_norms[-1]}
+            if self.grad_norms
+            else {}
+        )
 
     def after_forward(self, model) -> None:
         if not self.held:

@@ -1,5 +1,5 @@
 """manual_data_parallel for real on 2 gloo ranks: every hand-rolled strategy equals DDP and the
-single-process replay, no_sync is honoured, and the seed's sum-not-average bug is caught."""
+single-process replay, no_sync is honoured, and the tutorial's sum-not-average bug is caught."""
 
 from __future__ import annotations
 
@@ -59,7 +59,7 @@ def test_accumulation_syncs_on_the_last_micro_batch_only(tmp_path):
 
 @pytest.mark.launch
 def test_summing_without_averaging_is_caught(tmp_path):
-    """The seed's bug: all_reduce(SUM) without / world_size doubles every step on 2 ranks."""
+    """The tutorial's bug: all_reduce(SUM) without / world_size doubles every step on 2 ranks."""
     args = [*QUIET, "--strategy", "per_param", "--average_gradients", "false"]
     finished = launch("manual_data_parallel.py", args, tmp_path / "run", launcher="torchrun")
     assert finished.returncode != 0

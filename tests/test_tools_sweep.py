@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from common.config import UsageError
-from helpers import REPO, clean_env
+from helpers import REPO, clean_env, run_main_in_process
 from tools.sweep import expand_command, proposable_values, validate_sweep
 
 SWEEP_FILES = sorted((REPO / "sweep_configs").glob("*.yaml"))
@@ -258,3 +258,14 @@ def test_a_timed_out_trial_leaves_no_process_and_no_late_writes(tmp_path):
     sizes = {p: p.stat().st_size for p in trial_dir.rglob("*") if p.is_file()}
     time.sleep(3)
     assert {p: p.stat().st_size for p in trial_dir.rglob("*") if p.is_file()} == sizes
+
+
+def test_an_output_dir_that_is_a_file_is_one_line(tmp_path, capsys, monkeypatch):
+    from tools.sweep import main
+
+    monkeypatch.chdir(REPO)
+    (tmp_path / "a_file").write_text("x")
+    code, stderr = run_main_in_process(
+        main, ["sweep_configs/ddp_linear_lr.yaml", "--output_dir", str(tmp_path / "a_file")], capsys
+    )
+    assert code == 2 and "exists and is not a directory" in stderr and stderr.strip().count("\n") == 0
