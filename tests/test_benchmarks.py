@@ -51,16 +51,13 @@ def test_run_all_quick_writes_every_figure_and_shows_a_slowed_loop_where_it_was_
         and results["machine"]["torch"].startswith("2.13")
     )
     step = results["step_overhead"]
-    loops = (
-        "bare",
-        "bare_again",
-        "bare_plus_common",
-        "accelerate_model",
-        "accelerate_no_accumulate",
-        "accelerate",
-        "accelerate_cached_lookups",
+    from benchmarks.step_overhead import LOOPS
+
+    assert (
+        len(LOOPS) == 7
+        and step["world_size"] == 2
+        and all(positive(step[f"{loop}_steps_per_s"]) for loop in LOOPS)
     )
-    assert step["world_size"] == 2 and all(positive(step[f"{loop}_steps_per_s"]) for loop in loops)
     assert set(step["overhead_us"]) == {
         "common",
         "prepared_model",
