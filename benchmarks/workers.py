@@ -43,9 +43,8 @@ def spawn(script: str, nproc: int, args: list[str], timeout_s: float = 900) -> d
         env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": REPO}
         from common.processes import run_process_tree
 
-        done = run_process_tree(
-            command, timeout_s, env=env, cwd=REPO
-        )  # a timeout ends every rank, not only torchrun
+        # a timeout ends every rank, not only torchrun
+        done = run_process_tree(command, timeout_s, env=env, cwd=REPO)
         if done.returncode != 0:
             raise RuntimeError(f"{script} workers failed ({done.returncode}):\n{done.stderr[-3000:]}")
         with open(result_path) as handle:

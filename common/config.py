@@ -43,9 +43,8 @@ def flag(default: Any, help: str, choices: Sequence[Any] | None = None, position
     return field(default=default, metadata={"help": help, "choices": choices, "positional": positional})
 
 
-MAX_TIMEOUT_S = (
-    7 * 24 * 3600
-)  # a week: longer is a typo, and torch's timedelta arithmetic overflows near 1e300
+# a week: longer is a typo, and torch's timedelta arithmetic overflows near 1e300
+MAX_TIMEOUT_S = 7 * 24 * 3600
 MAX_SEED = 2**31 - 1  # the data order's generator is seeded with seed * 100_003 + epoch, which must fit int64
 
 

@@ -61,12 +61,13 @@ EXPERIMENT = "ddp_linear"
 @dataclass
 class Config(ResumableArgs):
     sweep_metrics = ("loss", "samples_per_s", "final_mse", "max_weight_error", "bias_error")
+    # tolerances change no result
     result_neutral = (
         *ResumableArgs.result_neutral,
         "truth_tolerance",
         "parity_atol",
         "parity_atol_mixed_precision",
-    )  # tolerances change no result
+    )
 
     n_samples: int = flag(1000, "rows of synthetic data (the tutorial's 1000)")
     n_features: int = flag(10, "input features of synthetic data (the tutorial's nn.Linear(10, 1))")
@@ -104,9 +105,8 @@ class Config(ResumableArgs):
                 not self.feature_columns and self.target_column == "y",
                 "--feature_columns and --target_column choose columns of --data_file; pass --data_file too",
             )
-            require_memory(
-                "n_samples", self.n_samples * (self.n_features + 1) * 4 * 3
-            )  # x, y, and a shuffled copy
+            # x, y, and a shuffled copy
+            require_memory("n_samples", self.n_samples * (self.n_features + 1) * 4 * 3)
 
 
 def load_data(cfg: Config):
@@ -170,24 +170,21 @@ def run(cfg: Config) -> int:
             start_batch=run.start_step * cfg.gradient_accumulation_steps,
         )
 
-        model = build_linear(
-            shard_x.shape[1], seed=cfg.seed
-        )  # same seed on every rank, and DDP broadcasts rank 0's anyway
+        # same seed on every rank, and DDP broadcasts rank 0's anyway
+        model = build_linear(shard_x.shape[1], seed=cfg.seed)
         initial_state = copy.deepcopy(model.state_dict())
         optimizer = torch.optim.SGD(model.parameters(), lr=cfg.lr)
         model, optimizer = accelerator.prepare(model, optimizer)
         initial_mse = full_data_mse(model, shard_x, shard_y, accelerator)
 
         # The idea: each rank trains on its own shard; DDP averages the gradients in backward.
-        loop = TrainLoop(
-            run, model, optimizer, global_micro_batch_size=cfg.per_rank_batch_size * world_size
-        )  # resume, logs, checkpoints
+        # TrainLoop (common/training.py): resume, logging, progress, heartbeat, checkpoints, NaN stop
+        loop = TrainLoop(run, model, optimizer, global_micro_batch_size=cfg.per_rank_batch_size * world_size)
         for x, y in loop.micro_batches(batches):
             with accelerator.accumulate(model):  # no all-reduce until the last micro-batch of a step
                 loss = F.mse_loss(model(x), y)
-                accelerator.backward(
-                    loss
-                )  # DDP: all-reduce, then / world size: every rank holds the mean gradient
+                # DDP: all-reduce, then / world size: every rank holds the mean gradient
+                accelerator.backward(loss)
                 optimizer.step()
                 optimizer.zero_grad()
             loop.record(loss)

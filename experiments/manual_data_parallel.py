@@ -177,13 +177,11 @@ def train_by_hand(cfg: Config, strategy: str, batches, accelerator) -> tuple[tor
     for _ in range(cfg.max_steps):
         start = time.perf_counter()
         for micro in range(cfg.gradient_accumulation_steps):
-            sync.sync_this_micro_batch = (
-                micro == cfg.gradient_accumulation_steps - 1
-            )  # no_sync before the last
+            # no_sync before the last
+            sync.sync_this_micro_batch = micro == cfg.gradient_accumulation_steps - 1
             x, y = next(batches)
-            loss = (
-                F.mse_loss(model(x), y) / cfg.gradient_accumulation_steps
-            )  # grads add up to the step's mean
+            # grads add up to the step's mean
+            loss = F.mse_loss(model(x), y) / cfg.gradient_accumulation_steps
             loss.backward()
         sync.finish()
         optimizer.step()
@@ -245,9 +243,8 @@ def run(cfg: Config) -> int:
         strategies = STRATEGIES if cfg.strategy == "all" else (cfg.strategy,)
         trained, stats = {}, {}
         for strategy in strategies:
-            batches = iterate_batches(
-                shard_x, shard_y, cfg.per_rank_batch_size, cfg.seed
-            )  # same batches for each
+            # same batches for each
+            batches = iterate_batches(shard_x, shard_y, cfg.per_rank_batch_size, cfg.seed)
             if strategy == "ddp":
                 trained[strategy], stats[strategy] = train_with_ddp(cfg, batches, accelerator)
             else:

@@ -186,9 +186,8 @@ def run(cfg: Config) -> int:
         reference = build_mlp(cfg.n_features, cfg.hidden_features, 1, seed=cfg.seed, n_layers=cfg.n_layers)
         plan, budget = plan_device_map(cfg, reference)
         module_bytes = compute_module_sizes(reference)
-        real_device = {
-            planned: to_real_device(planned, run) for planned in dict.fromkeys(plan.values())
-        }  # one notice each
+        # one notice each
+        real_device = {planned: to_real_device(planned, run) for planned in dict.fromkeys(plan.values())}
         placement = {name: real_device[planned] for name, planned in plan.items()}
         run.print(f"{'module':<10}{'planned':>10}{'placed on':>12}{'bytes':>12}")
         for name in plan:
@@ -206,9 +205,8 @@ def run(cfg: Config) -> int:
                 + (f"; OVER: {over}" if over else ""),
             )
 
-        split_model = place(
-            copy.deepcopy(reference), placement, detach=cfg.detach_between_devices
-        )  # same initial weights as the reference
+        # same initial weights as the reference
+        split_model = place(copy.deepcopy(reference), placement, detach=cfg.detach_between_devices)
         first_device, last_device = placement[reference.layer_names[0]], placement[reference.layer_names[-1]]
         reference.to(first_device)  # the reference lives on ONE device
         dataset, _ = make_regression_dataset(cfg.n_samples, cfg.n_features, 0.1, cfg.seed)
@@ -232,9 +230,8 @@ def run(cfg: Config) -> int:
             for model, optimizer, device in zip(
                 (split_model, reference), optimizers, (last_device, first_device), strict=True
             ):
-                loss = F.mse_loss(
-                    model(x.to(first_device)), y.to(device)
-                )  # the split model's output is on the last device
+                # the split model's output is on the last device
+                loss = F.mse_loss(model(x.to(first_device)), y.to(device))
                 optimizer.zero_grad()
                 loss.backward()  # through the .to() between devices, back to fc1
                 optimizer.step()

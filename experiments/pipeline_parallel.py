@@ -203,9 +203,8 @@ def run(cfg: Config) -> int:
         pipeline_model = build_mlp(
             cfg.n_features, cfg.hidden_features, 1, seed=cfg.seed, n_layers=cfg.n_layers
         ).to(device)
-        stage_module, my_layers = cut_stage(
-            pipeline_model, rank, n_stages
-        )  # same init as full_model: same seed
+        # same init as full_model: same seed
+        stage_module, my_layers = cut_stage(pipeline_model, rank, n_stages)
         run.print(
             f"{n_stages} stages of {cfg.n_layers} layers; "
             f"rank 0 holds {my_layers}; {cfg.schedule}, m = {cfg.n_microbatches}"
@@ -218,9 +217,8 @@ def run(cfg: Config) -> int:
             )
 
         dataset, _ = make_regression_dataset(cfg.n_samples, cfg.n_features, 0.1, cfg.seed)
-        x_all, y_all = (
-            t.to(device) for t in shard_tensors(dataset, 0, 1)
-        )  # every rank sees the same full batches
+        # every rank sees the same full batches
+        x_all, y_all = (t.to(device) for t in shard_tensors(dataset, 0, 1))
         batches = iterate_batches(x_all, y_all, cfg.batch_size, cfg.seed)
         schedule = make_schedule(cfg.n_microbatches)
         optimizers = [torch.optim.SGD(m.parameters(), lr=cfg.lr) for m in (stage_module, full_model)]
@@ -306,9 +304,8 @@ def measure_bubbles(cfg: Config, make_schedule, stage_module, batches, rank: int
             timer.blocks.clear()
             run_step(schedule, rank, n_stages, x, y)
             every_stage = [None] * n_stages
-            dist.all_gather_object(
-                every_stage, timer.blocks
-            )  # perf_counter is one clock for all processes of a host
+            # perf_counter is one clock for all processes of a host
+            dist.all_gather_object(every_stage, timer.blocks)
             start = min(b[1] for blocks in every_stage for b in blocks)
             makespan = max(b[2] for blocks in every_stage for b in blocks) - start
             busy = [sum(b[2] - b[1] for b in blocks) for blocks in every_stage]

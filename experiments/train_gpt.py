@@ -418,9 +418,8 @@ def run(cfg: Config) -> int:
         # The idea: each rank trains on its own shard of the data; the strategy decides who holds what.
         tokens_per_micro_batch = cfg.per_rank_batch_size * cfg.block_size * world_size
         loop = TrainLoop(run, model, optimizer, global_micro_batch_size=tokens_per_micro_batch, unit="tokens")
-        probe = Probe(
-            cfg, accelerator
-        )  # bytes held, per-step loss and grad norm, the state at --parity_steps
+        # bytes held, per-step loss and grad norm, the state at --parity_steps
+        probe = Probe(cfg, accelerator)
         for x, y in loop.micro_batches(batches):
             # Accelerate's accumulate(): DDP's no_sync and loss / k on all but the last micro-batch of a step
             with accelerator.accumulate(model):
