@@ -131,3 +131,14 @@ def _main_in_process(main, argv: list[str], capsys) -> tuple[int, str, str]:
         AcceleratorState._reset_state(True)
     captured = capsys.readouterr()
     return code, captured.out, captured.err
+
+
+def wandb_history(run_dir: str) -> list[dict]:
+    """The history records of an offline W&B run, read back without a server (`wandb leet inspect`):
+    one dict per logged step, e.g. {"_step": 20, "loss": ..., "bench_plot._type": ...}."""
+    import subprocess
+
+    inspected = subprocess.run([sys.executable, "-m", "wandb", "leet", "inspect", "--json", run_dir],
+                               capture_output=True, text=True, timeout=60, check=True)  # fmt: skip
+    records = (json.loads(line) for line in inspected.stdout.splitlines())
+    return [record["history"]["item"] for record in records if record.get("type") == "history"]

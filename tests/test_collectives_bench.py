@@ -3,14 +3,10 @@ to fail; the bus factors of common/collective_bench.py."""
 
 from __future__ import annotations
 
-import json
-import subprocess
-import sys
-
 import pytest
 
 from common.collective_bench import bus_factor
-from helpers import clean_env, launch
+from helpers import clean_env, launch, wandb_history
 
 QUIET = ["--report_to", "none"]
 
@@ -53,20 +49,9 @@ def test_bench_tiny_sizes_rows_plot_and_wandb_table(tmp_path):
     assert [r["table"] for r in finished.metrics] == ["bench"] * len(rows)
     assert "all_reduce" in finished.stdout and "busbw_GB/s" in finished.stdout
     run_dir = finished.summary["trackers"]["wandb"]["run_dir"]
-    inspected = subprocess.run(
-        [sys.executable, "-m", "wandb", "leet", "inspect", "--json", run_dir],
-        capture_output=True,
-        text=True,
-        timeout=60,
-        check=True,
-    ).stdout
-    logged_keys = set()
-    for line in inspected.splitlines():
-        record = json.loads(line)
-        if record.get("type") == "history":
-            logged_keys |= {
-                key.split(".")[0] for key in record["history"]["item"]
-            }  # "bench_plot._type" -> bench_plot
+    logged_keys = {
+        key.split(".")[0] for items in wandb_history(run_dir) for key in items
+    }  # "bench_plot._type"
     assert {"bench_table", "bench_plot"} <= logged_keys
 
 

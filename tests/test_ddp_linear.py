@@ -5,14 +5,12 @@ from __future__ import annotations
 
 import copy
 import json
-import subprocess
-import sys
 
 import pytest
 import torch
 
 from experiments.ddp_linear import main
-from helpers import clean_env, launch, run_in_process, run_main_in_process
+from helpers import clean_env, launch, run_in_process, run_main_in_process, wandb_history
 
 TINY = ["--max_steps", "120", "--log_every", "40", "--report_to", "none"]
 ALL_CHECKS = {"distributed", "recovers_truth", "matches_single_process", "loss_decreased"}
@@ -81,20 +79,7 @@ def test_wandb_offline_without_key_logs_what_metrics_jsonl_says(tmp_path):
     run_dir = summary["trackers"]["wandb"]["run_dir"]
     assert summary["trackers"]["wandb"]["mode"] == "offline" and "offline-run-" in run_dir
     assert f"wandb sync {run_dir}" in finished.stdout
-    inspected = subprocess.run(
-        [sys.executable, "-m", "wandb", "leet", "inspect", "--json", run_dir],
-        capture_output=True,
-        text=True,
-        timeout=60,
-        check=True,
-    )
-    logged = {}
-    for line in inspected.stdout.splitlines():
-        record = json.loads(line)
-        if record.get("type") == "history":
-            items = record["history"]["item"]  # {"_step": 20, "loss": ..., "samples_per_s": ...}
-            if "loss" in items:
-                logged[items["_step"]] = items["loss"]
+    logged = {items["_step"]: items["loss"] for items in wandb_history(run_dir) if "loss" in items}
     local = {r["step"]: r["loss"] for r in finished.metrics if "loss" in r}
     assert logged == pytest.approx(local) and sorted(local) == [20, 40, 60]
 
