@@ -53,8 +53,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import torch
 import torch.distributed as dist
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
-from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
-from torch.distributed.tensor import DTensor, init_device_mesh
+from torch.distributed.fsdp import FSDPModule
+from torch.distributed.tensor import DTensor
 
 from common.config import flag, parse_config, require, require_positive, run_cli
 from common.data import concatenate_rank_batches, iterate_batches
@@ -62,6 +62,7 @@ from common.gpt import GPT, GPTConfig, build_gpt, count_parameters
 from common.reliability import ResumableArgs
 from common.run import start_run
 from common.runtime import launched_world_size
+from common.sharding import shard_gpt, sync_gradients_this_micro_batch
 from common.text import load_corpus, shard_rows
 from common.training import TrainLoop
 
@@ -213,37 +214,16 @@ def make_optimizer(model: torch.nn.Module, cfg: Config) -> torch.optim.AdamW:
 
 
 def distribute(model: GPT, cfg: Config, accelerator) -> torch.nn.Module:
-    """The strategy. ddp: Accelerate's prepare. zero2/fsdp: fully_shard each block, then the root (which
-    holds the embeddings, final norm and head), on a 1-D mesh over every rank."""
-    model.to(accelerator.device)
-    if cfg.strategy == "none":
-        return model
-    if cfg.strategy == "ddp":
-        return accelerator.prepare(model)
-    mesh = init_device_mesh(accelerator.device.type, (accelerator.num_processes,))
-    bf16 = cfg.mixed_precision == "bf16"
-    policy = (
-        MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
-        if bf16
-        else MixedPrecisionPolicy()
+    """The strategy. none: one process. ddp: Accelerate's prepare. zero2/fsdp: FSDP2 (common/sharding.py)."""
+    if cfg.strategy in ("none", "ddp"):
+        return model.to(accelerator.device) if cfg.strategy == "none" else accelerator.prepare(model)
+    return shard_gpt(
+        model,
+        accelerator,
+        zero3=cfg.strategy == "fsdp",
+        bf16=cfg.mixed_precision == "bf16",
+        wrap_root=cfg.wrong_variant != "unwrapped_root",
     )
-    zero3 = cfg.strategy == "fsdp"
-    for (
-        block
-    ) in model.blocks:  # ZeRO-3 frees a block's gathered parameters after its forward; ZeRO-2 keeps them
-        fully_shard(block, mesh=mesh, reshard_after_forward=zero3, mp_policy=policy)
-    if cfg.wrong_variant != "unwrapped_root":
-        # None: FSDP2's default for the root, which keeps its parameters for the backward that starts at once
-        fully_shard(model, mesh=mesh, reshard_after_forward=None if zero3 else False, mp_policy=policy)
-    return model
-
-
-def sync_gradients_this_micro_batch(model: torch.nn.Module, sync: bool) -> None:
-    """FSDP2's no_sync: reduce-scatter gradients only on the last micro-batch of a step (DDP's no_sync
-    comes with Accelerate's accumulate())."""
-    for module in model.modules():
-        if isinstance(module, FSDPModule):
-            module.set_requires_gradient_sync(sync, recurse=False)
 
 
 def clip_by_global_norm(model: torch.nn.Module, max_norm: float, local_only: bool = False) -> float:
