@@ -25,13 +25,12 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from benchmarks.workers import benchmark_parser, median, run_worker, spawn, write_result
+from benchmarks.workers import benchmark_parser, median, run_worker, scratch_folder, spawn, write_result
 
 TIMINGS = ("harness", "bare", "bare_again")
 
 
 def worker(args):
-    import tempfile
 
     import torch
     import torch.distributed as dist
@@ -40,7 +39,7 @@ def worker(args):
     from common.config import RunArgs
     from common.runtime import make_accelerator
 
-    accelerator = make_accelerator(RunArgs(), tempfile.mkdtemp())
+    accelerator = make_accelerator(RunArgs(), scratch_folder(args))
     warmup = 3
     n, device = dist.get_world_size(), accelerator.device
     copy_gbps = memcpy_gbps(2**26, device)

@@ -13,6 +13,7 @@ import json
 import os
 import platform
 import sys
+import tempfile
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -92,18 +93,23 @@ def main() -> None:
         description=__doc__.split("\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter
     )
     parser.add_argument(
-        "--quick", action="store_true", help="seconds per benchmark; does not touch the README"
+        "--quick",
+        action="store_true",
+        help="seconds per benchmark; touches no tracked file (README, results.json)",
     )
     parser.add_argument(
         "--output",
-        default=os.path.join(REPO, "benchmarks", "results.json"),
-        help="where to write the figures",
+        default="",
+        help="where to write the figures (default: benchmarks/results.json; with --quick a temporary file)",
     )
     parser.add_argument(
         "--slow_loop", default="", help="for tests: slow this step_overhead loop down on purpose"
     )
     parser.add_argument("--slow_us", type=float, default=0.0, help="for tests: by this many µs per step")
     args = parser.parse_args()
+    if not args.output:  # a quick run's figures are not results: they never replace the tracked ones
+        quick_output = os.path.join(tempfile.gettempdir(), f"benchmarks-quick-{os.getpid()}.json")
+        args.output = quick_output if args.quick else os.path.join(REPO, "benchmarks", "results.json")
     results = {"quick": args.quick, "machine": machine()}
     for name, module in BENCHMARKS.items():
         extra = (
@@ -116,6 +122,7 @@ def main() -> None:
         json.dump(results, handle, indent=2)
     rendered = table(results)
     print(rendered)
+    print(f"figures written to {args.output}")
     if not args.quick:
         readme_path = os.path.join(REPO, "README.md")
         with open(readme_path) as handle:

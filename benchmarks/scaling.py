@@ -17,11 +17,10 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from benchmarks.workers import benchmark_parser, run_worker, spawn, write_result
+from benchmarks.workers import benchmark_parser, run_worker, scratch_folder, spawn, write_result
 
 
 def worker(args):
-    import tempfile
 
     import torch
     import torch.nn.functional as F
@@ -33,7 +32,10 @@ def worker(args):
 
     handlers = [DistributedDataParallelKwargs(bucket_cap_mb=args.bucket_mb)] if args.bucket_mb else []
     accelerator = make_accelerator(
-        RunArgs(), tempfile.mkdtemp(), gradient_accumulation_steps=args.accumulation, extra_handlers=handlers
+        RunArgs(),
+        scratch_folder(args),
+        gradient_accumulation_steps=args.accumulation,
+        extra_handlers=handlers,
     )
     model = build_mlp(64, args.width, 1, seed=0, n_layers=4)
     model, optimizer = accelerator.prepare(model, torch.optim.SGD(model.parameters(), lr=1e-4))

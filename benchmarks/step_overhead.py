@@ -27,12 +27,11 @@ import argparse
 import contextlib
 import os
 import sys
-import tempfile
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from benchmarks.workers import benchmark_parser, run_worker, spawn, write_result
+from benchmarks.workers import benchmark_parser, run_worker, scratch_folder, spawn, write_result
 
 LOOPS = (
     "bare",
@@ -91,7 +90,7 @@ def worker(args):
     from common.reliability import Heartbeat
     from common.runtime import make_accelerator
 
-    folder = tempfile.mkdtemp()
+    folder = scratch_folder(args)
     accelerator = make_accelerator(RunArgs(), folder)
     rank, world = accelerator.process_index, accelerator.num_processes
     dataset, _ = make_regression_dataset(1000, 10, 0.1, 0)

@@ -40,7 +40,8 @@ def spawn(script: str, nproc: int, args: list[str], timeout_s: float = 900) -> d
             result_path,
             *args,
         ]
-        env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": REPO}
+        # TMPDIR: torchrun's own torchelastic_* folder goes in here too, and is removed with it
+        env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": REPO, "TMPDIR": folder}
         from common.processes import run_process_tree
 
         # a timeout ends every rank, not only torchrun
@@ -73,6 +74,11 @@ def run_worker(worker, args) -> None:
     from common.run import shutdown
 
     shutdown(worker(args))
+
+
+def scratch_folder(args) -> str:
+    """A worker's scratch space: the folder of its --result file, which `spawn` deletes afterwards."""
+    return os.path.dirname(os.path.abspath(args.result)) if args.result else tempfile.mkdtemp()
 
 
 def write_result(path: str, payload: dict) -> None:

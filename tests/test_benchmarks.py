@@ -23,27 +23,22 @@ def test_run_all_quick_writes_every_figure_and_shows_a_slowed_loop_where_it_was_
     code: 4 ms of busy work added to the `accelerate` loop's step must appear as accumulate()'s share
     (accelerate minus accelerate_no_accumulate) and drop the ratio, while the parts measured between
     other loops stay far below it. Swapped or mislabelled loops fail this."""
-    output = tmp_path / "results.json"
-    done = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "benchmarks.run_all",
-            "--quick",
-            "--output",
-            str(output),
-            "--slow_loop",
-            "accelerate",
-            "--slow_us",
-            "4000",
-        ],  # fmt: skip
-        cwd=REPO,
-        capture_output=True,
-        text=True,
-        timeout=300,
-        env=clean_env(HOME=str(tmp_path)),
-    )
+    tracked = {path: path.read_bytes() for path in (REPO / "README.md", REPO / "benchmarks" / "results.json")}
+    command = [
+        sys.executable,
+        "-m",
+        "benchmarks.run_all",
+        "--quick",
+        "--slow_loop",
+        "accelerate",
+        "--slow_us",
+        "4000",
+    ]
+    env = clean_env(HOME=str(tmp_path), TMPDIR=str(tmp_path))
+    done = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=300, env=env)
     assert done.returncode == 0, done.stderr[-3000:]
+    assert {path: path.read_bytes() for path in tracked} == tracked  # --quick rewrites no tracked file
+    output = tmp_path / done.stdout.split("figures written to ")[1].split()[0].rsplit("/", 1)[1]
     results = json.loads(output.read_text())
     assert (
         results["quick"] is True
