@@ -120,9 +120,13 @@ class RunArgs:
         )
         require(0 <= self.seed <= MAX_SEED, f"--seed must be between 0 and {MAX_SEED}, got {self.seed}")
 
-    def trajectory(self) -> dict:
-        """The flags that determine what the run computes: everything but `result_neutral`."""
-        return {k: v for k, v in dataclasses.asdict(self).items() if k not in self.result_neutral}
+    def trajectory(self, world_size: int) -> dict:
+        """What determines what the run computes: every flag but `result_neutral`, and the world size
+        (it sets the global batch)."""
+        return {
+            **{k: v for k, v in dataclasses.asdict(self).items() if k not in self.result_neutral},
+            "world_size": world_size,
+        }
 
 
 @dataclass

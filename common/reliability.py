@@ -140,7 +140,7 @@ def refuse_incompatible(cfg: ResumableArgs, path: str, meta: dict, world_size: i
         raise UsageError(
             f"--resume_from_checkpoint: {path} records no trajectory (written by an older version); start afresh"
         )
-    now = {k: v for k, v in {**cfg.trajectory(), "world_size": world_size}.items() if k != "max_steps"}
+    now = {k: v for k, v in cfg.trajectory(world_size).items() if k != "max_steps"}
     difference = first_difference({k: v for k, v in saved.items() if k != "max_steps"}, now)
     if difference:
         raise UsageError(

@@ -157,9 +157,7 @@ class Run:
             **{k: v for k, v in finished.get("config", {}).items() if k not in self.cfg.result_neutral},
             "world_size": finished.get("world_size"),
         }
-        difference = first_difference(
-            then, {**self.cfg.trajectory(), "world_size": world_size}, where="in that run"
-        )
+        difference = first_difference(then, self.cfg.trajectory(world_size), where="in that run")
         if difference:
             raise UsageError(
                 f"--output_dir {self.output_dir} already holds a finished run with other settings ({difference}); "

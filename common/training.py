@@ -108,7 +108,7 @@ class TrainLoop:
             self.state_digests[self.step] = self.digest()
             if self.step < self.cfg.max_steps:
                 meta = {
-                    "trajectory": {**self.cfg.trajectory(), "world_size": self.accelerator.num_processes},
+                    "trajectory": self.cfg.trajectory(self.accelerator.num_processes),
                     "state_digest": self.state_digests[self.step],
                 }
                 save_checkpoint(

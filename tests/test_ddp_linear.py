@@ -158,8 +158,16 @@ def test_bad_input_one_line_exit_2(tmp_path, args, message, capsys):
     assert not (tmp_path / "run" / "summary.json").exists()
 
 
-def test_a_target_listed_as_a_feature_is_refused(tmp_path, capsys):
-    (tmp_path / "t.csv").write_text("a,y\n1,2\n3,4\n")
+@pytest.mark.parametrize(
+    ("csv_text", "args", "message"),
+    [
+        ("a,b\n1,2\n3,4\n", [], "has no target column 'y'; its columns: a, b"),
+        ("a,y\n1,2\n3,4\n", ["--feature_columns", "a,y"], "--feature_columns lists the target column 'y'"),
+    ],
+    ids=["no-target-column", "target-listed-as-a-feature"],
+)
+def test_a_data_file_that_cannot_train_is_refused(tmp_path, capsys, csv_text, args, message):
+    (tmp_path / "t.csv").write_text(csv_text)
     argv = [
         "--report_to",
         "none",
@@ -167,11 +175,10 @@ def test_a_target_listed_as_a_feature_is_refused(tmp_path, capsys):
         str(tmp_path / "run"),
         "--data_file",
         str(tmp_path / "t.csv"),
-        "--feature_columns",
-        "a,y",
+        *args,
     ]
     code, stderr = run_main_in_process(main, argv, capsys)
-    assert code == 2 and "--feature_columns lists the target column 'y'" in stderr
+    assert code == 2 and message in stderr
 
 
 @pytest.mark.launch

@@ -109,25 +109,6 @@ def test_half_written_checkpoints_are_never_latest(tmp_path):
         find_checkpoint(ResumableArgs(resume_from_checkpoint=str(root / "step_00000300")), str(tmp_path))
 
 
-def test_data_file_without_the_target_column(tmp_path, capsys):
-    from experiments.ddp_linear import main
-
-    (tmp_path / "t.csv").write_text("a,b\n1,2\n3,4\n")
-    code, stderr = run_main_in_process(
-        main,
-        [
-            "--report_to",
-            "none",
-            "--output_dir",
-            str(tmp_path / "run"),
-            "--data_file",
-            str(tmp_path / "t.csv"),
-        ],
-        capsys,
-    )
-    assert code == 2 and "has no target column 'y'; its columns: a, b" in stderr
-
-
 @pytest.mark.parametrize("config_text", [None, "distributed_type: [oops\n"], ids=["missing", "malformed"])
 @pytest.mark.launch
 def test_bad_accelerate_config_is_refused_by_the_launcher(tmp_path, config_text):
