@@ -1,5 +1,6 @@
-"""train_gpt: a small GPT on real text, by DDP or by sharded data parallelism (ZeRO-2 / ZeRO-3 with
-FSDP2). Does each train exactly what one process would, and hold what the theory says it holds?
+"""train_gpt: a small GPT on real text, by DDP, sharded data parallelism (ZeRO-2 / ZeRO-3 with FSDP2),
+tensor parallelism, or both (2-D). Does each train exactly what one process would, hold what the theory
+says it holds, and send what the theory says it sends?
 
 The model is common/gpt.py (nanoGPT-style, 4 layers of d_model 128 by default, ~1M parameters); the
 text is CPython's own reference prose (pydoc topics) or --text_files, tokenized by a BPE trained here
@@ -11,10 +12,16 @@ clipping by the GLOBAL norm, optional bf16. --strategy:
          state and parameters sharded at rest, each block's full parameters kept from forward to
          backward (ZeRO-2's memory: full parameters while computing, sharded gradients + optimizer);
   fsdp   FSDP2 `fully_shard` (ZeRO-3): each block's parameters all-gathered just before use and
-         freed right after, in forward and again in backward.
-Why PyTorch's fully_shard and not Accelerate's FSDP plugin: Accelerate 1.16 cannot do FSDP on CPU;
-it silently falls back to DDP (measured). fully_shard on a DeviceMesh of the accelerator's device
-type (gloo on CPU, NCCL on GPU) runs inside the process group Accelerate made: one code path.
+         freed right after, in forward and again in backward;
+  tp     tensor parallelism (Megatron-style, DTensor's parallelize_module, common/sharding.py): each
+         rank holds 1/N of every block's heads and MLP units and of the vocabulary; activations are
+         all-reduced twice per block in forward and twice in backward. Every rank sees the SAME data;
+  fsdp_tp  2-D: a (--dp_size x --tp_size) mesh, TP inside each group of tp_size ranks, FSDP2 (ZeRO-3)
+         across the groups; each group sees its own share of the data.
+Why PyTorch's APIs and not Accelerate's plugins: Accelerate 1.16 cannot do FSDP on CPU (it silently
+falls back to DDP, measured) and its TP needs a transformers model. fully_shard and parallelize_module
+on a DeviceMesh of the accelerator's device type (gloo on CPU, NCCL on GPU) run inside the process
+group Accelerate made: one code path.
 
 Checks (each with a wrong variant, --wrong_variant, that fails it):
 - matches_single_process  over the first --parity_steps steps (bf16: --parity_steps_bf16), the loss at every step and every
@@ -28,6 +35,11 @@ Checks (each with a wrong variant, --wrong_variant, that fails it):
 - memory_per_rank         bytes of parameters, gradients and optimizer state each rank holds at rest,
                           and of parameters between forward and backward, equal the theory within
                           --memory_rtol; unwrapped_root (fully_shard on the blocks only) fails it;
+- communication_volume    bytes all-reduced / all-gathered / reduce-scattered in the first step's forward
+                          and backward, counted as they pass the dispatcher (common/comm_counter.py),
+                          equal the closed form of the strategy (expected_communication);
+                          row_parallel_without_all_reduce (tp) fails it and parity; seed_per_rank
+                          (every rank builds its own weights) fails parity under tp and fsdp_tp;
 - loss_decreased          validation loss falls by at least --min_loss_drop.
 At the end the main process prints a short sample of generated text (also in summary.json).
 
@@ -37,15 +49,24 @@ Run it (2 CPU ranks; the same commands on GPUs with accelerate_configs/multi_gpu
     accelerate launch --config_file accelerate_configs/cpu_ddp.yaml experiments/train_gpt.py --strategy zero2
     accelerate launch --config_file accelerate_configs/cpu_ddp.yaml experiments/train_gpt.py --strategy fsdp
     torchrun --nproc_per_node 3 experiments/train_gpt.py --strategy fsdp --d_model 96   # 3 uneven shards
+    accelerate launch --config_file accelerate_configs/cpu_ddp.yaml experiments/train_gpt.py --strategy tp
+    accelerate launch --config_file accelerate_configs/cpu_ddp.yaml --num_processes 4 experiments/train_gpt.py \
+        --strategy fsdp_tp --dp_size 2 --tp_size 2      # 4 ranks on 2 cores: slow, but every check runs
+Every strategy side by side (table + PNG): python -m benchmarks.compare_strategies
 """
 
 from __future__ import annotations
 
+import contextlib
 import copy
+import logging
 import math
 import os
 import resource
+import statistics
 import sys
+import time
+import warnings
 from dataclasses import dataclass
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -54,21 +75,33 @@ import torch
 import torch.distributed as dist
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 from torch.distributed.fsdp import FSDPModule
-from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import DTensor, init_device_mesh
 
+from common.comm_counter import WIRE_FACTOR, CollectiveCounter
 from common.config import flag, parse_config, require, require_positive, run_cli
 from common.data import concatenate_rank_batches, iterate_batches
 from common.gpt import GPT, GPTConfig, build_gpt, count_parameters
 from common.reliability import ResumableArgs
 from common.run import start_run
 from common.runtime import launched_world_size
-from common.sharding import shard_gpt, sync_gradients_this_micro_batch
+from common.sharding import shard_gpt, sync_gradients_this_micro_batch, tensor_parallelize_gpt, tp_split_dim
 from common.text import load_corpus, shard_rows
 from common.training import TrainLoop
 
 EXPERIMENT = "train_gpt"
-STRATEGIES = ("none", "ddp", "zero2", "fsdp")
-WRONG_VARIANTS = ("", "same_data_on_every_rank", "local_grad_norm", "unwrapped_root")
+STRATEGIES = ("none", "ddp", "zero2", "fsdp", "tp", "fsdp_tp")
+SHARDED = ("zero2", "fsdp", "fsdp_tp")  # FSDP2 shards the parameters across the data-parallel ranks
+TENSOR_PARALLEL = ("tp", "fsdp_tp")
+# Each deliberate mistake, and the strategies where it is a mistake (under tp every rank SHOULD see
+# the same data; under ddp, prepare() broadcasts rank 0's weights, so seeding per rank is harmless).
+WRONG_VARIANTS = {
+    "": STRATEGIES,
+    "same_data_on_every_rank": ("ddp", "zero2", "fsdp", "fsdp_tp"),
+    "local_grad_norm": ("ddp", "zero2", "fsdp", "tp", "fsdp_tp"),
+    "unwrapped_root": SHARDED,
+    "row_parallel_without_all_reduce": TENSOR_PARALLEL,
+    "seed_per_rank": ("zero2", "fsdp", "tp", "fsdp_tp"),
+}
 
 
 @dataclass
@@ -81,8 +114,10 @@ class Config(ResumableArgs):
                       "sample_tokens")  # fmt: skip
 
     strategy: str = flag(
-        "none", "none (one process), ddp, zero2 or fsdp (see the docstring)", choices=STRATEGIES
+        "none", "none (one process), ddp, zero2, fsdp, tp or fsdp_tp (see the docstring)", choices=STRATEGIES
     )
+    dp_size: int = flag(0, "fsdp_tp: data-parallel groups (0: world size / --tp_size)")
+    tp_size: int = flag(0, "tp, fsdp_tp: ranks per tensor-parallel group (0: tp every rank, fsdp_tp 2)")
     text_files: str = flag(
         "", "comma-separated text files to train on (default: CPython's pydoc topics, ~465k characters)"
     )
@@ -128,8 +163,8 @@ class Config(ResumableArgs):
     sample_tokens: int = flag(40, "tokens of text generated at the end (0: none)")
     wrong_variant: str = flag(
         "",
-        "a deliberate mistake that a check must catch: " + ", ".join(WRONG_VARIANTS[1:]),
-        choices=WRONG_VARIANTS,
+        "a deliberate mistake that a check must catch: " + ", ".join(list(WRONG_VARIANTS)[1:]),
+        choices=tuple(WRONG_VARIANTS),
     )
 
     def validate(self) -> None:
@@ -166,22 +201,64 @@ class Config(ResumableArgs):
             f"--strategy {self.strategy} with {world_size} rank(s): 'none' is one process, the others need >= 2 ranks "
             "(accelerate_configs/cpu_ddp.yaml)",
         )
+        dp_size, tp_size = self.mesh_shape(world_size)
+        if self.strategy in TENSOR_PARALLEL:
+            require(
+                self.strategy == "fsdp_tp" or self.dp_size in (0, 1),
+                f"--strategy tp puts all {world_size} ranks in one tensor-parallel group, got --dp_size {self.dp_size}; "
+                "for data parallelism across groups use --strategy fsdp_tp",
+            )
+            require(
+                dp_size * tp_size == world_size,
+                f"--dp_size {dp_size} x --tp_size {tp_size} must equal the {world_size} ranks launched",
+            )
+            require(
+                self.strategy == "tp" or (dp_size >= 2 and tp_size >= 2),
+                f"--strategy fsdp_tp needs --dp_size >= 2 and --tp_size >= 2, got {dp_size} x {tp_size} "
+                "(e.g. 4 ranks: 2 x 2)",
+            )
+            require(
+                self.n_head % tp_size == 0,
+                f"--n_head {self.n_head} is not divisible by the tensor-parallel degree {tp_size}: "
+                "each rank must hold whole heads",
+            )
+            require(
+                self.mixed_precision == "no",
+                f"--mixed_precision {self.mixed_precision} with --strategy {self.strategy}: not built; use no",
+            )
+        else:
+            require(
+                not (self.dp_size or self.tp_size),
+                f"--dp_size / --tp_size are for --strategy tp and fsdp_tp, not {self.strategy}",
+            )
         require(
             not (
-                self.strategy in ("zero2", "fsdp") and (self.checkpoint_every or self.resume_from_checkpoint)
+                self.strategy not in ("none", "ddp")
+                and (self.checkpoint_every or self.resume_from_checkpoint)
             ),
             "--checkpoint_every / --resume_from_checkpoint: sharded checkpoints (torch.distributed.checkpoint) are not "
             "built yet; use --strategy ddp or none to checkpoint",
         )
         require(
-            not self.wrong_variant or self.strategy != "none",
-            "--wrong_variant needs a distributed --strategy",
+            self.strategy in WRONG_VARIANTS[self.wrong_variant],
+            f"--wrong_variant {self.wrong_variant} is a mistake only under --strategy "
+            f"{', '.join(WRONG_VARIANTS[self.wrong_variant])}, not {self.strategy}",
         )
         require(
             0 <= self.parity()["steps"] <= self.max_steps,
             f"--parity_steps{'_bf16' * (self.mixed_precision == 'bf16')} must be in [0, --max_steps], "
             f"got {self.parity()['steps']}",
         )
+
+    def mesh_shape(self, world_size: int) -> tuple[int, int]:
+        """(data-parallel size, tensor-parallel size). Data-parallel ranks see different data."""
+        if self.strategy not in TENSOR_PARALLEL:
+            return world_size, 1
+        if self.strategy == "tp":
+            tp_size = self.tp_size or world_size
+        else:  # fsdp_tp: 2 ranks per TP group unless told otherwise
+            tp_size = self.tp_size or (max(1, world_size // self.dp_size) if self.dp_size else 2)
+        return self.dp_size or max(1, world_size // tp_size), tp_size
 
     def parity(self) -> dict:
         """How many steps are compared with one process, and within what, for this run's precision."""
@@ -214,33 +291,61 @@ def make_optimizer(model: torch.nn.Module, cfg: Config) -> torch.optim.AdamW:
 
 
 def distribute(model: GPT, cfg: Config, accelerator) -> torch.nn.Module:
-    """The strategy. none: one process. ddp: Accelerate's prepare. zero2/fsdp: FSDP2 (common/sharding.py)."""
+    """The strategy. none: one process. ddp: Accelerate's prepare. zero2/fsdp: FSDP2. tp: DTensor's
+    tensor parallelism. fsdp_tp: TP on the mesh's "tp" dimension, then FSDP2 on its "dp" dimension
+    (common/sharding.py)."""
     if cfg.strategy in ("none", "ddp"):
         return model.to(accelerator.device) if cfg.strategy == "none" else accelerator.prepare(model)
+    dp_size, tp_size = cfg.mesh_shape(accelerator.num_processes)
+    mesh = init_device_mesh(accelerator.device.type, (dp_size, tp_size), mesh_dim_names=("dp", "tp"))
+    if cfg.strategy == "fsdp_tp":
+        # FSDP2 warns that the root returns a view (the logits, cut out of TP's padded all-gather): only an
+        # in-place change of that view would be wrong, and nothing here changes logits in place.
+        warnings.filterwarnings("ignore", message="FSDP2-wrapped module .* returned a view tensor")
+        # ...and DTensor logs that gathering a 2-D-sharded parameter (full_state) takes two all-gathers
+        logging.getLogger("torch.distributed.tensor._redistribute").setLevel(logging.ERROR)
+    if cfg.strategy in TENSOR_PARALLEL:
+        model = tensor_parallelize_gpt(
+            model.to(accelerator.device),
+            mesh["tp"],
+            row_all_reduce=cfg.wrong_variant != "row_parallel_without_all_reduce",
+        )
+    if cfg.strategy not in SHARDED:
+        return model
     return shard_gpt(
         model,
         accelerator,
-        zero3=cfg.strategy == "fsdp",
+        zero3=cfg.strategy != "zero2",
         bf16=cfg.mixed_precision == "bf16",
         wrap_root=cfg.wrong_variant != "unwrapped_root",
+        mesh=mesh["dp"],
     )
 
 
 def clip_by_global_norm(model: torch.nn.Module, max_norm: float, local_only: bool = False) -> float:
-    """Clip to the norm of the WHOLE gradient. Sharded gradients (DTensors) hold 1/N of it on each rank:
-    their squared sums are all-reduced before the square root. Replicated ones (DDP, or parameters
-    outside any shard) are the same on every rank and count once. `local_only` is the classic mistake."""
+    """Clip to the norm of the WHOLE gradient. A DTensor gradient's squared sum is summed over the mesh
+    dimensions it is split on (Shard) and counted once over those it is copied on (Replicate): under
+    fsdp_tp a LayerNorm's gradient is split across "dp" but the same on every "tp" rank. Gradients are
+    grouped by (mesh, which dimensions are split) so that each group costs one all-reduce per split
+    dimension, not one per tensor. Plain tensors (DDP, one process) are the same on every rank and count once.
+    `local_only` is the classic mistake: each rank clips by the norm of its own shard."""
     grads = [p.grad for p in model.parameters() if p.grad is not None]
-    sharded = torch.zeros((), dtype=torch.float32, device=grads[0].device)
-    replicated = torch.zeros((), dtype=torch.float32, device=grads[0].device)
+    device = (grads[0].to_local() if isinstance(grads[0], DTensor) else grads[0]).device
+    squared_sums: dict = {}  # (mesh, split dims) -> this rank's sum of squares
     for grad in grads:
-        if isinstance(grad, DTensor):
-            sharded += grad.to_local().float().pow(2).sum()
-        else:
-            replicated += grad.float().pow(2).sum()
-    if dist.is_initialized() and not local_only and any(isinstance(g, DTensor) for g in grads):
-        dist.all_reduce(sharded)
-    norm = (sharded + replicated).sqrt()
+        # not is_replicate(), not is_shard(): FSDP2 over TP splits with _StridedShard, for which is_shard() is False
+        split = tuple(not p.is_replicate() for p in grad.placements) if isinstance(grad, DTensor) else ()
+        key = (grad.device_mesh, split) if isinstance(grad, DTensor) else None
+        local = grad.to_local() if isinstance(grad, DTensor) else grad
+        squared_sums[key] = squared_sums.get(key, torch.zeros((), device=device)) + local.float().pow(2).sum()
+    total = torch.zeros((), device=device)
+    for key, squared_sum in squared_sums.items():
+        if key is not None and not local_only:
+            mesh, split = key
+            for dim in (dim for dim, is_split in enumerate(split) if is_split):
+                dist.all_reduce(squared_sum, group=mesh.get_group(dim))
+        total += squared_sum
+    norm = total.sqrt()
     if max_norm > 0:
         scale = torch.clamp(max_norm / (norm + 1e-6), max=1.0)  # torch.nn.utils.clip_grad_norm_'s formula
         for grad in grads:
@@ -267,38 +372,97 @@ def bytes_held(model: torch.nn.Module, optimizer=None) -> dict:
     return held
 
 
+def chunk_rows(rows: int, parts: int, index: int) -> int:
+    """How many of `rows` rows torch.chunk gives part `index` of `parts` (DTensor and FSDP2 split so)."""
+    chunks = torch.chunk(torch.empty(rows, device="meta"), parts)
+    return chunks[index].shape[0] if index < len(chunks) else 0
+
+
+def local_shape(name: str, shape, cfg: Config, rank: int, world_size: int, fsdp: bool) -> list[int]:
+    """The shape of the piece of parameter `name` that rank `rank` holds: first TP's split
+    (tensor_parallelize_gpt's plan; ranks tp-major within a group), then, if `fsdp`, FSDP2's split of
+    dim 0 across the data-parallel ranks (on top of TP's piece: torch.chunk of a chunk)."""
+    dp_size, tp_size = cfg.mesh_shape(world_size)
+    dp_rank, tp_rank = divmod(rank, tp_size)
+    shape = list(shape)
+    split = tp_split_dim(name) if cfg.strategy in TENSOR_PARALLEL else None
+    if split is not None:
+        shape[split] = chunk_rows(shape[split], tp_size, tp_rank)
+    if fsdp:
+        shape[0] = chunk_rows(shape[0], dp_size, dp_rank)
+    return shape
+
+
 def expected_bytes(reference: GPT, cfg: Config, rank: int, world_size: int) -> dict:
-    """The theory, per rank. Replicated (none, ddp): every byte everywhere. Sharded (FSDP2): each tensor
-    split on dim 0 as torch.chunk does, rank r holding chunk r (128 rows on 3 ranks: 43, 43, 42).
+    """The theory, per rank: each parameter's piece (local_shape) at rest; gradients the same.
     AdamW keeps exp_avg and exp_avg_sq shaped like the parameter, plus a 4-byte step count per tensor.
-    Between forward and backward: DDP and ZeRO-2 hold every parameter; ZeRO-3 holds the blocks' shards
-    and the root's parameters in full (FSDP2 does not reshard the root after forward: its backward
-    comes at once). Under bf16, FSDP2 gathers parameters as bf16 copies (2 bytes); DDP's autocast
-    keeps float32 parameters and casts per operation."""
+    Between forward and backward: DDP, TP and ZeRO-2 hold every parameter of their (TP) piece; ZeRO-3
+    (fsdp, fsdp_tp) holds the blocks' shards and the root's parameters gathered (FSDP2 does not reshard
+    the root after forward: its backward comes at once). Under bf16, FSDP2 gathers parameters as bf16
+    copies (2 bytes); DDP's autocast keeps float32 parameters and casts per operation."""
     unique = {id(p): (name, p) for name, p in reference.named_parameters()}.values()
-    sharded = cfg.strategy in ("zero2", "fsdp")
-
-    def size(param: torch.Tensor, is_sharded: bool) -> int:
-        if not is_sharded:
-            return param.numel() * param.element_size()
-        rows = torch.chunk(torch.empty(param.shape[0], device="meta"), world_size)
-        return (rows[rank].shape[0] if rank < len(rows) else 0) * param[0].numel() * param.element_size()
-
-    params = sum(size(p, sharded) for _, p in unique)
-    gathered_bytes = 2 if sharded and cfg.mixed_precision == "bf16" else 4  # per element, once all-gathered
-    window = 0
+    sharded = cfg.strategy in SHARDED
+    gathered_bytes = 2 if sharded and cfg.mixed_precision == "bf16" else 4
+    params = window = 0
     for name, param in unique:
-        stays_sharded = cfg.strategy == "fsdp" and name.startswith("blocks.")
-        window += (
-            size(param, True)
-            if stays_sharded
-            else param.numel() * (gathered_bytes if sharded else param.element_size())
-        )
+        at_rest = math.prod(local_shape(name, param.shape, cfg, rank, world_size, fsdp=sharded))
+        gathered = math.prod(local_shape(name, param.shape, cfg, rank, world_size, fsdp=False))
+        params += at_rest * param.element_size()
+        stays_sharded = cfg.strategy in ("fsdp", "fsdp_tp") and name.startswith("blocks.")
+        window += at_rest * param.element_size() if stays_sharded else gathered * gathered_bytes
     return {
         "params": params,
         "grads": params,
         "optimizer": 2 * params + 4 * len(unique),
         "params_between_forward_and_backward": window,
+    }
+
+
+def expected_communication(reference: GPT, cfg: Config, world_size: int) -> dict:
+    """Bytes per rank in one optimizer step's forwards and backwards, by the group that sends them and
+    by collective, as common/comm_counter.py measures them (the full tensor's size).
+    k = --gradient_accumulation_steps:
+      ddp      all_reduce      every gradient once per step (no_sync on the first k-1 micro-batches);
+      zero2    all_gather      every parameter, per micro-batch, before forward (kept for backward);
+               reduce_scatter  every gradient once per step, in float32;
+      fsdp     all_gather      every parameter before forward + the blocks' again before backward
+                               (the root is not resharded in between), per micro-batch;
+               reduce_scatter  every gradient once per step;
+      tp       all_reduce      activations (batch x context x d_model), per micro-batch: the embedding's
+                               output, 2 per block in forward and 2 in backward, the head's input
+                               gradient: 4 x n_layer + 2 of them;
+               all_gather      the logits (batch x context x vocab), per micro-batch;
+      fsdp_tp  tp's, on each TP group's batch, plus fsdp's, on each TP rank's piece of the parameters.
+    FSDP2 gathers into one buffer padded so that dim 0 divides the data-parallel size (uneven shards);
+    DTensor pads the vocabulary to a multiple of the TP size to all-gather it."""
+    dp_size, tp_size = cfg.mesh_shape(world_size)
+    k = cfg.gradient_accumulation_steps
+    unique = {id(p): (name, p) for name, p in reference.named_parameters()}.values()
+    data_parallel = {"all_reduce": 0, "all_gather": 0, "reduce_scatter": 0}
+    tensor_parallel = {"all_reduce": 0, "all_gather": 0}
+    if cfg.strategy == "ddp":
+        data_parallel["all_reduce"] = sum(p.numel() * 4 for _, p in unique)
+    if cfg.strategy in SHARDED:
+        gathered_bytes = 2 if cfg.mixed_precision == "bf16" else 4
+        for name, param in unique:
+            shape = local_shape(name, param.shape, cfg, 0, world_size, fsdp=False)  # rank 0's TP piece
+            padded = math.ceil(shape[0] / dp_size) * dp_size * math.prod(shape[1:])
+            gathers = 2 if cfg.strategy != "zero2" and name.startswith("blocks.") else 1
+            data_parallel["all_gather"] += k * gathers * padded * gathered_bytes
+            data_parallel["reduce_scatter"] += padded * 4
+    if cfg.strategy in TENSOR_PARALLEL:
+        tokens = cfg.per_rank_batch_size * cfg.block_size
+        padded_vocab = math.ceil(reference.cfg.vocab_size / tp_size) * tp_size
+        tensor_parallel["all_reduce"] = k * (4 * cfg.n_layer + 2) * tokens * cfg.d_model * 4
+        tensor_parallel["all_gather"] = k * tokens * padded_vocab * 4
+    by_kind = {kind: data_parallel[kind] + tensor_parallel.get(kind, 0) for kind in data_parallel}
+    wire = sum(WIRE_FACTOR[kind](dp_size) * size for kind, size in data_parallel.items() if dp_size > 1)
+    wire += sum(WIRE_FACTOR[kind](tp_size) * size for kind, size in tensor_parallel.items() if tp_size > 1)
+    return {
+        "by_kind": by_kind,
+        "data_parallel": data_parallel,
+        "tensor_parallel": tensor_parallel,
+        "wire_bytes": wire,
     }
 
 
@@ -320,11 +484,18 @@ def evaluate(
 
 
 def full_state(model: torch.nn.Module, accelerator) -> dict:
-    """Every parameter in full on the main process (a collective: every rank calls it). Sharded
-    parameters are all-gathered; DDP's are already full."""
-    if not any(isinstance(module, FSDPModule) for module in model.modules()):
+    """Every parameter in full on the main process (a collective: every rank calls it). Sharded and
+    tensor-parallel parameters (DTensors) are all-gathered; DDP's are already full. Cloned: for a plain
+    CPU tensor (TP's replicated LayerNorms), get_model_state_dict returns the live parameter itself, which
+    the next steps would go on changing."""
+    # FSDPModule too: after a forward without backward, zero2's parameters are plain gathered tensors
+    distributed = any(isinstance(m, FSDPModule) for m in model.modules()) or any(
+        isinstance(p, DTensor) for p in model.parameters()
+    )
+    if not distributed:
         return {k: v.detach().cpu().clone() for k, v in accelerator.unwrap_model(model).state_dict().items()}
-    return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    return {k: v.clone() for k, v in state.items()}
 
 
 def train_reference(
@@ -369,22 +540,25 @@ def run(cfg: Config) -> int:
     ) as run:
         accelerator = run.accelerator
         rank, world_size = accelerator.process_index, accelerator.num_processes
+        dp_size, tp_size = cfg.mesh_shape(world_size)
+        dp_rank = rank // tp_size  # the ranks of one tensor-parallel group see the same data
         with accelerator.main_process_first():  # the tokenizer is trained once, then read from the cache
             corpus = load_corpus(cfg.text_files, cfg.vocab_size, cfg.block_size, cfg.val_fraction)
         gpt_cfg = GPTConfig(
             corpus["vocab_size"], cfg.block_size, cfg.n_layer, cfg.n_head, cfg.d_model, cfg.tie_weights
         )
-        train_shards = [shard_rows(corpus["train"], r, world_size) for r in range(world_size)]
-        data_rank = 0 if cfg.wrong_variant == "same_data_on_every_rank" else rank  # the forgotten sampler
+        train_shards = [shard_rows(corpus["train"], r, dp_size) for r in range(dp_size)]
+        data_rank = 0 if cfg.wrong_variant == "same_data_on_every_rank" else dp_rank  # the forgotten sampler
         batches = iterate_batches(
             *train_shards[data_rank],
             cfg.per_rank_batch_size,
             cfg.seed,
             start_batch=run.start_step * cfg.gradient_accumulation_steps,
         )
-        val_shard = shard_rows(corpus["val"], rank, world_size)
+        val_shard = shard_rows(corpus["val"], dp_rank, dp_size)
 
-        model = build_gpt(gpt_cfg, cfg.seed)  # the same initial weights on every rank and in the reference
+        # The same initial weights on every rank and in the reference (unless seed_per_rank: the mistake)
+        model = build_gpt(gpt_cfg, cfg.seed + rank * (cfg.wrong_variant == "seed_per_rank"))
         initial_state = copy.deepcopy(model.state_dict())
         n_parameters = count_parameters(model)
         model = distribute(model, cfg, accelerator)
@@ -392,28 +566,37 @@ def run(cfg: Config) -> int:
         val_loss_before = evaluate(model, val_shard, cfg.per_rank_batch_size, accelerator)
         run.print(
             f"{n_parameters:,} parameters, {corpus['tokens']:,} tokens of {corpus['name']}, {cfg.strategy} "
-            f"on {world_size} rank(s), validation loss {val_loss_before:.3f}"
+            f"on {world_size} rank(s) ({dp_size} data-parallel x {tp_size} tensor-parallel), "
+            f"validation loss {val_loss_before:.3f}"
         )
 
-        # The idea: each rank trains on its own shard of the data; the strategy decides who holds what.
-        tokens_per_micro_batch = cfg.per_rank_batch_size * cfg.block_size * world_size
+        # The idea: each data-parallel rank trains on its own shard of the data; the strategy decides who
+        # holds what. 4 blocks x 64 tokens per rank x 2 data-parallel ranks = 512 tokens per micro-batch.
+        tokens_per_micro_batch = cfg.per_rank_batch_size * cfg.block_size * dp_size
         loop = TrainLoop(run, model, optimizer, global_micro_batch_size=tokens_per_micro_batch, unit="tokens")
-        # bytes held, per-step loss and grad norm, the state at --parity_steps
-        probe = Probe(cfg, accelerator)
+        # bytes held, per-step loss and grad norm, the state at --parity_steps, time per phase, and the
+        # collectives of one step
+        # (the third step, in steady state: the first follows the evaluation, whose forward without backward
+        # leaves FSDP2's root gathered; in the second DDP rebuilds its buckets, broadcasting rank 0's order)
+        probe = Probe(cfg, accelerator, count_step=min(run.start_step + 3, cfg.max_steps))
         for x, y in loop.micro_batches(batches):
+            step = loop.step + 1
             # Accelerate's accumulate(): DDP's no_sync and loss / k on all but the last micro-batch of a step
             with accelerator.accumulate(model):
                 sync_gradients_this_micro_batch(model, accelerator.sync_gradients)  # FSDP2's no_sync
-                _, loss = model(x, y)
+                with probe.watch("forward", step):
+                    _, loss = model(x, y)
                 probe.after_forward(model)
-                accelerator.backward(loss)
-                if accelerator.sync_gradients:
-                    probe.grad_norms.append(
-                        clip_by_global_norm(model, cfg.grad_clip, cfg.wrong_variant == "local_grad_norm")
-                    )
-                    set_lr(optimizer, lr_at(loop.step + 1, cfg))
-                optimizer.step()
-                probe.after_step(model, optimizer, loss, loop.step + 1)
+                with probe.watch("backward", step):
+                    accelerator.backward(loss)
+                with probe.watch("optimizer", step):
+                    if accelerator.sync_gradients:
+                        probe.grad_norms.append(
+                            clip_by_global_norm(model, cfg.grad_clip, cfg.wrong_variant == "local_grad_norm")
+                        )
+                        set_lr(optimizer, lr_at(step, cfg))
+                    optimizer.step()
+                probe.after_step(model, optimizer, loss, step)
                 optimizer.zero_grad()
             loop.record(loss, **probe.latest(optimizer))
 
@@ -436,6 +619,9 @@ def run(cfg: Config) -> int:
             step_losses=step_losses,
             grad_norms=probe.grad_norms,
             bytes_per_rank=every_rank,
+            step_time_ms=probe.median_step_time_ms(),
+            dp_size=dp_size,
+            tp_size=tp_size,
             parameters=n_parameters,
             corpus=corpus_facts,
         )
@@ -446,6 +632,7 @@ def run(cfg: Config) -> int:
         )
         if run.is_main:
             check_memory(run, cfg, build_gpt(gpt_cfg, cfg.seed), every_rank)
+            check_communication(run, cfg, build_gpt(gpt_cfg, cfg.seed), probe.collectives)
             if cfg.strategy != "none" and probe.at_parity_step is not None and run.start_step == 0:
                 compare_with_one_process(
                     run,
@@ -466,13 +653,38 @@ def run(cfg: Config) -> int:
 class Probe:
     """What the checks need from inside the loop, one call per place: the bytes this rank holds between
     forward and backward and at rest (first step), each step's loss and gradient norm, and the full
-    state right after step --parity_steps (a collective for sharded models: every rank takes it)."""
+    state right after step --parity_steps (a collective for sharded models: every rank takes it), the
+    seconds spent in forward / backward / optimizer per step, and the collectives (common/comm_counter.py)
+    of step `count_step`'s forwards and backwards."""
 
-    def __init__(self, cfg: Config, accelerator):
-        self.cfg, self.accelerator = cfg, accelerator
+    def __init__(self, cfg: Config, accelerator, count_step: int):
+        self.cfg, self.accelerator, self.count_step = cfg, accelerator, count_step
         self.held: dict = {}
         self.step_losses, self.grad_norms, self.at_parity_step = [], [], None
         self.step_loss = torch.zeros((), device=accelerator.device)
+        self.collectives = {"calls": {}, "bytes": {}}
+        self.phase_s: dict[str, float] = {}  # this step's seconds per phase, over its micro-batches
+        self.step_times: list[dict] = []
+
+    @contextlib.contextmanager
+    def watch(self, phase: str, step: int):
+        """Time a phase; in forward and backward of step count_step, also count its collectives."""
+        counter = CollectiveCounter() if step == self.count_step and phase != "optimizer" else None
+        started = time.perf_counter()
+        with counter or contextlib.nullcontext():
+            yield
+        self.phase_s[phase] = self.phase_s.get(phase, 0.0) + time.perf_counter() - started
+        if counter:
+            for kind in counter.calls:
+                self.collectives["calls"][kind] = self.collectives["calls"].get(kind, 0) + counter.calls[kind]
+                self.collectives["bytes"][kind] = self.collectives["bytes"].get(kind, 0) + counter.bytes[kind]
+
+    def median_step_time_ms(self) -> dict:
+        """Median milliseconds per optimizer step in each phase, the first step (warm-up) left out."""
+        steps = self.step_times[1:] or self.step_times
+        return {
+            phase: 1000 * statistics.median(t[phase] for t in steps) for phase in (steps[0] if steps else {})
+        }
 
     def latest(self, optimizer) -> dict:
         """The learning rate and gradient norm of the last optimizer step, for the logged interval."""
@@ -494,6 +706,8 @@ class Probe:
             self.held.update(bytes_held(model, optimizer))
         self.step_losses.append(self.step_loss.clone())
         self.step_loss.zero_()
+        self.step_times.append(self.phase_s)
+        self.phase_s = {}
         if step == self.cfg.parity()["steps"]:
             self.at_parity_step = full_state(model, self.accelerator)
 
@@ -520,6 +734,31 @@ def check_memory(run, cfg: Config, reference: GPT, every_rank: list[dict]) -> No
         worst <= cfg.memory_rtol,
         f"held/theory bytes: {'; '.join(lines)}; worst relative "
         f"difference {worst:.4f}, tolerance {cfg.memory_rtol}",
+    )
+
+
+def check_communication(run, cfg: Config, reference: GPT, counted: dict) -> None:
+    """The main process's counted collectives of one step against expected_communication, to the byte
+    (the main process stands for every rank: each sends the same amount, in every strategy here)."""
+    if cfg.strategy == "none":
+        return
+    world_size = run.accelerator.num_processes
+    theory = expected_communication(reference, cfg, world_size)
+    expected = theory["by_kind"]
+    kinds = [
+        kind for kind in {**expected, **counted["bytes"]} if expected.get(kind) or counted["bytes"].get(kind)
+    ]
+    run.metrics["communication"] = {"counted": counted, "theory": theory}
+    run.check(
+        "communication_volume",
+        all(counted["bytes"].get(kind, 0) == expected.get(kind, 0) for kind in kinds),
+        "bytes per step, counted/theory: "
+        + ", ".join(
+            f"{kind} {counted['bytes'].get(kind, 0):,}/{expected.get(kind, 0):,} "
+            f"({counted['calls'].get(kind, 0)} calls)"
+            for kind in kinds
+        )
+        + f"; {theory['wire_bytes']:,.0f} bytes on the wire per rank",
     )
 
 

@@ -16,6 +16,19 @@ sys.path.insert(0, str(REPO))
 from common.processes import TIMED_OUT, run_process_tree  # noqa: E402  (after the repo is on sys.path)
 
 CPU_DDP = str(REPO / "accelerate_configs" / "cpu_ddp.yaml")
+# train_gpt on a ~20k-parameter GPT, 12 steps: seconds per run. Parity over the first 6 steps.
+GPT_TINY = (
+    "--report_to none --max_steps 12 --parity_steps 6 --log_every 6 --d_model 32 --n_layer 2 --n_head 2 "
+    "--block_size 32 --vocab_size 512 --warmup_steps 2 --sample_tokens 5 --min_loss_drop 0.1"
+).split()
+GPT_DISTRIBUTED_CHECKS = {
+    "distributed",
+    "loss_decreased",
+    "memory_per_rank",
+    "matches_single_process",
+    "grad_norm_is_global",
+    "communication_volume",
+}
 LAUNCH_TIMEOUT_S = 240  # a 2-rank tiny run takes ~10 s here; this only bounds a hang
 
 
@@ -92,6 +105,14 @@ def launch(
         f"{script} ran past its {timeout} s timeout (every process ended):\n{done.stderr[-3000:]}"
     )
     return Finished(done.returncode, done.stdout, done.stderr, output_dir)
+
+
+def assert_gpt_passed(finished: Finished, world_size: int) -> dict:
+    """train_gpt exited 0 with every check passed on `world_size` ranks; its summary."""
+    assert finished.returncode == 0, finished.stderr[-3000:]
+    summary = finished.summary
+    assert summary["passed"] and summary["world_size"] == world_size, summary["checks"]
+    return summary
 
 
 def run_main_in_process(main, argv: list[str], capsys) -> tuple[int, str]:

@@ -1,36 +1,23 @@
-"""train_gpt for real: every strategy on 2 CPU ranks (fsdp also on 3, whose shards are uneven) passes
-its checks, and each check is shown failing on the wrong variant it exists for."""
+"""train_gpt for real: every strategy on 2 CPU ranks (fsdp also on 3, whose shards are uneven; fsdp_tp
+on 4) passes its checks, and each check is shown failing on the wrong variant it exists for."""
 
 from __future__ import annotations
 
 import pytest
 
 from experiments.train_gpt import main
-from helpers import launch, run_in_process, run_main_in_process
-
-# ~20k-parameter GPT, 12 steps: seconds per run. Parity over the first 6 steps.
-TINY = (
-    "--report_to none --max_steps 12 --parity_steps 6 --log_every 6 --d_model 32 --n_layer 2 --n_head 2 "
-    "--block_size 32 --vocab_size 512 --warmup_steps 2 --sample_tokens 5 --min_loss_drop 0.1"
-).split()
-DISTRIBUTED_CHECKS = {
-    "distributed",
-    "loss_decreased",
-    "memory_per_rank",
-    "matches_single_process",
-    "grad_norm_is_global",
-}
-
-
-def assert_passed(finished, world_size: int) -> dict:
-    assert finished.returncode == 0, finished.stderr[-3000:]
-    summary = finished.summary
-    assert summary["passed"] and summary["world_size"] == world_size, summary["checks"]
-    return summary
+from helpers import (
+    GPT_DISTRIBUTED_CHECKS,
+    GPT_TINY,
+    assert_gpt_passed,
+    launch,
+    run_in_process,
+    run_main_in_process,
+)
 
 
 def test_one_process_is_the_reference_and_learns(tmp_path, capsys):
-    summary = assert_passed(run_in_process(main, TINY, tmp_path / "run", capsys), 1)
+    summary = assert_gpt_passed(run_in_process(main, GPT_TINY, tmp_path / "run", capsys), 1)
     assert set(summary["checks"]) == {"distributed", "loss_decreased", "memory_per_rank"}
     metrics = summary["metrics"]
     assert metrics["corpus"]["name"] == "pydoc_data/topics.py" and len(metrics["corpus"]["sha256"]) == 64
@@ -47,8 +34,10 @@ def test_one_process_is_the_reference_and_learns(tmp_path, capsys):
 @pytest.mark.launch
 @pytest.mark.parametrize("strategy", ["ddp", "zero2", "fsdp"])
 def test_each_strategy_on_two_ranks_matches_one_process(tmp_path, strategy):
-    summary = assert_passed(launch("train_gpt.py", [*TINY, "--strategy", strategy], tmp_path / "run"), 2)
-    assert set(summary["checks"]) == DISTRIBUTED_CHECKS
+    summary = assert_gpt_passed(
+        launch("train_gpt.py", [*GPT_TINY, "--strategy", strategy], tmp_path / "run"), 2
+    )
+    assert set(summary["checks"]) == GPT_DISTRIBUTED_CHECKS
     metrics = summary["metrics"]
     assert metrics["loss_max_abs_diff"] < 1e-5 and metrics["param_max_abs_diff"] < 1e-4
     held = metrics["bytes_per_rank"]
@@ -59,14 +48,22 @@ def test_each_strategy_on_two_ranks_matches_one_process(tmp_path, strategy):
         assert all(h["params"] == h["grads"] == full // 2 for h in held)
         window = held[0]["params_between_forward_and_backward"]
         assert window == full if strategy == "zero2" else full // 2 < window < full  # ZeRO-3 frees the blocks
+    counted = metrics["communication"]["counted"]["bytes"]
+    if strategy == "ddp":  # every gradient all-reduced once
+        assert counted == {"all_reduce": full}
+    else:  # every parameter gathered once (zero2) or the blocks' twice (fsdp); every gradient reduce-scattered
+        assert counted["reduce_scatter"] == full
+        assert (
+            counted["all_gather"] == full if strategy == "zero2" else full < counted["all_gather"] < 2 * full
+        )
 
 
 @pytest.mark.launch
 def test_fsdp_on_three_ranks_with_uneven_shards(tmp_path):
-    summary = assert_passed(
+    summary = assert_gpt_passed(
         launch(
             "train_gpt.py",
-            [*TINY, "--strategy", "fsdp"],
+            [*GPT_TINY, "--strategy", "fsdp"],
             tmp_path / "run",
             launcher="torchrun",
             num_processes=3,
@@ -84,14 +81,18 @@ def test_fsdp_on_three_ranks_with_uneven_shards(tmp_path):
     [
         ("same_data_on_every_rank", {"matches_single_process", "grad_norm_is_global"}),
         ("local_grad_norm", {"matches_single_process", "grad_norm_is_global"}),
-        ("unwrapped_root", {"memory_per_rank", "matches_single_process", "grad_norm_is_global"}),
+        # the root's parameters, never sharded, are never all-gathered either
+        (
+            "unwrapped_root",
+            {"memory_per_rank", "communication_volume", "matches_single_process", "grad_norm_is_global"},
+        ),
     ],
 )
 def test_each_wrong_variant_is_caught(tmp_path, variant, failing):
     # clipping must bite for local_grad_norm to matter: a small --grad_clip
     finished = launch(
         "train_gpt.py",
-        [*TINY, "--strategy", "fsdp", "--wrong_variant", variant, "--grad_clip", "0.1"],
+        [*GPT_TINY, "--strategy", "fsdp", "--wrong_variant", variant, "--grad_clip", "0.1"],
         tmp_path / "run",
     )
     assert finished.returncode == 1, finished.stderr[-3000:]
@@ -100,7 +101,7 @@ def test_each_wrong_variant_is_caught(tmp_path, variant, failing):
 
 
 def test_a_model_that_does_not_learn_fails_loss_decreased(tmp_path, capsys):
-    finished = run_in_process(main, [*TINY, "--lr", "1e-7"], tmp_path / "run", capsys)
+    finished = run_in_process(main, [*GPT_TINY, "--lr", "1e-7"], tmp_path / "run", capsys)
     assert finished.returncode == 1 and not finished.summary["checks"]["loss_decreased"]["passed"]
 
 
@@ -111,12 +112,46 @@ def test_a_model_that_does_not_learn_fails_loss_decreased(tmp_path, capsys):
         (["--strategy", "fsdp"], "--strategy fsdp with 1 rank(s): 'none' is one process"),
         (["--text_files", "no/such.txt"], "--text_files: 'no/such.txt' is not a file"),
         (["--parity_steps", "50"], "--parity_steps must be in [0, --max_steps], got 50"),
-        (["--wrong_variant", "local_grad_norm"], "--wrong_variant needs a distributed --strategy"),
+        (["--wrong_variant", "local_grad_norm"], "--wrong_variant local_grad_norm is a mistake only under"),
+        (
+            [
+                "--strategy",
+                "ddp",
+                "--wrong_variant",
+                "row_parallel_without_all_reduce",
+                "--expected_world_size",
+                "2",
+            ],
+            "is a mistake only under --strategy tp, fsdp_tp, not ddp",
+        ),
+        (
+            ["--strategy", "tp", "--n_head", "2", "--expected_world_size", "4"],
+            "--n_head 2 is not divisible by the tensor-parallel degree 4",
+        ),
+        (
+            ["--strategy", "fsdp_tp", "--dp_size", "3", "--tp_size", "2", "--expected_world_size", "4"],
+            "--dp_size 3 x --tp_size 2 must equal the 4 ranks launched",
+        ),
+        (["--strategy", "fsdp_tp", "--expected_world_size", "2"], "--strategy fsdp_tp needs --dp_size >= 2"),
+        (
+            ["--strategy", "tp", "--dp_size", "2", "--expected_world_size", "4"],
+            "--strategy tp puts all 4 ranks",
+        ),
+        (
+            ["--strategy", "ddp", "--tp_size", "2", "--expected_world_size", "2"],
+            "--dp_size / --tp_size are for",
+        ),
+        (
+            ["--strategy", "tp", "--mixed_precision", "bf16", "--expected_world_size", "2"],
+            "--mixed_precision bf16 with --strategy tp: not built",
+        ),
         (["--vocab_size", "100"], "--vocab_size must be >= 260"),
     ],
 )
 def test_bad_input_is_one_line(tmp_path, args, message, capsys):
-    code, stderr = run_main_in_process(main, [*TINY, "--output_dir", str(tmp_path / "run"), *args], capsys)
+    code, stderr = run_main_in_process(
+        main, [*GPT_TINY, "--output_dir", str(tmp_path / "run"), *args], capsys
+    )
     assert code == 2 and message in stderr and stderr.strip().count("\n") == 0
 
 
@@ -124,7 +159,7 @@ def test_trains_on_your_own_text_files(tmp_path, capsys):
     text = tmp_path / "a.txt"
     text.write_text("The quick brown fox jumps over the lazy dog. " * 400)
     finished = run_in_process(
-        main, [*TINY, "--text_files", str(text), "--val_fraction", "0.2"], tmp_path / "run", capsys
+        main, [*GPT_TINY, "--text_files", str(text), "--val_fraction", "0.2"], tmp_path / "run", capsys
     )
     assert finished.returncode == 0, finished.stderr[-2000:]
     assert finished.summary["metrics"]["corpus"]["name"] == "text_files"

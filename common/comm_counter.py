@@ -1,0 +1,79 @@
+"""Count the bytes a piece of training sends through collectives, whoever issues them.
+
+DDP's reducer, FSDP2's all-gathers and reduce-scatters and DTensor's tensor-parallel all-reduces all
+go through PyTorch's dispatcher as `c10d.*` or `_c10d_functional.*` ops (also from the autograd
+engine during backward), so one TorchDispatchMode sees every one of them. PyTorch's own
+`CommDebugMode` counts them too, but records no sizes; this records the message size of each call
+in the nccl-tests convention, the size of the whole tensor being reduced or gathered:
+  all_reduce      the tensor (every rank holds all of it before and after);
+  all_gather      the gathered output (N shards);
+  reduce_scatter  the input (N shards, before reduction).
+Bytes each rank really puts on the wire are that times 2(N-1)/N for all_reduce and (N-1)/N for the
+other two (`WIRE_FACTOR`), N the size of the group the call ran on.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
+
+# op name (without namespace) -> kind; wait_tensor, _wrap_tensor_autograd and the like are not collectives
+KINDS = {
+    "allreduce_": "all_reduce",
+    "allreduce_coalesced_": "all_reduce",
+    "all_reduce": "all_reduce",
+    "all_reduce_coalesced": "all_reduce",
+    "_allgather_base_": "all_gather",
+    "allgather_": "all_gather",
+    "allgather_into_tensor_coalesced_": "all_gather",
+    "all_gather_into_tensor": "all_gather",
+    "all_gather_into_tensor_coalesced": "all_gather",
+    "_reduce_scatter_base_": "reduce_scatter",
+    "reduce_scatter_": "reduce_scatter",
+    "reduce_scatter_tensor_coalesced_": "reduce_scatter",
+    "reduce_scatter_tensor": "reduce_scatter",
+    "reduce_scatter_tensor_coalesced": "reduce_scatter",
+    "broadcast_": "broadcast",
+    "broadcast": "broadcast",
+}
+WIRE_FACTOR = {
+    "all_reduce": lambda n: 2 * (n - 1) / n,
+    "all_gather": lambda n: (n - 1) / n,
+    "reduce_scatter": lambda n: (n - 1) / n,
+    "broadcast": lambda n: 1.0,
+}
+
+
+def _nbytes(tree) -> int:
+    return sum(t.numel() * t.element_size() for t in tree_flatten(tree)[0] if isinstance(t, torch.Tensor))
+
+
+class CollectiveCounter(TorchDispatchMode):
+    """`with CollectiveCounter() as counter: ...` then `counter.calls` and `counter.bytes`, by kind."""
+
+    def __init__(self):
+        super().__init__()
+        self.calls: Counter = Counter()
+        self.bytes: Counter = Counter()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        result = func(*args, **(kwargs or {}))
+        namespace, _, name = str(func.overloadpacket).partition(".")
+        kind = KINDS.get(name) if "c10d" in namespace else None
+        if kind:
+            self.calls[kind] += 1
+            self.bytes[kind] += self._message_bytes(kind, namespace == "c10d", args, result)
+        return result
+
+    @staticmethod
+    def _message_bytes(kind: str, in_place: bool, args: tuple, result) -> int:
+        """The full tensor's bytes. In-place c10d ops take (output(s), input(s), group, ...); functional ops
+        take (input, ..., group) and return the output."""
+        if kind == "all_gather":
+            return _nbytes(args[0] if in_place else result)
+        if kind == "reduce_scatter":
+            return _nbytes(args[1] if in_place else args[0])
+        return _nbytes(args[0])  # all_reduce, broadcast: the tensor(s) themselves
