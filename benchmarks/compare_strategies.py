@@ -1,0 +1,216 @@
+"""Every training strategy side by side: the same GPT, data and seed trained by none, ddp, zero2, fsdp,
+tp and fsdp_tp (experiments/train_gpt.py, each launched by `accelerate launch`), one table + one PNG.
+
+    python -m benchmarks.compare_strategies                      # train_gpt's defaults, 300 steps each
+    python -m benchmarks.compare_strategies --max_steps 100 --strategies ddp,tp
+    python -m benchmarks.compare_strategies --quick              # a tiny model: checks the table is made
+
+Columns: ranks (data-parallel x tensor-parallel), the run's checks, loss / parameter difference from one
+process over the first --parity_steps steps, bytes rank 0 holds (parameters / gradients / AdamW state),
+bytes one step's forward and backward send (counted as they pass the dispatcher, against the closed form),
+training tokens/s, and the median step split into forward / backward / optimizer (clipping's all-reduce
+included). Each run's own folder holds its summary.json, metrics.jsonl and console log.
+Writes <output_dir>/<UTC time>/comparison.md, comparison.png and comparison.json; never overwrites.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import sys
+from pathlib import Path
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from benchmarks.workers import free_port
+from common.processes import TIMED_OUT, run_process_tree
+
+REPO = Path(__file__).resolve().parent.parent
+
+# strategy -> ranks launched; fsdp_tp is 2 data-parallel groups of 2 tensor-parallel ranks
+RANKS = {"none": 1, "ddp": 2, "zero2": 2, "fsdp": 2, "tp": 2, "fsdp_tp": 4}
+QUICK = (
+    "--max_steps 12 --parity_steps 6 --log_every 6 --d_model 32 --n_layer 2 --n_head 2 --block_size 32 "
+    "--vocab_size 512 --warmup_steps 2 --sample_tokens 5 --min_loss_drop 0.1"
+).split()
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(
+        description=__doc__.split("\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter
+    )
+    parser.add_argument(
+        "--strategies", default=",".join(RANKS), help="comma-separated, from " + ", ".join(RANKS)
+    )
+    parser.add_argument(
+        "--max_steps", type=int, default=0, help="optimizer steps per run (0: train_gpt's default)"
+    )
+    parser.add_argument(
+        "--quick", action="store_true", help="a ~20k-parameter GPT for 12 steps: seconds per run"
+    )
+    parser.add_argument(
+        "--output_dir", default="runs/compare_strategies", help="a new dated folder is made in it"
+    )
+    parser.add_argument(
+        "--timeout_s", type=float, default=1200, help="per run; the whole run is ended after it"
+    )
+    args = parser.parse_args(argv)
+    args.strategies = [s.strip() for s in args.strategies.split(",") if s.strip()]
+    unknown = [s for s in args.strategies if s not in RANKS]
+    if unknown or not args.strategies:
+        parser.error(f"--strategies: {unknown or 'empty'} not among {', '.join(RANKS)}")
+    if args.max_steps < 0:
+        parser.error(f"--max_steps must be >= 0, got {args.max_steps}")
+    return args
+
+
+def launch_command(strategy: str, run_dir: Path, args: argparse.Namespace) -> list[str]:
+    """`accelerate launch` with the 2-rank CPU config (its --num_processes overridden), or plain python
+    for the one-process reference: the commands the README gives."""
+    program = [str(REPO / "experiments" / "train_gpt.py")]
+    if RANKS[strategy] > 1:
+        config = str(REPO / "accelerate_configs" / "cpu_ddp.yaml")
+        launcher = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", config]
+        launcher += ["--num_processes", str(RANKS[strategy]), "--main_process_port", str(free_port())]
+    else:
+        launcher = [sys.executable]
+    flags = ["--strategy", strategy, "--output_dir", str(run_dir), "--report_to", "none"]
+    flags += QUICK if args.quick else []
+    flags += ["--max_steps", str(args.max_steps)] if args.max_steps else []
+    return launcher + program + flags
+
+
+def run_strategy(strategy: str, run_dir: Path, args: argparse.Namespace) -> dict:
+    """One run; its summary.json, or what went wrong. The console goes to <run_dir>.log."""
+    done = run_process_tree(launch_command(strategy, run_dir, args), args.timeout_s, cwd=REPO)
+    Path(f"{run_dir}.log").write_text(done.stdout + done.stderr)
+    summary_path = run_dir / "summary.json"
+    if done.returncode == TIMED_OUT or not summary_path.exists():
+        reason = "timed out" if done.returncode == TIMED_OUT else f"exit {done.returncode}, no summary"
+        return {"strategy": strategy, "error": f"{reason}: see {run_dir}.log"}
+    return json.loads(summary_path.read_text())
+
+
+def row(summary: dict) -> dict:
+    """The figures of one run that the table and the plot show."""
+    if "error" in summary:
+        return {"strategy": summary["strategy"], "error": summary["error"]}
+    metrics, config = summary["metrics"], summary["config"]
+    communication = metrics.get("communication", {})
+    failed = [name for name, check in summary["checks"].items() if not check["passed"]]
+    return {
+        "strategy": config["strategy"],
+        "ranks": f"{metrics['dp_size']} x {metrics['tp_size']}" if config["strategy"] != "none" else "1",
+        "checks": "all passed" if not failed else "FAILED: " + ", ".join(failed),
+        "loss_diff": metrics.get("loss_max_abs_diff"),
+        "param_diff": metrics.get("param_max_abs_diff"),
+        "bytes": {k: metrics["bytes_per_rank"][0][k] for k in ("params", "grads", "optimizer")},
+        "comm_counted": communication.get("counted", {}).get("bytes", {}),
+        "comm_theory": communication.get("theory", {}).get("by_kind", {}),
+        "wire_bytes": communication.get("theory", {}).get("wire_bytes", 0),
+        "tokens_per_s": metrics["tokens_per_s"],
+        "step_time_ms": metrics["step_time_ms"],
+    }
+
+
+def markdown(rows: list[dict], command: str) -> str:
+    def number(value, form="{:.1e}"):
+        return "–" if value is None else form.format(value)
+
+    lines = [
+        f"`{command}`",
+        "",
+        "| strategy | ranks (dp x tp) | checks | loss / param diff vs one process | bytes per rank: params / grads "
+        "/ AdamW | bytes per step, counted = theory (wire per rank) | tokens/s | step ms: fwd / bwd / opt |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        if "error" in r:
+            lines.append(f"| {r['strategy']} | | {r['error']} | | | | | |")
+            continue
+        b, t = r["bytes"], r["step_time_ms"]
+        kinds = sorted(set(r["comm_counted"]) | {k for k, v in r["comm_theory"].items() if v})
+        comm = "; ".join(
+            f"{kind} {r['comm_counted'].get(kind, 0):,}"
+            + (
+                ""
+                if r["comm_counted"].get(kind, 0) == r["comm_theory"].get(kind, 0)
+                else f" (theory {r['comm_theory'].get(kind, 0):,})"
+            )
+            for kind in kinds
+        )
+        comm = f"{comm} ({r['wire_bytes']:,.0f})" if comm else "none"
+        lines.append(
+            f"| {r['strategy']} | {r['ranks']} | {r['checks']} | {number(r['loss_diff'])} / {number(r['param_diff'])} "
+            f"| {b['params']:,} / {b['grads']:,} / {b['optimizer']:,} | {comm} | {r['tokens_per_s']:,.0f} "
+            f"| {t['forward']:.1f} / {t['backward']:.1f} / {t['optimizer']:.1f} |"
+        )
+    return "\n".join(lines) + "\n"
+
+
+def plot(rows: list[dict], path: Path) -> None:
+    """Four panels, one bar per strategy: bytes held, bytes sent, step time split, tokens/s."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = [r for r in rows if "error" not in r]
+    names = [f"{r['strategy']}\n{r['ranks']}" for r in rows]
+    figure, axes = plt.subplots(2, 2, figsize=(12, 8))
+
+    def stacked(axis, parts: list[str], values, title: str, unit: str) -> None:
+        bottom = [0.0] * len(rows)
+        for part in parts:
+            heights = [values(r).get(part, 0) for r in rows]
+            axis.bar(names, heights, bottom=bottom, label=part)
+            bottom = [b + h for b, h in zip(bottom, heights, strict=True)]
+        axis.set_title(title)
+        axis.set_ylabel(unit)
+        axis.legend(fontsize=8)
+
+    mib = 2**20
+    stacked(axes[0][0], ["params", "grads", "optimizer"], lambda r: {k: v / mib for k, v in r["bytes"].items()},
+            "held by rank 0 at rest", "MiB")  # fmt: skip
+    stacked(axes[0][1], ["all_reduce", "all_gather", "reduce_scatter"],
+            lambda r: {k: v / mib for k, v in r["comm_counted"].items()}, "sent per step (counted)", "MiB")  # fmt: skip
+    stacked(
+        axes[1][0], ["forward", "backward", "optimizer"], lambda r: r["step_time_ms"], "median step", "ms"
+    )
+    axes[1][1].bar(names, [r["tokens_per_s"] for r in rows])
+    axes[1][1].set_title("training throughput")
+    axes[1][1].set_ylabel("tokens/s")
+    figure.tight_layout()
+    figure.savefig(path, dpi=100)
+    plt.close(figure)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    folder = Path(args.output_dir).resolve() / datetime.datetime.now(datetime.UTC).strftime("%Y%m%d-%H%M%S")
+    try:
+        folder.mkdir(parents=True, exist_ok=False)
+    except OSError as error:
+        print(f"compare_strategies: cannot make --output_dir {folder}: {error.strerror}", file=sys.stderr)
+        return 2
+    summaries = []
+    for strategy in args.strategies:
+        print(f"{strategy} on {RANKS[strategy]} rank(s) ...", flush=True)
+        summaries.append(run_strategy(strategy, folder / strategy, args))
+    rows = [row(s) for s in summaries]
+    command = "python -m benchmarks.compare_strategies " + " ".join(
+        argv if argv is not None else sys.argv[1:]
+    )
+    table = markdown(rows, command.strip())
+    (folder / "comparison.md").write_text(table)
+    (folder / "comparison.json").write_text(json.dumps(rows, indent=2))
+    plot(rows, folder / "comparison.png")
+    print(table)
+    print(f"written: {folder}/comparison.md, comparison.png, comparison.json")
+    return 0 if all("error" not in r and r["checks"] == "all passed" for r in rows) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
