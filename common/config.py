@@ -57,10 +57,14 @@ class RunArgs:
       metrics); `tools/sweep.py` refuses any other metric before the first trial;
     - `result_neutral`: flags that do not change what the run computes (where output goes, logging,
       timeouts, fault injection). Every other flag is part of the run's trajectory: a resume whose
-      trajectory differs from its checkpoint's is refused, naming the field.
+      trajectory differs from its checkpoint's is refused, naming the field;
+    - `reshardable` and `layout_flags`: a Config whose checkpoints continue at any world size and under
+      any of its `layout_flags` (train_gpt's --strategy) leaves those and the world size out of it.
     """
 
     sweep_metrics: ClassVar[tuple[str, ...]] = ()
+    reshardable: ClassVar[bool] = False
+    layout_flags: ClassVar[tuple[str, ...]] = ()
     result_neutral: ClassVar[tuple[str, ...]] = (
         "output_dir",
         "report_to",
@@ -122,7 +126,11 @@ class RunArgs:
 
     def trajectory(self, world_size: int) -> dict:
         """What determines what the run computes: every flag but `result_neutral`, and the world size
-        (it sets the global batch)."""
+        (it sets the global batch). Where `reshardable`, a checkpoint continues under any world size and
+        `layout_flags` (train_gpt: DCP + a data position in samples); then neither is part of it."""
+        if self.reshardable:
+            skip = (*self.result_neutral, *self.layout_flags)
+            return {k: v for k, v in dataclasses.asdict(self).items() if k not in skip}
         return {
             **{k: v for k, v in dataclasses.asdict(self).items() if k not in self.result_neutral},
             "world_size": world_size,

@@ -157,3 +157,45 @@ def concatenate_rank_batches(
     per_rank = [iterate_batches(x, y, per_rank_batch_size, seed) for x, y in shards]
     for rank_batches in zip(*per_rank, strict=True):
         yield torch.cat([b[0] for b in rank_batches]), torch.cat([b[1] for b in rank_batches])
+
+
+def iterate_sample_stream(
+    x: torch.Tensor, y: torch.Tensor, global_batch_size: int, seed: int, start_sample: int = 0
+) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+    """Endless GLOBAL batches from one stream of samples: epoch e is a seeded permutation of all rows,
+    epochs follow each other, and batch i holds samples start_sample + i*B ... + B - 1 of that stream
+    (a batch may straddle two epochs). Each data-parallel rank then takes its rows of every batch
+    (`rank_rows`). A position is a number of samples, so a run resumed at another world size (another
+    global batch B) continues exactly where the checkpoint left the data, mid-epoch or not; the
+    one-process reference takes the whole batches."""
+    if len(x) < global_batch_size:
+        raise UsageError(
+            f"the data has {len(x)} rows, fewer than the global batch {global_batch_size}: "
+            "use fewer ranks, more data or a smaller batch"
+        )
+
+    def permutation(epoch: int) -> torch.Tensor:
+        return torch.randperm(len(x), generator=torch.Generator().manual_seed(seed * 100_003 + epoch))
+
+    def endless_batches():
+        position = start_sample
+        epoch, order = position // len(x), permutation(position // len(x))
+        while True:
+            rows = []
+            while len(rows) < global_batch_size:
+                if position // len(x) != epoch:
+                    epoch, order = position // len(x), permutation(position // len(x))
+                take = min(global_batch_size - len(rows), len(x) - position % len(x))
+                rows.extend(order[position % len(x) : position % len(x) + take].tolist())
+                position += take
+            index = torch.tensor(rows)
+            yield x.index_select(0, index), y.index_select(0, index)
+
+    return endless_batches()
+
+
+def rank_rows(batch: tuple[torch.Tensor, ...], rank: int, world_size: int) -> tuple[torch.Tensor, ...]:
+    """Rank `rank`'s equal, contiguous share of a global batch (the global batch is the ranks' shares
+    in rank order, so the mean of the ranks' mean losses is the global batch's mean loss)."""
+    per_rank = len(batch[0]) // world_size
+    return tuple(t[rank * per_rank : (rank + 1) * per_rank] for t in batch)

@@ -175,8 +175,9 @@ def state_digest(model, optimizer) -> str | None:
     return digest.hexdigest()
 
 
-def save_checkpoint(accelerator, output_dir: str, step: int, keep: int, meta: dict) -> str:
+def save_checkpoint(accelerator, output_dir: str, step: int, keep: int, meta: dict, write_state=None) -> str:
     """Every rank calls this (each saves its own RNG state); the main process publishes it atomically.
+    `write_state(folder)` writes the state (default: Accelerate's save_state; train_gpt: DCP).
     `meta` (trajectory, state digest) goes into step.json beside the step. A full disk ends the run
     with one line; the newest complete checkpoint is kept, the half-written one removed."""
     final = os.path.join(checkpoint_root(output_dir), f"{CHECKPOINT_PREFIX}{step:08d}")
@@ -186,7 +187,7 @@ def save_checkpoint(accelerator, output_dir: str, step: int, keep: int, meta: di
             shutil.rmtree(partial, ignore_errors=True)  # left by a run killed while saving
             os.makedirs(partial)
         accelerator.wait_for_everyone()
-        accelerator.save_state(partial)
+        (write_state or accelerator.save_state)(partial)
         accelerator.wait_for_everyone()  # every rank's files are in before the folder counts
         if accelerator.is_main_process:
             with open(os.path.join(partial, "step.json"), "w") as handle:

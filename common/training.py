@@ -27,15 +27,46 @@ from common.config import UsageError
 from common.reliability import Heartbeat, inject_fault, save_checkpoint, state_digest
 
 
+class AccelerateCheckpointer:
+    """Checkpoints through Accelerate's save_state / load_state (model, optimizer, every rank's RNG
+    states), for a model every rank holds whole (one process, DDP). Sharded models use
+    common/sharded_checkpoint.ShardedCheckpointer, which has the same three methods."""
+
+    def __init__(self, accelerator, model, optimizer):
+        self.accelerator, self.model, self.optimizer = accelerator, model, optimizer
+
+    def save(self, folder: str) -> None:
+        self.accelerator.save_state(folder)
+
+    def load(self, folder: str, same_layout: bool) -> None:
+        self.accelerator.load_state(folder)
+
+    def digest(self) -> str | None:
+        """sha256 of parameters + optimizer state (main process; DDP keeps every rank's state equal)."""
+        if not self.accelerator.is_main_process:
+            return None
+        return state_digest(self.accelerator.unwrap_model(self.model), self.optimizer)
+
+
 class TrainLoop:
-    def __init__(self, run, model, optimizer, global_micro_batch_size: int, unit: str = "samples"):
+    def __init__(
+        self, run, model, optimizer, global_micro_batch_size: int, unit: str = "samples", checkpointer=None
+    ):
         self.run, self.cfg, self.accelerator = run, run.cfg, run.accelerator
         self.model, self.optimizer = model, optimizer
         self.global_micro_batch_size, self.unit = global_micro_batch_size, unit
+        self.checkpointer = checkpointer or AccelerateCheckpointer(self.accelerator, model, optimizer)
         self.step = self.start_step = run.start_step
+        # where in the data the run is, in samples / tokens (not steps: a resume at another world size
+        # has another global batch)
+        per_step = global_micro_batch_size * getattr(self.cfg, "gradient_accumulation_steps", 1)
+        self.seen = run.checkpoint_meta.get(f"{unit}_seen", self.start_step * per_step)
         self.state_digests: dict[int, str] = {}
         if run.checkpoint:
-            self.accelerator.load_state(run.checkpoint)  # model, optimizer and every rank's RNG states
+            same_layout = run.checkpoint_meta.get("world_size", self.accelerator.num_processes) == (
+                self.accelerator.num_processes
+            )
+            self.checkpointer.load(run.checkpoint, same_layout)
             self._check_restored_state()
         run.heartbeat = self.heartbeat = Heartbeat(
             run.output_dir, self.accelerator.process_index, self.accelerator.num_processes
@@ -65,12 +96,8 @@ class TrainLoop:
             self.run.print(f"resumed from {self.run.checkpoint} at step {self.step}")
 
     def digest(self) -> str | None:
-        """sha256 of parameters + optimizer state (main process; DDP keeps every rank's state equal)."""
-        return (
-            state_digest(self.accelerator.unwrap_model(self.model), self.optimizer)
-            if self.run.is_main
-            else None
-        )
+        """sha256 of the whole training state, on the main process (a collective for sharded models)."""
+        return self.checkpointer.digest()
 
     def micro_batches(self, batches):
         """Micro-batches from `batches` until --max_steps optimizer steps are done."""
@@ -88,6 +115,7 @@ class TrainLoop:
         self.latest.update(latest)
         self.window_loss += loss.detach()
         self.window_micro_batches += 1
+        self.seen += self.global_micro_batch_size
         if not self.accelerator.sync_gradients:
             return
         self.step += 1
@@ -110,9 +138,17 @@ class TrainLoop:
                 meta = {
                     "trajectory": self.cfg.trajectory(self.accelerator.num_processes),
                     "state_digest": self.state_digests[self.step],
+                    "world_size": self.accelerator.num_processes,
+                    "layout": {name: getattr(self.cfg, name) for name in self.cfg.layout_flags},
+                    f"{self.unit}_seen": self.seen,
                 }
                 save_checkpoint(
-                    self.accelerator, self.run.output_dir, self.step, self.cfg.keep_checkpoints, meta
+                    self.accelerator,
+                    self.run.output_dir,
+                    self.step,
+                    self.cfg.keep_checkpoints,
+                    meta,
+                    self.checkpointer.save,
                 )
         inject_fault(self.cfg, self.step, self.accelerator.process_index)
 

@@ -79,11 +79,12 @@ from torch.distributed.tensor import DTensor, init_device_mesh
 
 from common.comm_counter import WIRE_FACTOR, CollectiveCounter
 from common.config import flag, parse_config, require, require_positive, run_cli
-from common.data import concatenate_rank_batches, iterate_batches
+from common.data import iterate_sample_stream, rank_rows
 from common.gpt import GPT, GPTConfig, build_gpt, count_parameters
 from common.reliability import ResumableArgs
 from common.run import start_run
 from common.runtime import launched_world_size
+from common.sharded_checkpoint import ShardedCheckpointer, load_full_optimizer_state
 from common.sharding import shard_gpt, sync_gradients_this_micro_batch, tensor_parallelize_gpt, tp_split_dim
 from common.text import load_corpus, shard_rows
 from common.training import TrainLoop
@@ -101,12 +102,20 @@ WRONG_VARIANTS = {
     "unwrapped_root": SHARDED,
     "row_parallel_without_all_reduce": TENSOR_PARALLEL,
     "seed_per_rank": ("zero2", "fsdp", "tp", "fsdp_tp"),
+    # resuming (needs --resume_from_checkpoint): the parameters loaded but not AdamW's state; the data
+    # stream restarted from its first sample instead of the checkpoint's position
+    "resume_without_optimizer_state": STRATEGIES,
+    "resume_without_data_position": STRATEGIES,
 }
 
 
 @dataclass
 class Config(ResumableArgs):
     sweep_metrics = ("loss", "tokens_per_s", "val_loss")
+    # Checkpoints are DCP (any strategy reads any other's) and the data position is in samples: a resume
+    # may change the strategy and the world size (common/config.py RunArgs).
+    reshardable = True
+    layout_flags = ("strategy", "dp_size", "tp_size")
     # How close a check wants its figures; they change no result, so a resume may change them.
     tolerances = ("loss_atol", "param_atol", "grad_norm_rtol", "loss_atol_bf16", "param_atol_bf16", "grad_norm_rtol_bf16",
                   "memory_rtol")  # fmt: skip
@@ -234,12 +243,8 @@ class Config(ResumableArgs):
                 f"--dp_size / --tp_size are for --strategy tp and fsdp_tp, not {self.strategy}",
             )
         require(
-            not (
-                self.strategy not in ("none", "ddp")
-                and (self.checkpoint_every or self.resume_from_checkpoint)
-            ),
-            "--checkpoint_every / --resume_from_checkpoint: sharded checkpoints (torch.distributed.checkpoint) are not "
-            "built yet; use --strategy ddp or none to checkpoint",
+            not self.wrong_variant.startswith("resume_") or self.resume_from_checkpoint,
+            f"--wrong_variant {self.wrong_variant} is a mistake made when resuming: add --resume_from_checkpoint",
         )
         require(
             self.strategy in WRONG_VARIANTS[self.wrong_variant],
@@ -251,6 +256,13 @@ class Config(ResumableArgs):
             f"--parity_steps{'_bf16' * (self.mixed_precision == 'bf16')} must be in [0, --max_steps], "
             f"got {self.parity()['steps']}",
         )
+
+    def trajectory(self, world_size: int) -> dict:
+        """As RunArgs', except that a mistake made only while resuming (resume_*) is not the checkpoint's."""
+        trajectory = super().trajectory(world_size)
+        if self.wrong_variant.startswith("resume_"):
+            trajectory["wrong_variant"] = ""
+        return trajectory
 
     def mesh_shape(self, world_size: int) -> tuple[int, int]:
         """(data-parallel size, tensor-parallel size). Data-parallel ranks see different data."""
@@ -501,16 +513,25 @@ def full_state(model: torch.nn.Module, accelerator) -> dict:
 
 
 def train_reference(
-    cfg: Config, gpt_cfg: GPTConfig, initial_state: dict, global_batches, accelerator
+    cfg: Config,
+    gpt_cfg: GPTConfig,
+    start_state: tuple,
+    start_step: int,
+    steps: int,
+    global_batches,
+    accelerator,
 ) -> dict:
-    """The same training in ONE process, for --parity_steps steps: each step one batch holding every
-    rank's micro-batches (the global batch), one mean loss over all its tokens, the same AdamW,
-    schedule and clipping."""
+    """The same training in ONE process, for `steps` steps after `start_step`: each step one batch holding
+    every rank's micro-batches (the global batch), one mean loss over all its tokens, the same AdamW,
+    schedule and clipping. `start_state`: (model state, optimizer state by parameter name or None)."""
+    model_state, optimizer_state = start_state
     model = GPT(gpt_cfg).to(accelerator.device)
-    model.load_state_dict(initial_state)
+    model.load_state_dict(model_state)
     optimizer = make_optimizer(model, cfg)
+    if optimizer_state:  # a resumed run: AdamW's moments and step counts as loaded
+        load_full_optimizer_state(optimizer, model, optimizer_state)
     losses, norms = [], []
-    for step in range(1, cfg.parity()["steps"] + 1):
+    for step in range(start_step + 1, start_step + steps + 1):
         micro_batches = [next(global_batches) for _ in range(cfg.gradient_accumulation_steps)]
         x, y = (torch.cat(parts).to(accelerator.device) for parts in zip(*micro_batches, strict=True))
         with torch.autocast(
@@ -549,14 +570,16 @@ def run(cfg: Config) -> int:
         gpt_cfg = GPTConfig(
             corpus["vocab_size"], cfg.block_size, cfg.n_layer, cfg.n_head, cfg.d_model, cfg.tie_weights
         )
-        train_shards = [shard_rows(corpus["train"], r, dp_size) for r in range(dp_size)]
+        # One stream of samples for the whole run; each data-parallel rank takes its rows of every global
+        # micro-batch. The position is in samples (checkpointed as tokens_seen): a resume at another world
+        # size, whose global batch differs, continues at the same place in the data.
+        start_sample = run.checkpoint_meta.get("tokens_seen", 0) // cfg.block_size
+        if cfg.wrong_variant == "resume_without_data_position":
+            start_sample = 0  # the mistake: the resumed run sees the first samples again
         data_rank = 0 if cfg.wrong_variant == "same_data_on_every_rank" else dp_rank  # the forgotten sampler
-        batches = iterate_batches(
-            *train_shards[data_rank],
-            cfg.per_rank_batch_size,
-            cfg.seed,
-            start_batch=run.start_step * cfg.gradient_accumulation_steps,
-        )
+        global_rows = cfg.per_rank_batch_size * dp_size
+        stream = iterate_sample_stream(*corpus["train"], global_rows, cfg.seed, start_sample)
+        batches = (rank_rows(batch, data_rank, dp_size) for batch in stream)
         val_shard = shard_rows(corpus["val"], dp_rank, dp_size)
 
         # The same initial weights on every rank and in the reference (unless seed_per_rank: the mistake)
@@ -575,12 +598,33 @@ def run(cfg: Config) -> int:
         # The idea: each data-parallel rank trains on its own shard of the data; the strategy decides who
         # holds what. 4 blocks x 64 tokens per rank x 2 data-parallel ranks = 512 tokens per micro-batch.
         tokens_per_micro_batch = cfg.per_rank_batch_size * cfg.block_size * dp_size
-        loop = TrainLoop(run, model, optimizer, global_micro_batch_size=tokens_per_micro_batch, unit="tokens")
+        # Checkpoints (--checkpoint_every) in torch.distributed.checkpoint's sharded format, readable by any
+        # strategy at any world size (common/sharded_checkpoint.py); resuming loads one here.
+        checkpointer = ShardedCheckpointer(
+            model, optimizer, restore_optimizer=cfg.wrong_variant != "resume_without_optimizer_state"
+        )
+        loop = TrainLoop(
+            run,
+            model,
+            optimizer,
+            global_micro_batch_size=tokens_per_micro_batch,
+            unit="tokens",
+            checkpointer=checkpointer,
+        )
+        # the one-process reference starts from the state just loaded (collective: every rank gathers)
+        resumed_state = checkpointer.full_state() if run.checkpoint and cfg.strategy != "none" else None
+        if run.checkpoint:
+            saved = run.checkpoint_meta
+            run.print(
+                f"continuing from {saved.get('layout', {}).get('strategy', '?')} on {saved.get('world_size', '?')} "
+                f"rank(s) at step {run.start_step}, sample {start_sample:,} of the stream, with {cfg.strategy} on "
+                f"{world_size} rank(s): {global_rows} blocks per global micro-batch"
+            )
         # bytes held, per-step loss and grad norm, the state at --parity_steps, time per phase, and the
         # collectives of one step
         # (the third step, in steady state: the first follows the evaluation, whose forward without backward
         # leaves FSDP2's root gathered; in the second DDP rebuilds its buckets, broadcasting rank 0's order)
-        probe = Probe(cfg, accelerator, count_step=min(run.start_step + 3, cfg.max_steps))
+        probe = Probe(cfg, accelerator, run.start_step, count_step=min(run.start_step + 3, cfg.max_steps))
         for x, y in loop.micro_batches(batches):
             step = loop.step + 1
             # Accelerate's accumulate(): DDP's no_sync and loss / k on all but the last micro-batch of a step
@@ -635,17 +679,12 @@ def run(cfg: Config) -> int:
         if run.is_main:
             check_memory(run, cfg, build_gpt(gpt_cfg, cfg.seed), every_rank)
             check_communication(run, cfg, build_gpt(gpt_cfg, cfg.seed), probe.collectives)
-            if cfg.strategy != "none" and probe.at_parity_step is not None and run.start_step == 0:
-                compare_with_one_process(
-                    run,
-                    cfg,
-                    gpt_cfg,
-                    initial_state,
-                    train_shards,
-                    probe.at_parity_step,
-                    step_losses,
-                    probe.grad_norms,
-                )
+            if cfg.strategy != "none" and probe.at_parity_step is not None:
+                # the reference replays the same global batches, from where the data stream really was
+                start = run.checkpoint_meta.get("tokens_seen", 0) // cfg.block_size
+                global_batches = iterate_sample_stream(*corpus["train"], global_rows, cfg.seed, start)
+                start_state = resumed_state or (initial_state, None)
+                compare_with_one_process(run, cfg, gpt_cfg, start_state, global_batches, probe, step_losses)
             run.metrics["sample"] = generate_sample(cfg, gpt_cfg, trained, corpus, accelerator.device)
             run.print(f"sample: {run.metrics['sample']!r}")
         run.log(loop.step, {**loop.last_interval, "val_loss": val_loss})
@@ -659,8 +698,10 @@ class Probe:
     seconds spent in forward / backward / optimizer per step, and the collectives (common/comm_counter.py)
     of step `count_step`'s forwards and backwards."""
 
-    def __init__(self, cfg: Config, accelerator, count_step: int):
+    def __init__(self, cfg: Config, accelerator, start_step: int, count_step: int):
         self.cfg, self.accelerator, self.count_step = cfg, accelerator, count_step
+        self.parity_steps = min(cfg.parity()["steps"], cfg.max_steps - start_step)  # a resume may have fewer
+        self.parity_step = start_step + self.parity_steps
         self.held: dict = {}
         self.step_losses, self.grad_norms, self.at_parity_step = [], [], None
         self.step_loss = torch.zeros((), device=accelerator.device)
@@ -710,7 +751,7 @@ class Probe:
         self.step_loss.zero_()
         self.step_times.append(self.phase_s)
         self.phase_s = {}
-        if step == self.cfg.parity()["steps"]:
+        if self.parity_steps and step == self.parity_step:
             self.at_parity_step = full_state(model, self.accelerator)
 
 
@@ -764,14 +805,13 @@ def check_communication(run, cfg: Config, reference: GPT, counted: dict) -> None
     )
 
 
-def compare_with_one_process(
-    run, cfg, gpt_cfg, initial_state, train_shards, at_parity_step, step_losses, grad_norms
-) -> None:
-    """The first --parity_steps steps against the same steps in one process."""
-    global_batches = concatenate_rank_batches(train_shards, cfg.per_rank_batch_size, cfg.seed)
-    reference = train_reference(cfg, gpt_cfg, initial_state, global_batches, run.accelerator)
+def compare_with_one_process(run, cfg, gpt_cfg, start_state, global_batches, probe, step_losses) -> None:
+    """This run's first --parity_steps steps (from its start, or from the checkpoint it resumed) against
+    the same steps in one process, from the same state and on the same global batches."""
     budget = cfg.parity()
-    n = budget["steps"]
+    n = probe.parity_steps
+    reference = train_reference(cfg, gpt_cfg, start_state, run.start_step, n, global_batches, run.accelerator)
+    grad_norms, at_parity_step = probe.grad_norms, probe.at_parity_step
     loss_diff = max(abs(a - b) for a, b in zip(step_losses[:n], reference["losses"], strict=True))
     norm_diff = max(
         abs(a - b) / max(b, 1e-12) for a, b in zip(grad_norms[:n], reference["grad_norms"], strict=True)
@@ -790,7 +830,8 @@ def compare_with_one_process(
         "matches_single_process",
         max(loss_diff / budget["loss_atol"], param_diff / budget["param_atol"]),
         1.0,
-        f"over the first {n} steps: max |loss - one process| {loss_diff:.2e} (tolerance {budget['loss_atol']:.0e}), "
+        f"over the {n} steps after step {run.start_step}: max |loss - one process| {loss_diff:.2e} "
+        f"(tolerance {budget['loss_atol']:.0e}), "
         f"max |parameter - one process| after them {param_diff:.2e} (tolerance {budget['param_atol']:.0e}); "
         "the larger share of its tolerance",
     )
@@ -798,7 +839,7 @@ def compare_with_one_process(
         "grad_norm_is_global",
         norm_diff,
         budget["grad_norm_rtol"],
-        f"max relative |norm clipped by - one process's gradient norm| over the first {n} steps",
+        f"max relative |norm clipped by - one process's gradient norm| over the {n} steps after step {run.start_step}",
     )
 
 
