@@ -6,14 +6,18 @@ from __future__ import annotations
 import json
 import os
 import socket
+import subprocess
 import sys
+import time
 from dataclasses import dataclass
 from pathlib import Path
+
+import psutil
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from common.processes import TIMED_OUT, run_process_tree  # noqa: E402  (after the repo is on sys.path)
+from common.processes import TIMED_OUT, kill_tree, process_tree, run_process_tree  # noqa: E402  (repo on sys.path)
 
 CPU_DDP = str(REPO / "accelerate_configs" / "cpu_ddp.yaml")
 # train_gpt on a ~20k-parameter GPT, 12 steps: seconds per run. Parity over the first 6 steps.
@@ -163,3 +167,22 @@ def wandb_history(run_dir: str) -> list[dict]:
                                capture_output=True, text=True, timeout=60, check=True)  # fmt: skip
     records = (json.loads(line) for line in inspected.stdout.splitlines())
     return [record["history"]["item"] for record in records if record.get("type") == "history"]
+
+
+def start_and_kill_every_process(command: list[str], env: dict, until) -> None:
+    """Start a launch, wait for `until()`, then SIGKILL the launcher AND its ranks by pid (torchrun
+    starts each rank in a session of its own: killing the launcher's group would leave them running)."""
+    victim = subprocess.Popen(
+        command, cwd=REPO, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
+    )
+    deadline = time.monotonic() + 120
+    while not until():
+        assert victim.poll() is None and time.monotonic() < deadline, "the run ended before the kill point"
+        time.sleep(0.02)
+    everyone = process_tree(victim.pid)
+    assert len(everyone) >= 3, "expected the launcher and at least two ranks"
+    kill_tree(victim.pid)
+    victim.wait(timeout=30)
+    assert not any(p.is_running() and p.status() != psutil.STATUS_ZOMBIE for p in everyone), (
+        "a process survived the kill"
+    )

@@ -28,7 +28,10 @@ def test_two_strategies_make_one_table_and_plot(tmp_path, capsys):
 
 @pytest.mark.parametrize(
     ("args", "message"),
-    [(["--strategies", "ddp,zero4"], "--strategies: ['zero4'] not among"), (["--max_steps", "-1"], "--max_steps")],
+    [
+        (["--strategies", "ddp,zero4"], "--strategies: ['zero4'] not among"),
+        (["--max_steps", "-1"], "--max_steps"),
+    ],
 )
 def test_bad_input_is_refused_before_any_run(tmp_path, capsys, args, message):
     with pytest.raises(SystemExit) as exit_info:

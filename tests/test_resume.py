@@ -8,13 +8,10 @@ import json
 import shutil
 import subprocess
 import sys
-import time
 
-import psutil
 import pytest
 
-from common.processes import kill_tree, process_tree
-from helpers import CPU_DDP, REPO, clean_env, free_port, launch, run_in_process
+from helpers import CPU_DDP, REPO, clean_env, free_port, launch, run_in_process, start_and_kill_every_process
 
 # Long enough to kill between checkpoints (~1 s of steps here), short enough that five runs stay cheap.
 LONG = ["--report_to", "none", "--max_steps", "600", "--log_every", "150", "--checkpoint_every", "150"]
@@ -30,25 +27,6 @@ def clean_run(tmp_path_factory):
 
 def same_parameters(a: dict, b: dict) -> bool:
     return a["weight"] == b["weight"] and a["bias"] == b["bias"]  # float lists compared exactly: bitwise
-
-
-def start_and_kill_every_process(command: list[str], env: dict, until) -> None:
-    """Start a launch, wait for `until()`, then SIGKILL the launcher AND its ranks by pid (torchrun
-    starts each rank in a session of its own: killing the launcher's group would leave them running)."""
-    victim = subprocess.Popen(
-        command, cwd=REPO, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
-    )
-    deadline = time.monotonic() + 120
-    while not until():
-        assert victim.poll() is None and time.monotonic() < deadline, "the run ended before the kill point"
-        time.sleep(0.02)
-    everyone = process_tree(victim.pid)
-    assert len(everyone) >= 3, "expected the launcher and two ranks"
-    kill_tree(victim.pid)
-    victim.wait(timeout=30)
-    assert not any(p.is_running() and p.status() != psutil.STATUS_ZOMBIE for p in everyone), (
-        "a process survived the kill"
-    )
 
 
 @pytest.mark.launch

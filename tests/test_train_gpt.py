@@ -114,6 +114,10 @@ def test_a_model_that_does_not_learn_fails_loss_decreased(tmp_path, capsys):
         (["--parity_steps", "50"], "--parity_steps must be in [0, --max_steps], got 50"),
         (["--wrong_variant", "local_grad_norm"], "--wrong_variant local_grad_norm is a mistake only under"),
         (
+            ["--wrong_variant", "resume_without_data_position"],
+            "is a mistake made when resuming: add --resume_from",
+        ),
+        (
             [
                 "--strategy",
                 "ddp",

@@ -1,0 +1,174 @@
+"""train_gpt's sharded checkpoints (torch.distributed.checkpoint), for real on CPU ranks:
+- killed twice (-9, every process), resumed twice, mid-epoch: bitwise the uninterrupted run;
+- resharding: a chain of resumes fsdp@2 -> fsdp@3 -> fsdp@2 -> ddp@2 -> fsdp@2 -> none@1, each loading
+  the previous one's checkpoint bitwise (full-state digest) and then matching one process;
+- the two classic half-resumes (optimizer state or data position not restored) fail their checks;
+- the DCP <-> safetensors converter round-trips bitwise and refuses a checkpoint missing a shard.
+The corpus is a small piece of pydoc topics, so that an epoch is a few steps and checkpoints fall
+mid-epoch."""
+
+from __future__ import annotations
+
+import struct
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from helpers import CPU_DDP, GPT_TINY, REPO, clean_env, free_port, launch, start_and_kill_every_process
+
+CHECKPOINTED = [*GPT_TINY, "--checkpoint_every", "3", "--keep_checkpoints", "5", "--log_every", "3"]
+
+
+@pytest.fixture(scope="module")
+def small_text(tmp_path_factory) -> str:
+    """3,600 characters of pydoc topics: 34 training blocks of 33 tokens, an epoch every 4.25 steps of 8."""
+    from pydoc_data.topics import topics
+
+    path = tmp_path_factory.mktemp("text") / "topics.txt"
+    path.write_text("".join(topics[key] for key in sorted(topics))[:3600])
+    return str(path)
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory, small_text):
+    """fsdp on 2 ranks, 12 steps, a checkpoint (and its state digest) every 3 steps."""
+    out = tmp_path_factory.mktemp("uninterrupted") / "run"
+    finished = launch("train_gpt.py", [*CHECKPOINTED, "--text_files", small_text, "--strategy", "fsdp"], out)
+    assert finished.returncode == 0, finished.stderr[-3000:]
+    return finished
+
+
+def checkpoint(run_dir: Path, step: int) -> str:
+    return str(run_dir / "checkpoints" / f"step_{step:08d}")
+
+
+@pytest.mark.launch
+def test_killed_twice_mid_epoch_then_resumed_is_bitwise_the_uninterrupted_run(
+    uninterrupted, small_text, tmp_path
+):
+    out, home = tmp_path / "run", tmp_path / "home"
+    home.mkdir()
+    env = clean_env(HOME=str(home))
+    args = [*CHECKPOINTED, "--text_files", small_text, "--strategy", "fsdp"]
+    resume = ["--resume_from_checkpoint", "latest"]
+
+    def launch_then_kill(extra: list[str], hang_after: int) -> None:
+        """rank 0 stops responding after step `hang_after`; then every process is killed with -9"""
+        command = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", CPU_DDP,
+                   "--main_process_port", str(free_port()), str(REPO / "experiments" / "train_gpt.py"),
+                   "--output_dir", str(out), *args, *extra, "--hang_at_step", str(hang_after)]  # fmt: skip
+        start_and_kill_every_process(command, env, until=lambda: finished_step(out, rank=0) >= hang_after)
+
+    launch_then_kill([], hang_after=4)  # checkpoint 3 written
+    launch_then_kill(resume, hang_after=8)  # resumed at 3; checkpoint 6 written
+    final = launch("train_gpt.py", [*args, *resume], out, env=env)
+    assert final.returncode == 0, final.stderr[-3000:]
+    metrics, clean = final.summary["metrics"], uninterrupted.summary["metrics"]
+    assert metrics["resumed_from_step"] == 6  # sample 48 of the stream: 14 samples into the second epoch
+    assert metrics["resumed_state_digest"] == clean["state_digests"]["6"]
+    assert metrics["final_state_digest"] == clean["final_state_digest"]
+    assert final.summary["checks"]["resume_restored_state"]["passed"]
+    assert [record["step"] for record in final.metrics] == [3, 6, 9, 12]  # each step logged once
+
+
+def finished_step(run_dir: Path, rank: int) -> float:
+    """The last step rank `rank` finished, from its heartbeat file (common/reliability.Heartbeat)."""
+    try:
+        return struct.unpack("<d", (run_dir / "heartbeat" / f"rank{rank}").read_bytes()[:8])[0]
+    except (FileNotFoundError, struct.error):
+        return -1.0
+
+
+@pytest.mark.launch
+def test_resharding_chain_loads_bitwise_and_matches_one_process(uninterrupted, small_text, tmp_path):
+    """Each link resumes the previous link's checkpoint under another layout, trains 3-5 steps, checkpoints."""
+    chain = [  # (strategy, ranks, max_steps): checkpoints every 3 steps
+        ("fsdp", 3, 8),  # 2 -> 3 ranks
+        ("fsdp", 2, 11),  # 3 -> 2
+        ("ddp", 2, 14),  # fsdp -> ddp
+        ("fsdp", 2, 17),  # ddp -> fsdp
+        ("none", 1, 19),  # any -> one process
+    ]
+    source, step = Path(uninterrupted.output_dir), 3
+    for index, (strategy, ranks, max_steps) in enumerate(chain):
+        out = tmp_path / f"link{index}_{strategy}{ranks}"
+        args = [*CHECKPOINTED, "--text_files", small_text, "--strategy", strategy, "--max_steps", str(max_steps),
+                "--resume_from_checkpoint", checkpoint(source, step)]  # fmt: skip
+        finished = launch(
+            "train_gpt.py",
+            args,
+            out,
+            launcher="torchrun" if ranks > 1 else "python",
+            num_processes=ranks,
+        )
+        assert finished.returncode == 0, f"{strategy} on {ranks}: " + finished.stderr[-3000:]
+        checks = finished.summary["checks"]
+        assert checks["resume_restored_state"]["passed"]  # full parameters + AdamW state bitwise the saved
+        assert strategy == "none" or checks["matches_single_process"]["passed"]
+        assert (
+            finished.summary["world_size"] == ranks
+            and finished.summary["metrics"]["resumed_from_step"] == step
+        )
+        source, step = out, (max_steps - 1) // 3 * 3
+
+
+@pytest.mark.launch
+@pytest.mark.parametrize(
+    ("variant", "failing"),
+    [
+        ("resume_without_optimizer_state", "resume_restored_state"),
+        ("resume_without_data_position", "matches_single_process"),
+    ],
+)
+def test_half_resumes_fail_their_check(uninterrupted, small_text, tmp_path, variant, failing):
+    args = [*CHECKPOINTED, "--text_files", small_text, "--strategy", "fsdp", "--wrong_variant", variant,
+            "--resume_from_checkpoint", checkpoint(Path(uninterrupted.output_dir), 6)]  # fmt: skip
+    finished = launch("train_gpt.py", args, tmp_path / "run")
+    assert finished.returncode == 1, finished.stderr[-3000:]
+    failed = {name for name, check in finished.summary["checks"].items() if not check["passed"]}
+    assert failing in failed
+
+
+def test_dcp_safetensors_round_trip_is_bitwise(uninterrupted, tmp_path, capsys):
+    from common.gpt import GPT, GPTConfig
+    from tools.convert_checkpoint import main as convert
+
+    source = checkpoint(Path(uninterrupted.output_dir), 9)
+    first, again = tmp_path / "model.safetensors", tmp_path / "again.safetensors"
+    assert convert(["to-safetensors", source, str(first)]) == 0
+    assert convert(["from-safetensors", str(first), str(tmp_path / "dcp")]) == 0
+    assert convert(["to-safetensors", str(tmp_path / "dcp"), str(again)]) == 0
+    assert first.read_bytes() == again.read_bytes()
+
+    from safetensors.torch import load_file
+
+    weights = load_file(str(first))
+    config = uninterrupted.summary["config"]
+    vocab = uninterrupted.summary["metrics"]["corpus"]["vocab_size"]
+    model = GPT(
+        GPTConfig(vocab, config["block_size"], config["n_layer"], config["n_head"], config["d_model"])
+    )
+    model.load_state_dict(weights, strict=True)  # every name and shape of the model, nothing else
+    assert torch.equal(weights["head.weight"], weights["tok_emb.weight"])  # the tied weight, stored twice
+
+
+def test_converter_refuses_a_checkpoint_missing_a_shard_and_never_overwrites(uninterrupted, tmp_path, capsys):
+    import shutil
+
+    from tools.convert_checkpoint import main as convert
+
+    broken = tmp_path / "broken"
+    shutil.copytree(checkpoint(Path(uninterrupted.output_dir), 9), broken)
+    next((broken / "state").glob("__1_*.distcp")).unlink()  # rank 1's shards gone
+    with pytest.raises(SystemExit) as exit_info:
+        convert(["to-safetensors", str(broken), str(tmp_path / "out.safetensors")])
+    error = capsys.readouterr().err.strip()
+    assert exit_info.value.code == 2 and str(broken) in error and error.count("\n") == 0
+    assert not (tmp_path / "out.safetensors").exists()
+    existing = tmp_path / "exists.safetensors"
+    existing.write_text("keep me")
+    with pytest.raises(SystemExit):
+        convert(["to-safetensors", checkpoint(Path(uninterrupted.output_dir), 9), str(existing)])
+    assert existing.read_text() == "keep me"
