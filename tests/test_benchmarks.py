@@ -20,7 +20,7 @@ def positive(value) -> bool:
 @pytest.mark.launch
 def test_run_all_quick_writes_every_figure_and_shows_a_slowed_loop_where_it_was_slowed(tmp_path):
     """Every benchmark's figures, well-formed; and the step-overhead figures are not identities of the
-    code: 4 ms of busy work added to the `accelerate` loop's step must appear as accumulate()'s share
+    code: 10 ms of busy work added to the `accelerate` loop's step must appear as accumulate()'s share
     (accelerate minus accelerate_no_accumulate) and drop the ratio, while the parts measured between
     other loops stay far below it. Swapped or mislabelled loops fail this."""
     tracked = {path: path.read_bytes() for path in (REPO / "README.md", REPO / "benchmarks" / "results.json")}
@@ -32,7 +32,7 @@ def test_run_all_quick_writes_every_figure_and_shows_a_slowed_loop_where_it_was_
         "--slow_loop",
         "accelerate",
         "--slow_us",
-        "4000",
+        "10000",
     ]
     env = clean_env(HOME=str(tmp_path), TMPDIR=str(tmp_path))
     done = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=300, env=env)
@@ -93,9 +93,11 @@ def test_run_all_quick_writes_every_figure_and_shows_a_slowed_loop_where_it_was_
     )  # W&B is imported only when it is the tracker
     assert "| 1. step overhead" in done.stdout and "| 5. start-up" in done.stdout
     parts = step["overhead_us"]
-    assert parts["accumulate"] > 3000 and parts["accelerate_and_common"] > 3000
+    # 10 ms where it was added; parts between other loops stay below 3 ms even with other tests running
+    # beside this one on the 2 cores (measured: a 4 ms slow-down read 2.35 ms under that load)
+    assert parts["accumulate"] > 6000 and parts["accelerate_and_common"] > 6000
     assert (
-        parts["common"] < 2000 and parts["prepared_model"] < 2000 and parts["backward_and_optimizer"] < 2000
+        parts["common"] < 3000 and parts["prepared_model"] < 3000 and parts["backward_and_optimizer"] < 3000
     )
-    assert parts["lookups_saved_by_caching"] > 3000  # the cached variant is not slowed
+    assert parts["lookups_saved_by_caching"] > 6000  # the cached variant is not slowed
     assert step["ratio"] < 0.5 and step["met"] is False
