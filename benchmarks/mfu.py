@@ -77,7 +77,12 @@ def flops_per_token_formula(model: dict) -> dict:
     gpt = build_gpt(GPTConfig(**model), 0)
     n = sum(p.numel() for p in {id(p): p for p in gpt.parameters()}.values()) - gpt.pos_emb.weight.numel()
     attention = 12 * model["n_layer"] * model["block_size"] * model["d_model"]
-    return {"parameters_that_multiply": n, "matmuls": 6 * n, "attention": attention, "total": 6 * n + attention}
+    return {
+        "parameters_that_multiply": n,
+        "matmuls": 6 * n,
+        "attention": attention,
+        "total": 6 * n + attention,
+    }
 
 
 def flops_per_token_counted(model: dict, batch: int) -> float:
@@ -94,7 +99,9 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         description=__doc__.split("\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter
     )
-    parser.add_argument("--comparison", default="", help="a compare_strategies comparison.json: MFU per strategy")
+    parser.add_argument(
+        "--comparison", default="", help="a compare_strategies comparison.json: MFU per strategy"
+    )
     parser.add_argument("--square", type=int, default=2048, help="size of the square GEMM for the peak")
     parser.add_argument("--min_time_s", type=float, default=1.0, help="timing per GEMM shape (5 repeats)")
     parser.add_argument("--quick", action="store_true", help="a 256 square GEMM, short timings")
@@ -119,7 +126,11 @@ def main(argv: list[str] | None = None) -> int:
         "threads": 1,
         "cores": os.cpu_count(),
         "peak_flops_per_s_one_thread": peaks,
-        "flops_per_token": {"formula": formula, "counted": counted, "counted_over_formula": counted / formula["total"]},
+        "flops_per_token": {
+            "formula": formula,
+            "counted": counted,
+            "counted_over_formula": counted / formula["total"],
+        },
     }
     print(f"peak, one thread: square {square}: {peaks['float32']['square_gemm'] / 1e9:.1f} GFLOP/s float32, "
           f"{peaks['bfloat16']['square_gemm'] / 1e9:.1f} bfloat16; the model's GEMM shapes: "
@@ -129,7 +140,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.comparison:
         rows = json.load(open(args.comparison))
         figures["mfu"] = []
-        print("| strategy | ranks | tokens/s | model GFLOP/s | MFU vs square-GEMM peak | MFU vs model-shape peak |")
+        print(
+            "| strategy | ranks | tokens/s | model GFLOP/s | MFU vs square-GEMM peak | MFU vs model-shape peak |"
+        )
         print("|---|---|---|---|---|---|")
         for row in rows:
             if "error" in row:

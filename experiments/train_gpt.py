@@ -35,12 +35,20 @@ Checks (each with a wrong variant, --wrong_variant, that fails it):
 - memory_per_rank         bytes of parameters, gradients and optimizer state each rank holds at rest,
                           and of parameters between forward and backward, equal the theory within
                           --memory_rtol; unwrapped_root (fully_shard on the blocks only) fails it;
-- communication_volume    bytes all-reduced / all-gathered / reduce-scattered in the first step's forward
-                          and backward, counted as they pass the dispatcher (common/comm_counter.py),
+- communication_volume    bytes all-reduced / all-gathered / reduce-scattered in one step's forward
+                          and backward (the third: the first two carry one-time work), counted as
+                          they pass the dispatcher (common/comm_counter.py),
                           equal the closed form of the strategy (expected_communication);
                           row_parallel_without_all_reduce (tp) fails it and parity; seed_per_rank
                           (every rank builds its own weights) fails parity under tp and fsdp_tp;
-- loss_decreased          validation loss falls by at least --min_loss_drop.
+- loss_decreased          validation loss falls by at least --min_loss_drop;
+- resume_restored_state   (resumed runs) the full state right after loading equals, by digest, the
+                          state the checkpoint was saved from; resume_without_optimizer_state fails it,
+                          and resume_without_data_position fails matches_single_process.
+Checkpoints (--checkpoint_every N, --resume_from_checkpoint latest|PATH) are torch.distributed.checkpoint
+(common/sharded_checkpoint.py) and the data position is in samples, so a checkpoint of any strategy on
+N ranks continues under any strategy on M (the global batch follows M); the resumed run is compared with
+one process started from the loaded state. python -m tools.convert_checkpoint makes one safetensors file.
 At the end the main process prints a short sample of generated text (also in summary.json).
 
 Run it (2 CPU ranks; the same commands on GPUs with accelerate_configs/multi_gpu_ddp.yaml):
