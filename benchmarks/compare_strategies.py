@@ -84,7 +84,10 @@ def launch_command(strategy: str, run_dir: Path, args: argparse.Namespace) -> li
 
 def run_strategy(strategy: str, run_dir: Path, args: argparse.Namespace) -> dict:
     """One run; its summary.json, or what went wrong. The console goes to <run_dir>.log."""
-    done = run_process_tree(launch_command(strategy, run_dir, args), args.timeout_s, cwd=REPO)
+    # one thread per rank, the one-process run included (torch would take every core), as torchrun and
+    # accelerate launch set it for several ranks: throughput per rank compares, and MFU has one peak
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    done = run_process_tree(launch_command(strategy, run_dir, args), args.timeout_s, cwd=REPO, env=env)
     Path(f"{run_dir}.log").write_text(done.stdout + done.stderr)
     summary_path = run_dir / "summary.json"
     if done.returncode == TIMED_OUT or not summary_path.exists():

@@ -44,6 +44,7 @@ class ShardedCheckpointer:
 
     def __init__(self, model, optimizer, restore_optimizer: bool = True):
         self.model, self.optimizer, self.restore_optimizer = model, _unwrap(optimizer), restore_optimizer
+        self.last_full_state: tuple[dict, dict] | None = None  # what the last digest() gathered
 
     def save(self, folder: str) -> None:
         model_state, optimizer_state = get_state_dict(self.model, self.optimizer)
@@ -84,7 +85,7 @@ class ShardedCheckpointer:
         """sha256 of the full state (main process; None elsewhere). Names and bytes of every parameter
         and every optimizer tensor (exp_avg, exp_avg_sq, step), learning rates excluded (a function of
         the step, set before each update)."""
-        model_state, optimizer_state = self.full_state()
+        model_state, optimizer_state = self.last_full_state = self.full_state()
         if dist.is_initialized() and dist.get_rank() != 0:
             return None
         return full_state_digest(model_state, optimizer_state)

@@ -619,8 +619,8 @@ def run(cfg: Config) -> int:
             unit="tokens",
             checkpointer=checkpointer,
         )
-        # the one-process reference starts from the state just loaded (collective: every rank gathers)
-        resumed_state = checkpointer.full_state() if run.checkpoint and cfg.strategy != "none" else None
+        # the one-process reference starts from the state just loaded, as the digest that verified it gathered it
+        resumed_state = checkpointer.last_full_state if run.checkpoint else None
         if run.checkpoint:
             saved = run.checkpoint_meta
             run.print(
