@@ -138,7 +138,7 @@ def main(argv: list[str] | None = None) -> int:
         },
     }
     print(f"peak, one thread: square {square}: {peaks['float32']['square_gemm'] / 1e9:.1f} GFLOP/s float32, "
-          f"{peaks['bfloat16']['square_gemm'] / 1e9:.1f} bfloat16; the model's GEMM shapes: "
+          f"square {min(square, 256)}: {peaks['bfloat16']['square_gemm'] / 1e9:.1f} bfloat16; the model's GEMM shapes: "
           f"{peaks['float32']['model_shapes'] / 1e9:.1f} / {peaks['bfloat16']['model_shapes'] / 1e9:.1f}")  # fmt: skip
     print(f"FLOPs per token: formula {formula['total']:,} (6N {formula['matmuls']:,} + attention "
           f"{formula['attention']:,}), counted {counted:,.0f} ({counted / formula['total']:.3f} x formula)")  # fmt: skip
