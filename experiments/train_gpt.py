@@ -81,8 +81,6 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import torch
 import torch.distributed as dist
-from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
-from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor, init_device_mesh
 
 from common.comm_counter import WIRE_FACTOR, CollectiveCounter
@@ -324,7 +322,7 @@ def distribute(model: GPT, cfg: Config, accelerator) -> torch.nn.Module:
         # FSDP2 warns that the root returns a view (the logits, cut out of TP's padded all-gather): only an
         # in-place change of that view would be wrong, and nothing here changes logits in place.
         warnings.filterwarnings("ignore", message="FSDP2-wrapped module .* returned a view tensor")
-        # ...and DTensor logs that gathering a 2-D-sharded parameter (full_state) takes two all-gathers
+        # ...and DTensor logs that gathering a 2-D-sharded parameter (a full state) takes two all-gathers
         logging.getLogger("torch.distributed.tensor._redistribute").setLevel(logging.ERROR)
     if cfg.strategy in TENSOR_PARALLEL:
         model = tensor_parallelize_gpt(
@@ -505,21 +503,6 @@ def evaluate(
     return (total[0] / total[1]).item()
 
 
-def full_state(model: torch.nn.Module, accelerator) -> dict:
-    """Every parameter in full on the main process (a collective: every rank calls it). Sharded and
-    tensor-parallel parameters (DTensors) are all-gathered; DDP's are already full. Cloned: for a plain
-    CPU tensor (TP's replicated LayerNorms), get_model_state_dict returns the live parameter itself, which
-    the next steps would go on changing."""
-    # FSDPModule too: after a forward without backward, zero2's parameters are plain gathered tensors
-    distributed = any(isinstance(m, FSDPModule) for m in model.modules()) or any(
-        isinstance(p, DTensor) for p in model.parameters()
-    )
-    if not distributed:
-        return {k: v.detach().cpu().clone() for k, v in accelerator.unwrap_model(model).state_dict().items()}
-    state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
-    return {k: v.clone() for k, v in state.items()}
-
-
 def train_reference(
     cfg: Config,
     gpt_cfg: GPTConfig,
@@ -632,7 +615,9 @@ def run(cfg: Config) -> int:
         # collectives of one step
         # (the third step, in steady state: the first follows the evaluation, whose forward without backward
         # leaves FSDP2's root gathered; in the second DDP rebuilds its buckets, broadcasting rank 0's order)
-        probe = Probe(cfg, accelerator, run.start_step, count_step=min(run.start_step + 3, cfg.max_steps))
+        probe = Probe(
+            cfg, accelerator, checkpointer, run.start_step, count_step=min(run.start_step + 3, cfg.max_steps)
+        )
         for x, y in loop.micro_batches(batches):
             step = loop.step + 1
             # Accelerate's accumulate(): DDP's no_sync and loss / k on all but the last micro-batch of a step
@@ -658,7 +643,9 @@ def run(cfg: Config) -> int:
         step_losses = accelerator.reduce(
             torch.stack(probe.step_losses), "mean"
         ).tolist()  # each step's global loss
-        trained = full_state(model, accelerator)
+        # the final state digest gathers every tensor whole (a collective); the sample reuses those weights
+        loop_metrics = loop.metrics()
+        trained = checkpointer.last_full_state[0]
         every_rank = accelerator.gather_for_metrics(
             [probe.held | {"peak_rss_bytes": peak_rss_bytes()}], use_gather_object=True
         )
@@ -667,7 +654,7 @@ def run(cfg: Config) -> int:
             for k in ("name", "sha256", "characters", "tokens", "characters_per_token", "vocab_size")
         }
         run.metrics.update(
-            loop.metrics(),
+            loop_metrics,
             val_loss_before=val_loss_before,
             val_loss=val_loss,
             step_losses=step_losses,
@@ -706,8 +693,9 @@ class Probe:
     seconds spent in forward / backward / optimizer per step, and the collectives (common/comm_counter.py)
     of step `count_step`'s forwards and backwards."""
 
-    def __init__(self, cfg: Config, accelerator, start_step: int, count_step: int):
+    def __init__(self, cfg: Config, accelerator, checkpointer, start_step: int, count_step: int):
         self.cfg, self.accelerator, self.count_step = cfg, accelerator, count_step
+        self.checkpointer = checkpointer  # its full_state() gathers every parameter whole
         self.parity_steps = min(cfg.parity()["steps"], cfg.max_steps - start_step)  # a resume may have fewer
         self.parity_step = start_step + self.parity_steps
         self.held: dict = {}
@@ -760,7 +748,7 @@ class Probe:
         self.step_times.append(self.phase_s)
         self.phase_s = {}
         if self.parity_steps and step == self.parity_step:
-            self.at_parity_step = full_state(model, self.accelerator)
+            self.at_parity_step = self.checkpointer.full_state()[0]
 
 
 def peak_rss_bytes() -> int:
