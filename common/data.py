@@ -165,7 +165,7 @@ def iterate_sample_stream(
     """Endless GLOBAL batches from one stream of samples: epoch e is a seeded permutation of all rows,
     epochs follow each other, and batch i holds samples start_sample + i*B ... + B - 1 of that stream
     (a batch may straddle two epochs). Each data-parallel rank then takes its rows of every batch
-    (`rank_rows`). A position is a number of samples, so a run resumed at another world size (another
+    (common/text.shard_rows). A position is a number of samples, so a run resumed at another world size (another
     global batch B) continues exactly where the checkpoint left the data, mid-epoch or not; the
     one-process reference takes the whole batches."""
     if len(x) < global_batch_size:
@@ -192,10 +192,3 @@ def iterate_sample_stream(
             yield x.index_select(0, index), y.index_select(0, index)
 
     return endless_batches()
-
-
-def rank_rows(batch: tuple[torch.Tensor, ...], rank: int, world_size: int) -> tuple[torch.Tensor, ...]:
-    """Rank `rank`'s equal, contiguous share of a global batch (the global batch is the ranks' shares
-    in rank order, so the mean of the ranks' mean losses is the global batch's mean loss)."""
-    per_rank = len(batch[0]) // world_size
-    return tuple(t[rank * per_rank : (rank + 1) * per_rank] for t in batch)

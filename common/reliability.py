@@ -152,26 +152,32 @@ def state_digest(model, optimizer) -> str | None:
     """sha256 over every parameter / buffer and every optimizer-state value, names included: two states
     with the same digest are bitwise equal. `model` unwrapped (no DDP `module.` prefix). None for a
     sharded model: one rank's shards are not the state."""
-    import torch
     from torch.distributed.tensor import DTensor
 
     if any(isinstance(p, DTensor) for p in model.parameters()):
         return None
+    optimizer_state = sorted(optimizer.state_dict()["state"].items())
+    return digest_named_values(
+        [*model.state_dict().items()]
+        + [
+            (f"optimizer.{index}.{key}", value)
+            for index, state in optimizer_state
+            for key, value in sorted(state.items())
+        ]
+    )
+
+
+def digest_named_values(items) -> str:
+    """sha256 over (name, value) pairs in the order given: a tensor's raw bytes, anything else its repr."""
+    import torch
 
     digest = hashlib.sha256()
-
-    def add(name: str, value) -> None:
+    for name, value in items:
         digest.update(name.encode())
         if isinstance(value, torch.Tensor):
             digest.update(value.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes())
         else:
             digest.update(repr(value).encode())
-
-    for name, tensor in model.state_dict().items():
-        add(name, tensor)
-    for index, state in sorted(optimizer.state_dict()["state"].items()):
-        for key, value in sorted(state.items()):
-            add(f"optimizer.{index}.{key}", value)
     return digest.hexdigest()
 
 

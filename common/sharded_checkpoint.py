@@ -16,7 +16,6 @@ Used by train_gpt through TrainLoop(checkpointer=...); ddp_linear keeps Accelera
 from __future__ import annotations
 
 import copy
-import hashlib
 import os
 
 import torch
@@ -29,6 +28,8 @@ from torch.distributed.checkpoint.state_dict import (
     set_model_state_dict,
     set_state_dict,
 )
+
+from common.reliability import digest_named_values
 
 STATE_FOLDER = "state"  # inside a checkpoint folder: the DCP files (one .distcp per rank + .metadata)
 
@@ -92,21 +93,15 @@ class ShardedCheckpointer:
 
 
 def full_state_digest(model_state: dict, optimizer_state: dict) -> str:
-    digest = hashlib.sha256()
-
-    def add(name: str, value) -> None:
-        digest.update(name.encode())
-        if torch.is_tensor(value):
-            digest.update(value.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes())
-        else:
-            digest.update(repr(value).encode())
-
-    for name in sorted(model_state):
-        add(name, model_state[name])
-    for name in sorted(optimizer_state.get("state", {})):
-        for key, value in sorted(optimizer_state["state"][name].items()):
-            add(f"optimizer.{name}.{key}", value)
-    return digest.hexdigest()
+    states = optimizer_state.get("state", {})
+    return digest_named_values(
+        [(name, model_state[name]) for name in sorted(model_state)]
+        + [
+            (f"optimizer.{name}.{key}", value)
+            for name in sorted(states)
+            for key, value in sorted(states[name].items())
+        ]
+    )
 
 
 def load_full_optimizer_state(

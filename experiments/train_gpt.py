@@ -85,7 +85,7 @@ from torch.distributed.tensor import DTensor, init_device_mesh
 
 from common.comm_counter import WIRE_FACTOR, CollectiveCounter
 from common.config import flag, parse_config, require, require_positive, run_cli
-from common.data import iterate_sample_stream, rank_rows
+from common.data import iterate_sample_stream
 from common.gpt import GPT, GPTConfig, build_gpt, count_parameters
 from common.reliability import ResumableArgs
 from common.run import start_run
@@ -570,7 +570,7 @@ def run(cfg: Config) -> int:
         data_rank = 0 if cfg.wrong_variant == "same_data_on_every_rank" else dp_rank  # the forgotten sampler
         global_rows = cfg.per_rank_batch_size * dp_size
         stream = iterate_sample_stream(*corpus["train"], global_rows, cfg.seed, start_sample)
-        batches = (rank_rows(batch, data_rank, dp_size) for batch in stream)
+        batches = (shard_rows(batch, data_rank, dp_size) for batch in stream)
         val_shard = shard_rows(corpus["val"], dp_rank, dp_size)
 
         # The same initial weights on every rank and in the reference (unless seed_per_rank: the mistake)
