@@ -14,9 +14,14 @@ from __future__ import annotations
 
 import os
 from collections.abc import Iterator
+from typing import TYPE_CHECKING
 
 import torch
-from datasets import Dataset, load_dataset
+
+if (
+    TYPE_CHECKING
+):  # imported where used: `datasets` costs ~1 s per process, and train_gpt needs only the stream
+    from datasets import Dataset
 
 from common.config import UsageError
 
@@ -40,6 +45,8 @@ def make_regression_dataset(
     n_samples: int, n_features: int, noise_std: float, seed: int
 ) -> tuple[Dataset, dict]:
     """Synthetic linear regression; returns the dataset and the truth {"weight": [...], "bias": b}."""
+    from datasets import Dataset
+
     generator = torch.Generator().manual_seed(seed)
     true_weight = torch.randn(n_features, generator=generator)
     true_bias = torch.randn(1, generator=generator)
@@ -51,6 +58,8 @@ def make_regression_dataset(
 
 def load_table(path: str, target_column: str = "y", feature_columns: str = "") -> Dataset:
     """A local table -> Dataset(x, y). `feature_columns` is comma-separated; empty means every other column."""
+    from datasets import Dataset, load_dataset
+
     extension = os.path.splitext(path)[1].lower()
     if extension not in FILE_FORMATS:
         raise UsageError(

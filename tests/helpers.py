@@ -119,6 +119,26 @@ def assert_gpt_passed(finished: Finished, world_size: int) -> dict:
     return summary
 
 
+def assert_data_parallel_facts(summary: dict, strategy: str) -> None:
+    """What a ddp / zero2 / fsdp run on 2 ranks must show, whichever test launched it: parity with one
+    process, the bytes each rank holds, and the bytes one step sends."""
+    metrics = summary["metrics"]
+    assert metrics["loss_max_abs_diff"] < 1e-5 and metrics["param_max_abs_diff"] < 1e-4
+    held, full = metrics["bytes_per_rank"], 4 * metrics["parameters"]
+    counted = metrics["communication"]["counted"]["bytes"]
+    if strategy == "ddp":  # every rank holds everything; every gradient all-reduced once
+        assert all(h["params"] == full and h["optimizer"] > 2 * full for h in held)
+        assert counted == {"all_reduce": full}
+        return
+    # ZeRO: parameters, gradients and optimizer state at rest are halves on 2 ranks
+    assert all(h["params"] == h["grads"] == full // 2 for h in held)
+    window = held[0]["params_between_forward_and_backward"]
+    assert window == full if strategy == "zero2" else full // 2 < window < full  # ZeRO-3 frees the blocks
+    # every parameter gathered once (zero2) or the blocks' twice (fsdp); every gradient reduce-scattered
+    assert counted["reduce_scatter"] == full
+    assert counted["all_gather"] == full if strategy == "zero2" else full < counted["all_gather"] < 2 * full
+
+
 def run_main_in_process(main, argv: list[str], capsys) -> tuple[int, str]:
     """An experiment's main(argv) in this process, exit code and stderr as `run_cli` gives them: for
     bad-input tests, which need no second process (a subprocess costs ~3 s of `import torch`)."""

@@ -57,8 +57,21 @@ def test_pydoc_corpus_round_trips_through_the_tokenizer_and_is_cached(tmp_path, 
     assert corpus["tokenizer"].decode(corpus["tokenizer"].encode(text).ids) == text
     cached = sorted(p.name for p in (tmp_path / "runs" / ".cache" / "text").iterdir())
     assert any(name.startswith("bpe-") and name.endswith("-512.json") for name in cached)
-    again = load_corpus("", vocab_size=512, block_size=32, val_fraction=0.1)
-    assert torch.equal(again["train"][0], corpus["train"][0])  # the cached tokenizer encodes the same
+    assert sum(name.startswith("tokens-") and name.endswith("-512.pt") for name in cached) == 1
+    again = load_corpus("", vocab_size=512, block_size=32, val_fraction=0.1)  # from the token cache
+    assert torch.equal(again["train"][0], corpus["train"][0]) and again["sha256"] == corpus["sha256"]
+    assert again["tokenizer"].encode(text).ids == corpus["tokenizer"].encode(text).ids
+
+
+def test_the_token_cache_follows_the_files_bytes(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    path = tmp_path / "notes.txt"
+    path.write_text("the quick brown fox jumps over the lazy dog\n" * 60)
+    first = load_corpus(str(path), vocab_size=300, block_size=8, val_fraction=0.1)
+    path.write_text("a completely different text, about other things entirely\n" * 60)
+    second = load_corpus(str(path), vocab_size=300, block_size=8, val_fraction=0.1)  # not the stale cache
+    assert second["sha256"] != first["sha256"] and second["characters"] != first["characters"]
+    assert second["tokenizer"].decode(second["train"][0][0].tolist()) in path.read_text()
 
 
 def test_blocks_shift_by_one_and_shards_are_equal():
