@@ -87,6 +87,7 @@ from common.comm_counter import WIRE_FACTOR, CollectiveCounter
 from common.config import flag, parse_config, require, require_positive, run_cli
 from common.data import iterate_sample_stream
 from common.gpt import GPT, GPTConfig, build_gpt, count_parameters
+from common.profiling import StepProfiler, median_breakdown, plot_timeline
 from common.reliability import ResumableArgs
 from common.run import start_run
 from common.runtime import launched_world_size
@@ -126,7 +127,7 @@ class Config(ResumableArgs):
     tolerances = ("loss_atol", "param_atol", "grad_norm_rtol", "loss_atol_bf16", "param_atol_bf16", "grad_norm_rtol_bf16",
                   "memory_rtol")  # fmt: skip
     result_neutral = (*ResumableArgs.result_neutral, *tolerances, "parity_steps", "parity_steps_bf16", "min_loss_drop",
-                      "sample_tokens")  # fmt: skip
+                      "sample_tokens", "profile_steps")  # fmt: skip
 
     strategy: str = flag(
         "none", "none (one process), ddp, zero2, fsdp, tp or fsdp_tp (see the docstring)", choices=STRATEGIES
@@ -178,6 +179,12 @@ class Config(ResumableArgs):
     memory_rtol: float = flag(0.01, "allowed relative difference of bytes held per rank from the theory")
     min_loss_drop: float = flag(0.3, "validation loss must fall by at least this (nats)")
     sample_tokens: int = flag(40, "tokens of text generated at the end (0: none)")
+    profile_steps: int = flag(
+        0,
+        "torch.profiler traces this many steps after step 4 (0: off): <output_dir>/profile/rank<r>.json "
+        "(open in ui.perfetto.dev), each step split into compute / communication / overlapped / idle, and "
+        "profile/timeline.png",
+    )
     wrong_variant: str = flag(
         "",
         "a deliberate mistake that a check must catch: " + ", ".join(list(WRONG_VARIANTS)[1:]),
@@ -256,6 +263,11 @@ class Config(ResumableArgs):
             self.strategy in WRONG_VARIANTS[self.wrong_variant],
             f"--wrong_variant {self.wrong_variant} is a mistake only under --strategy "
             f"{', '.join(WRONG_VARIANTS[self.wrong_variant])}, not {self.strategy}",
+        )
+        require(
+            self.profile_steps == 0 or 0 < 4 + self.profile_steps <= self.max_steps,
+            f"--profile_steps {self.profile_steps}: must be 0 (off) or 1..--max_steps - 4 ({self.max_steps - 4}): "
+            "the first 3 steps do one-time work and the 4th warms the profiler up",
         )
         require(
             0 <= self.parity()["steps"] <= self.max_steps,
@@ -618,26 +630,14 @@ def run(cfg: Config) -> int:
         probe = Probe(
             cfg, accelerator, checkpointer, run.start_step, count_step=min(run.start_step + 3, cfg.max_steps)
         )
-        for x, y in loop.micro_batches(batches):
-            step = loop.step + 1
-            # Accelerate's accumulate(): DDP's no_sync and loss / k on all but the last micro-batch of a step
-            with accelerator.accumulate(model):
-                sync_gradients_this_micro_batch(model, accelerator.sync_gradients)  # FSDP2's no_sync
-                with probe.watch("forward", step):
-                    _, loss = model(x, y)
-                probe.after_forward(model)
-                with probe.watch("backward", step):
-                    accelerator.backward(loss)
-                with probe.watch("optimizer", step):
-                    if accelerator.sync_gradients:
-                        probe.grad_norms.append(
-                            clip_by_global_norm(model, cfg.grad_clip, cfg.wrong_variant == "local_grad_norm")
-                        )
-                        set_lr(optimizer, lr_at(step, cfg))
-                    optimizer.step()
-                probe.after_step(model, optimizer, loss, step)
-                optimizer.zero_grad()
-            loop.record(loss, **probe.latest(optimizer))
+        # --profile_steps: a trace per rank of steps 5.. (common/profiling.py), in steady state
+        profiler = StepProfiler(
+            cfg.profile_steps, os.path.join(run.output_dir, "profile"), rank, accelerator.device.type
+        )
+        with profiler:
+            train(cfg, accelerator, model, optimizer, loop, batches, probe, profiler)
+        if cfg.profile_steps:
+            report_profile(run, cfg, profiler.breakdown())
 
         val_loss = evaluate(model, val_shard, cfg.per_rank_batch_size, accelerator)
         step_losses = accelerator.reduce(
@@ -684,6 +684,49 @@ def run(cfg: Config) -> int:
             run.print(f"sample: {run.metrics['sample']!r}")
         run.log(loop.step, {**loop.last_interval, "val_loss": val_loss})
     return run.exit_code
+
+
+def train(cfg: Config, accelerator, model, optimizer, loop: TrainLoop, batches, probe, profiler) -> None:
+    """The training loop: each data-parallel rank trains on its own rows of every global batch."""
+    for x, y in loop.micro_batches(batches):
+        step = loop.step + 1
+        # Accelerate's accumulate(): DDP's no_sync and loss / k on all but the last micro-batch of a step
+        with accelerator.accumulate(model):
+            sync_gradients_this_micro_batch(model, accelerator.sync_gradients)  # FSDP2's no_sync
+            with probe.watch("forward", step):
+                _, loss = model(x, y)
+            probe.after_forward(model)
+            with probe.watch("backward", step):
+                accelerator.backward(loss)
+            with probe.watch("optimizer", step):
+                if accelerator.sync_gradients:
+                    probe.grad_norms.append(
+                        clip_by_global_norm(model, cfg.grad_clip, cfg.wrong_variant == "local_grad_norm")
+                    )
+                    set_lr(optimizer, lr_at(step, cfg))
+                optimizer.step()
+            probe.after_step(model, optimizer, loss, step)
+            optimizer.zero_grad()
+        loop.record(loss, **probe.latest(optimizer))
+        if accelerator.sync_gradients:
+            profiler.step()
+
+
+def report_profile(run, cfg: Config, rows: list[dict]) -> None:
+    """Every rank's profiled steps: the median breakdown per rank in the metrics, a timeline PNG."""
+    every_rank = run.accelerator.gather_for_metrics([rows], use_gather_object=True)
+    if not run.is_main or not all(every_rank):
+        return
+    medians = [median_breakdown(rows) for rows in every_rank]
+    run.metrics["step_breakdown_ms"] = medians
+    timeline = os.path.join(run.output_dir, "profile", "timeline.png")
+    plot_timeline(every_rank, f"{cfg.strategy} on {len(every_rank)} rank(s): one profiled step", timeline)
+    run.log_table("step_breakdown", [{"rank": r, **m} for r, m in enumerate(medians)], timeline)
+    run.print(
+        "profiled step, rank 0 (ms): "
+        + ", ".join(f"{k[:-3]} {v:.1f}" for k, v in medians[0].items())
+        + f"; traces and timeline.png in {os.path.dirname(timeline)}"
+    )
 
 
 class Probe:

@@ -21,7 +21,9 @@ from helpers import (
 
 
 def test_one_process_is_the_reference_and_learns(tmp_path, capsys):
-    summary = assert_gpt_passed(run_in_process(main, GPT_TINY, tmp_path / "run", capsys), 1)
+    summary = assert_gpt_passed(
+        run_in_process(main, [*GPT_TINY, "--profile_steps", "3"], tmp_path / "run", capsys), 1
+    )
     assert set(summary["checks"]) == {"distributed", "loss_decreased", "memory_per_rank"}
     metrics = summary["metrics"]
     assert metrics["corpus"]["name"] == "pydoc_data/topics.py" and len(metrics["corpus"]["sha256"]) == 64
@@ -33,15 +35,23 @@ def test_one_process_is_the_reference_and_learns(tmp_path, capsys):
         2 * held["params"] < held["optimizer"] < 2 * held["params"] + 4 * 100
     )  # exp_avg, exp_avg_sq, a step count each
     assert all(held[kind] == theory[kind] for kind in theory)
+    (profiled,) = metrics["step_breakdown_ms"]  # one process sends nothing: compute and idle only
+    assert profiled["communication_ms"] == 0 and 0 < profiled["compute_ms"] <= profiled["step_ms"]
 
 
 @pytest.mark.launch
-def test_zero2_on_two_ranks_matches_one_process(tmp_path):
-    summary = assert_gpt_passed(
-        launch("train_gpt.py", [*GPT_TINY, "--strategy", "zero2"], tmp_path / "run"), 2
-    )
+def test_zero2_on_two_ranks_matches_one_process_and_is_profiled(tmp_path):
+    args = [*GPT_TINY, "--strategy", "zero2", "--profile_steps", "2"]
+    summary = assert_gpt_passed(launch("train_gpt.py", args, tmp_path / "run"), 2)
     assert set(summary["checks"]) == GPT_DISTRIBUTED_CHECKS
     assert_data_parallel_facts(summary, "zero2")
+    # a chrome trace per rank, and each rank's steps split: all-gathers and reduce-scatters take time
+    profile = tmp_path / "run" / "profile"
+    assert {p.name for p in profile.iterdir()} == {"rank0.json", "rank1.json", "timeline.png"}
+    for rank in summary["metrics"]["step_breakdown_ms"]:
+        assert rank["compute_ms"] > 0 and rank["communication_ms"] > 0
+        parts = rank["compute_ms"] + rank["communication_ms"] - rank["overlapped_ms"] + rank["idle_ms"]
+        assert parts == pytest.approx(rank["step_ms"], rel=1e-6) and rank["idle_ms"] >= 0
 
 
 @pytest.mark.launch
@@ -119,6 +129,7 @@ def test_a_model_that_does_not_learn_fails_loss_decreased(tmp_path, capsys):
             "--mixed_precision bf16 with --strategy tp: not built",
         ),
         (["--vocab_size", "100"], "--vocab_size must be >= 260"),
+        (["--profile_steps", "9"], "--profile_steps 9: must be 0 (off) or 1..--max_steps - 4 (8)"),
     ],
 )
 def test_bad_input_is_one_line(tmp_path, args, message, capsys):

@@ -1,0 +1,187 @@
+"""Where a training step's time goes, from torch.profiler's own trace (one chrome trace file per rank,
+viewable in https://ui.perfetto.dev or chrome://tracing).
+
+A step is the profiler's `ProfilerStep#N` span on the training thread. Inside it:
+  compute        the training thread's top-level operators, except those that issue or wait for a
+                 collective (c10d::*, _c10d_functional::*, *wait*);
+  communication  the collectives themselves: gloo runs each on its own worker thread and the profiler
+                 marks it `gloo:<op>` (NCCL: `nccl:<op>`), from start to finish, whoever waits for it;
+                 plus the training thread's issuing and waiting;
+  overlapped     time in both (a collective running while the training thread computes: DDP's bucket
+                 all-reduce during backward, FSDP2's prefetched all-gathers);
+  idle           time in neither (the training thread blocked outside any operator: e.g. DDP waiting
+                 for its last bucket at the end of backward is a gap in the trace, not an operator).
+compute + communication - overlapped + idle = the step. On CPU ranks that share cores, "overlapped"
+is two threads taking turns on a core, not free time: compare it with the step, not with zero.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import statistics
+
+COMMUNICATION_OPS = re.compile(r"^(c10d::|_c10d_functional::|c10d_functional::)|wait", re.IGNORECASE)
+COLLECTIVE_SPANS = re.compile(r"^(gloo|nccl):")
+
+
+def merged(intervals: list[tuple[float, float]]) -> list[tuple[float, float]]:
+    """The union of intervals, as sorted disjoint intervals."""
+    out: list[list[float]] = []
+    for start, end in sorted(intervals):
+        if out and start <= out[-1][1]:
+            out[-1][1] = max(out[-1][1], end)
+        else:
+            out.append([start, end])
+    return [(a, b) for a, b in out]
+
+
+def total(intervals: list[tuple[float, float]]) -> float:
+    return sum(end - start for start, end in intervals)
+
+
+def intersection(a: list[tuple[float, float]], b: list[tuple[float, float]]) -> list[tuple[float, float]]:
+    """Intersection of two unions (each sorted and disjoint)."""
+    out, i, j = [], 0, 0
+    while i < len(a) and j < len(b):
+        start, end = max(a[i][0], b[j][0]), min(a[i][1], b[j][1])
+        if start < end:
+            out.append((start, end))
+        if a[i][1] < b[j][1]:
+            i += 1
+        else:
+            j += 1
+    return out
+
+
+def clipped(intervals, window: tuple[float, float]) -> list[tuple[float, float]]:
+    return [(max(s, window[0]), min(e, window[1])) for s, e in intervals if e > window[0] and s < window[1]]
+
+
+def step_breakdown(trace: dict) -> list[dict]:
+    """Per profiled step of a chrome trace (torch.profiler's export_chrome_trace): milliseconds of compute,
+    communication, overlapped, idle, and the step; and the step's compute / communication intervals
+    (ms from the step's start) for a timeline."""
+    spans = [e for e in trace["traceEvents"] if e.get("ph") == "X" and "dur" in e]
+    steps = sorted((e for e in spans if e["name"].startswith("ProfilerStep#")), key=lambda e: e["ts"])
+    if not steps:
+        return []
+    training_thread = steps[0]["tid"]
+    operators = sorted(
+        (e for e in spans if e.get("cat") == "cpu_op" and e["tid"] == training_thread), key=lambda e: e["ts"]
+    )
+    top_level, covered_until = [], float("-inf")  # operators not inside another operator
+    for op in operators:
+        if op["ts"] >= covered_until:
+            top_level.append(op)
+            covered_until = op["ts"] + op["dur"]
+    compute_all = [
+        (e["ts"], e["ts"] + e["dur"]) for e in top_level if not COMMUNICATION_OPS.search(e["name"])
+    ]
+    communication_all = [
+        (e["ts"], e["ts"] + e["dur"]) for e in top_level if COMMUNICATION_OPS.search(e["name"])
+    ]
+    communication_all += [(e["ts"], e["ts"] + e["dur"]) for e in spans if COLLECTIVE_SPANS.match(e["name"])]
+    rows = []
+    for step in steps:
+        window = (step["ts"], step["ts"] + step["dur"])
+        compute = merged(clipped(compute_all, window))
+        communication = merged(clipped(communication_all, window))
+        overlapped = total(intersection(compute, communication))
+        busy = total(compute) + total(communication) - overlapped
+        rows.append(
+            {
+                "step": step["name"].split("#")[1],
+                "step_ms": step["dur"] / 1e3,
+                "compute_ms": total(compute) / 1e3,
+                "communication_ms": total(communication) / 1e3,
+                "overlapped_ms": overlapped / 1e3,
+                "idle_ms": (step["dur"] - busy) / 1e3,
+                "compute_intervals": milliseconds_from(window[0], compute),
+                "communication_intervals": milliseconds_from(window[0], communication),
+            }
+        )
+    return rows
+
+
+def milliseconds_from(origin: float, intervals) -> list[tuple[float, float]]:
+    return [((start - origin) / 1e3, (end - origin) / 1e3) for start, end in intervals]
+
+
+def trace_breakdown(path: str) -> list[dict]:
+    with open(path) as handle:
+        return step_breakdown(json.load(handle))
+
+
+def median_breakdown(rows: list[dict]) -> dict:
+    """The median of each figure over the profiled steps."""
+    keys = ("step_ms", "compute_ms", "communication_ms", "overlapped_ms", "idle_ms")
+    return {key: statistics.median(row[key] for row in rows) for key in keys} if rows else {}
+
+
+def plot_timeline(per_rank: list[list[dict]], title: str, path: str) -> None:
+    """One profiled step per rank (the median-length one of rank 0's): compute and communication bars."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    index = sorted(range(len(per_rank[0])), key=lambda i: per_rank[0][i]["step_ms"])[len(per_rank[0]) // 2]
+    figure, axis = plt.subplots(figsize=(11, 1.2 + 0.8 * len(per_rank)))
+    for rank, rows in enumerate(per_rank):
+        row = rows[min(index, len(rows) - 1)]
+        y = 2 * (len(per_rank) - 1 - rank)
+        axis.broken_barh([(s, e - s) for s, e in row["compute_intervals"]], (y + 0.55, 0.8), color="tab:blue")
+        axis.broken_barh(
+            [(s, e - s) for s, e in row["communication_intervals"]], (y - 0.35, 0.8), color="tab:orange"
+        )
+    axis.set_yticks(
+        [2 * (len(per_rank) - 1 - r) + d for r in range(len(per_rank)) for d in (0.95, 0.05)],
+        [f"rank {r} {kind}" for r in range(len(per_rank)) for kind in ("compute", "communication")],
+    )
+    axis.set_xlabel("ms from the step's start")
+    axis.set_title(title)
+    figure.tight_layout()
+    figure.savefig(path, dpi=100)
+    plt.close(figure)
+
+
+class StepProfiler:
+    """torch.profiler over `steps` optimizer steps after the first `skip` (one-time work) and one warm-up
+    step; call .step() after each optimizer step. Writes <folder>/rank<r>.json (a chrome trace) when the
+    last profiled step ends; .breakdown() then reads it. steps=0: does nothing."""
+
+    def __init__(self, steps: int, folder: str, rank: int, device_type: str, skip: int = 3):
+        self.steps, self.path = steps, f"{folder}/rank{rank}.json"
+        self.folder, self.profiler = folder, None
+        if steps:
+            import os
+
+            from torch.profiler import ProfilerActivity, profile, schedule
+
+            os.makedirs(folder, exist_ok=True)
+            activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device_type == "cuda" else [])
+            self.profiler = profile(
+                activities=activities,
+                schedule=schedule(wait=skip, warmup=1, active=steps, repeat=1),
+                on_trace_ready=lambda done: done.export_chrome_trace(self.path),
+            )
+
+    def __enter__(self) -> StepProfiler:
+        if self.profiler:
+            self.profiler.__enter__()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self.profiler:
+            self.profiler.__exit__(*exc)
+
+    def step(self) -> None:
+        if self.profiler:
+            self.profiler.step()
+
+    def breakdown(self) -> list[dict]:
+        """This rank's rows (step_breakdown), or [] when nothing was profiled (off, or too few steps)."""
+        import os
+
+        return trace_breakdown(self.path) if self.profiler and os.path.exists(self.path) else []
