@@ -51,6 +51,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "--quick", action="store_true", help="a ~20k-parameter GPT for 12 steps: seconds per run"
     )
     parser.add_argument(
+        "--profile_steps",
+        type=int,
+        default=0,
+        help="passed to train_gpt: torch.profiler traces of this many steps per run (0: off)",
+    )
+    parser.add_argument(
         "--output_dir", default="runs/compare_strategies", help="a new dated folder is made in it"
     )
     parser.add_argument(
@@ -63,6 +69,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         parser.error(f"--strategies: {unknown or 'empty'} not among {', '.join(RANKS)}")
     if args.max_steps < 0:
         parser.error(f"--max_steps must be >= 0, got {args.max_steps}")
+    if args.profile_steps < 0:
+        parser.error(f"--profile_steps must be >= 0, got {args.profile_steps}")
     return args
 
 
@@ -79,6 +87,7 @@ def launch_command(strategy: str, run_dir: Path, args: argparse.Namespace) -> li
     flags = ["--strategy", strategy, "--output_dir", str(run_dir), "--report_to", "none"]
     flags += QUICK if args.quick else []
     flags += ["--max_steps", str(args.max_steps)] if args.max_steps else []
+    flags += ["--profile_steps", str(args.profile_steps)] if args.profile_steps else []
     return launcher + program + flags
 
 
@@ -115,6 +124,8 @@ def row(summary: dict) -> dict:
         "wire_bytes": communication.get("theory", {}).get("wire_bytes", 0),
         "tokens_per_s": metrics["tokens_per_s"],
         "step_time_ms": metrics["step_time_ms"],
+        "comm_calls": communication.get("counted", {}).get("calls", {}),
+        "step_breakdown_ms": metrics.get("step_breakdown_ms", []),
     }
 
 

@@ -97,6 +97,44 @@ def flops_per_token_counted(model: dict, batch: int) -> float:
     return counter.get_total_flops() / x.numel()
 
 
+def measure(square: int, min_time_s: float) -> dict:
+    """The one-thread peaks (float32 and bf16; square GEMM and the model's shapes) and FLOPs per token."""
+    torch.set_num_threads(1)  # one rank's share
+    tokens = PER_RANK_BATCH * MODEL["block_size"]
+    peaks = {}
+    for name, dtype in (("float32", torch.float32), ("bfloat16", torch.bfloat16)):
+        # bf16 GEMMs run ~280x slower than float32 on this CPU (no bf16 matmul units; measured 0.3
+        # GFLOP/s at 2048): a 2048 bf16 square alone took minutes, so bf16 is timed at 256
+        size = square if dtype == torch.float32 else min(square, 256)
+        peaks[name] = {
+            "square_gemm": gemm_flops_per_s(size, size, size, dtype, min_time_s),
+            "model_shapes": model_shape_peak(MODEL, tokens, dtype, min_time_s),
+        }
+    formula = flops_per_token_formula(MODEL)
+    counted = flops_per_token_counted(MODEL, PER_RANK_BATCH)
+    return {
+        "threads": 1,
+        "cores": os.cpu_count(),
+        "square": square,
+        "peak_flops_per_s_one_thread": peaks,
+        "flops_per_token": {
+            "formula": formula,
+            "counted": counted,
+            "counted_over_formula": counted / formula["total"],
+        },
+    }
+
+
+def describe(figures: dict) -> str:
+    peaks, square = figures["peak_flops_per_s_one_thread"], figures["square"]
+    formula, counted = figures["flops_per_token"]["formula"], figures["flops_per_token"]["counted"]
+    return (f"peak, one thread: square {square}: {peaks['float32']['square_gemm'] / 1e9:.1f} GFLOP/s float32, "
+            f"square {min(square, 256)}: {peaks['bfloat16']['square_gemm'] / 1e9:.1f} bfloat16; the model's GEMM shapes: "
+            f"{peaks['float32']['model_shapes'] / 1e9:.1f} / {peaks['bfloat16']['model_shapes'] / 1e9:.1f}\n"
+            f"FLOPs per token: formula {formula['total']:,} (6N {formula['matmuls']:,} + attention "
+            f"{formula['attention']:,}), counted {counted:,.0f} ({counted / formula['total']:.3f} x formula)")  # fmt: skip
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         description=__doc__.split("\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter
@@ -114,58 +152,46 @@ def main(argv: list[str] | None = None) -> int:
     if args.comparison and not os.path.isfile(args.comparison):
         parser.error(f"--comparison {args.comparison!r} is not a file")
     square, min_time_s = (256, 0.05) if args.quick else (args.square, args.min_time_s)
-    torch.set_num_threads(1)  # one rank's share
-    tokens = PER_RANK_BATCH * MODEL["block_size"]
-    peaks = {}
-    for name, dtype in (("float32", torch.float32), ("bfloat16", torch.bfloat16)):
-        # bf16 GEMMs run ~280x slower than float32 on this CPU (no bf16 matmul units; measured 0.3
-        # GFLOP/s at 2048): a 2048 bf16 square alone took minutes, so bf16 is timed at 256
-        size = square if dtype == torch.float32 else min(square, 256)
-        peaks[name] = {
-            "square_gemm": gemm_flops_per_s(size, size, size, dtype, min_time_s),
-            "model_shapes": model_shape_peak(MODEL, tokens, dtype, min_time_s),
-        }
-    formula = flops_per_token_formula(MODEL)
-    counted = flops_per_token_counted(MODEL, PER_RANK_BATCH)
-    figures = {
-        "threads": 1,
-        "cores": os.cpu_count(),
-        "peak_flops_per_s_one_thread": peaks,
-        "flops_per_token": {
-            "formula": formula,
-            "counted": counted,
-            "counted_over_formula": counted / formula["total"],
-        },
-    }
-    print(f"peak, one thread: square {square}: {peaks['float32']['square_gemm'] / 1e9:.1f} GFLOP/s float32, "
-          f"square {min(square, 256)}: {peaks['bfloat16']['square_gemm'] / 1e9:.1f} bfloat16; the model's GEMM shapes: "
-          f"{peaks['float32']['model_shapes'] / 1e9:.1f} / {peaks['bfloat16']['model_shapes'] / 1e9:.1f}")  # fmt: skip
-    print(f"FLOPs per token: formula {formula['total']:,} (6N {formula['matmuls']:,} + attention "
-          f"{formula['attention']:,}), counted {counted:,.0f} ({counted / formula['total']:.3f} x formula)")  # fmt: skip
+    figures = measure(square, min_time_s)
+    print(describe(figures))
     if args.comparison:
-        rows = json.load(open(args.comparison))
-        figures["mfu"] = []
-        print(
-            "| strategy | ranks | tokens/s | model GFLOP/s | MFU vs square-GEMM peak | MFU vs model-shape peak |"
+        peak, flops_per_token = (
+            figures["peak_flops_per_s_one_thread"]["float32"],
+            figures["flops_per_token"]["formula"]["total"],
         )
-        print("|---|---|---|---|---|---|")
-        for row in rows:
-            if "error" in row:
-                continue
-            ranks = eval_ranks(row["ranks"])
-            cores = min(ranks, os.cpu_count())
-            achieved = row["tokens_per_s"] * formula["total"]
-            mfu_square = achieved / (cores * peaks["float32"]["square_gemm"])
-            mfu_shapes = achieved / (cores * peaks["float32"]["model_shapes"])
-            figures["mfu"].append({"strategy": row["strategy"], "ranks": ranks, "cores": cores,
-                                   "model_flops_per_s": achieved, "mfu_square": mfu_square,
-                                   "mfu_model_shapes": mfu_shapes})  # fmt: skip
-            print(f"| {row['strategy']} | {ranks} on {cores} cores | {row['tokens_per_s']:,.0f} | {achieved / 1e9:.2f} "
-                  f"| {mfu_square:.1%} | {mfu_shapes:.1%} |")  # fmt: skip
+        figures["mfu"] = mfu_rows(json.load(open(args.comparison)), peak, flops_per_token)
+        print(mfu_table(figures["mfu"]))
     if args.output:
         with open(args.output, "w") as handle:
             json.dump(figures, handle, indent=2)
     return 0
+
+
+def mfu_rows(comparison_rows: list[dict], peak: dict, flops_per_token: float) -> list[dict]:
+    """MFU of each compare_strategies row: model FLOP/s achieved / (cores the ranks had x one thread's
+    peak), against the square-GEMM peak and against the model-shape peak."""
+    rows = []
+    for row in comparison_rows:
+        if "error" in row:
+            continue
+        ranks = eval_ranks(row["ranks"])
+        cores = min(ranks, os.cpu_count())
+        achieved = row["tokens_per_s"] * flops_per_token
+        rows.append({"strategy": row["strategy"], "ranks": ranks, "cores": cores, "tokens_per_s": row["tokens_per_s"],
+                     "model_flops_per_s": achieved, "mfu_square": achieved / (cores * peak["square_gemm"]),
+                     "mfu_model_shapes": achieved / (cores * peak["model_shapes"])})  # fmt: skip
+    return rows
+
+
+def mfu_table(rows: list[dict]) -> str:
+    lines = [
+        "| strategy | ranks | tokens/s | model GFLOP/s | MFU vs square-GEMM peak | MFU vs model-shape peak |",
+        "|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        lines.append(f"| {r['strategy']} | {r['ranks']} on {r['cores']} cores | {r['tokens_per_s']:,.0f} "
+                     f"| {r['model_flops_per_s'] / 1e9:.2f} | {r['mfu_square']:.1%} | {r['mfu_model_shapes']:.1%} |")  # fmt: skip
+    return "\n".join(lines)
 
 
 def eval_ranks(ranks: str) -> int:

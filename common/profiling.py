@@ -2,15 +2,17 @@
 viewable in https://ui.perfetto.dev or chrome://tracing).
 
 A step is the profiler's `ProfilerStep#N` span on the training thread. Inside it:
-  compute        the training thread's top-level operators, except those that issue or wait for a
-                 collective (c10d::*, _c10d_functional::*, *wait*);
+  compute        the training thread's top-level operators, minus the spans of operators (at any
+                 depth) that issue or wait for a collective (c10d::*, _c10d_functional::*, *wait*);
   communication  the collectives themselves: gloo runs each on its own worker thread and the profiler
                  marks it `gloo:<op>` (NCCL: `nccl:<op>`), from start to finish, whoever waits for it;
                  plus the training thread's issuing and waiting;
   overlapped     time in both (a collective running while the training thread computes: DDP's bucket
                  all-reduce during backward, FSDP2's prefetched all-gathers);
-  idle           time in neither (the training thread blocked outside any operator: e.g. DDP waiting
-                 for its last bucket at the end of backward is a gap in the trace, not an operator).
+  idle           time in neither: the training thread outside any operator. That is Python and
+                 framework work between operators (DTensor's sharding propagation, FSDP2's and DDP's
+                 hooks, our loop) and waits the trace does not mark (DDP waiting for its last bucket
+                 at the end of backward is a gap in the trace, not an operator).
 compute + communication - overlapped + idle = the step. On CPU ranks that share cores, "overlapped"
 is two threads taking turns on a core, not free time: compare it with the step, not with zero.
 """
@@ -19,7 +21,6 @@ from __future__ import annotations
 
 import json
 import re
-import statistics
 
 COMMUNICATION_OPS = re.compile(r"^(c10d::|_c10d_functional::|c10d_functional::)|wait", re.IGNORECASE)
 COLLECTIVE_SPANS = re.compile(r"^(gloo|nccl):")
@@ -54,6 +55,23 @@ def intersection(a: list[tuple[float, float]], b: list[tuple[float, float]]) -> 
     return out
 
 
+def difference(a: list[tuple[float, float]], b: list[tuple[float, float]]) -> list[tuple[float, float]]:
+    """a minus b (each sorted and disjoint)."""
+    out, j = [], 0
+    for start, end in a:
+        while j < len(b) and b[j][1] <= start:
+            j += 1
+        k = j
+        while k < len(b) and b[k][0] < end:
+            if b[k][0] > start:
+                out.append((start, b[k][0]))
+            start = max(start, b[k][1])
+            k += 1
+        if start < end:
+            out.append((start, end))
+    return out
+
+
 def clipped(intervals, window: tuple[float, float]) -> list[tuple[float, float]]:
     return [(max(s, window[0]), min(e, window[1])) for s, e in intervals if e > window[0] and s < window[1]]
 
@@ -75,13 +93,14 @@ def step_breakdown(trace: dict) -> list[dict]:
         if op["ts"] >= covered_until:
             top_level.append(op)
             covered_until = op["ts"] + op["dur"]
-    compute_all = [
-        (e["ts"], e["ts"] + e["dur"]) for e in top_level if not COMMUNICATION_OPS.search(e["name"])
-    ]
-    communication_all = [
-        (e["ts"], e["ts"] + e["dur"]) for e in top_level if COMMUNICATION_OPS.search(e["name"])
-    ]
-    communication_all += [(e["ts"], e["ts"] + e["dur"]) for e in spans if COLLECTIVE_SPANS.match(e["name"])]
+    # issuing and waiting, at any depth: DTensor issues and waits for its collectives inside the operator
+    # being computed (aten::mm on a sharded input), which is compute only outside those spans
+    issuing = merged(
+        [(e["ts"], e["ts"] + e["dur"]) for e in operators if COMMUNICATION_OPS.search(e["name"])]
+    )
+    compute_all = difference(merged([(e["ts"], e["ts"] + e["dur"]) for e in top_level]), issuing)
+    collectives = [(e["ts"], e["ts"] + e["dur"]) for e in spans if COLLECTIVE_SPANS.match(e["name"])]
+    communication_all = issuing + collectives
     rows = []
     for step in steps:
         window = (step["ts"], step["ts"] + step["dur"])
@@ -114,9 +133,13 @@ def trace_breakdown(path: str) -> list[dict]:
 
 
 def median_breakdown(rows: list[dict]) -> dict:
-    """The median of each figure over the profiled steps."""
-    keys = ("step_ms", "compute_ms", "communication_ms", "overlapped_ms", "idle_ms")
-    return {key: statistics.median(row[key] for row in rows) for key in keys} if rows else {}
+    """The figures of the median-length profiled step (one step's, so that its parts add up to it)."""
+    if not rows:
+        return {}
+    step = sorted(rows, key=lambda row: row["step_ms"])[(len(rows) - 1) // 2]
+    return {
+        key: step[key] for key in ("step_ms", "compute_ms", "communication_ms", "overlapped_ms", "idle_ms")
+    }
 
 
 def plot_timeline(per_rank: list[list[dict]], title: str, path: str) -> None:

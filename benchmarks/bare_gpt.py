@@ -1,0 +1,102 @@
+"""train_gpt's training step written with torch.distributed only: no Accelerate, no common/ training loop,
+no checks. The yardstick for benchmarks/performance.py's overhead figure: the same model, data,
+AdamW groups, learning-rate schedule, global-norm clipping and steps as `train_gpt.py --strategy ddp|fsdp`,
+and the same throughput figure (training tokens / seconds in the training loop).
+
+    torchrun --nproc_per_node 2 benchmarks/bare_gpt.py --strategy ddp --max_steps 100 --output out.json
+
+Torch's own pieces only: DistributedDataParallel, or fully_shard on each block then the root (ZeRO-3);
+torch.nn.utils.clip_grad_norm_ (which takes the global norm of FSDP2's DTensor gradients).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import math
+import os
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import torch
+import torch.distributed as dist
+
+from common.gpt import GPTConfig, build_gpt  # noqa: I001  (the model and corpus are the experiment's)
+from common.text import load_corpus
+
+# train_gpt's defaults (experiments/train_gpt.py Config)
+DEFAULTS = {"vocab_size": 2048, "block_size": 64, "n_layer": 4, "n_head": 4, "d_model": 128}
+LR, MIN_LR_RATIO, WARMUP, WEIGHT_DECAY, CLIP, PER_RANK_BATCH, SEED = 3e-3, 0.1, 20, 0.1, 1.0, 4, 0
+
+
+def lr_at(step: int, max_steps: int) -> float:
+    if step <= WARMUP:
+        return LR * step / WARMUP
+    progress = (step - WARMUP) / max(1, max_steps - WARMUP)
+    return LR * (MIN_LR_RATIO + (1 - MIN_LR_RATIO) * 0.5 * (1 + math.cos(math.pi * progress)))
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument(
+        "--strategy", choices=("ddp", "fsdp"), required=True, help="torch's DDP or fully_shard"
+    )
+    parser.add_argument("--max_steps", type=int, default=100, help="optimizer steps")
+    parser.add_argument("--output", required=True, help="JSON file for the figures (rank 0 writes it)")
+    args = parser.parse_args()
+    if args.max_steps < 1:
+        parser.error(f"--max_steps must be >= 1, got {args.max_steps}")
+    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=300))
+    rank, world = dist.get_rank(), dist.get_world_size()
+    corpus = load_corpus("", DEFAULTS["vocab_size"], DEFAULTS["block_size"], 0.1)
+    x_all, y_all = corpus["train"]
+    config = GPTConfig(
+        corpus["vocab_size"], *(DEFAULTS[k] for k in ("block_size", "n_layer", "n_head", "d_model"))
+    )
+    model = build_gpt(config, SEED)
+    if args.strategy == "ddp":
+        model = torch.nn.parallel.DistributedDataParallel(model)
+    else:
+        from torch.distributed.fsdp import fully_shard
+
+        for block in model.blocks:
+            fully_shard(block)
+        fully_shard(model)
+    decay = [p for p in model.parameters() if p.dim() >= 2]
+    no_decay = [p for p in model.parameters() if p.dim() < 2]
+    optimizer = torch.optim.AdamW(
+        [{"params": decay, "weight_decay": WEIGHT_DECAY}, {"params": no_decay, "weight_decay": 0.0}],
+        lr=LR,
+        betas=(0.9, 0.95),
+        eps=1e-8,
+    )
+    global_batch = PER_RANK_BATCH * world
+    order = torch.randperm(len(x_all), generator=torch.Generator().manual_seed(SEED * 100_003))
+    dist.barrier()
+    started = time.perf_counter()
+    for step in range(1, args.max_steps + 1):
+        first = ((step - 1) * global_batch) % (len(order) - global_batch)
+        rows = order[first + rank * PER_RANK_BATCH : first + (rank + 1) * PER_RANK_BATCH]
+        _, loss = model(x_all[rows], y_all[rows])
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP)
+        for group in optimizer.param_groups:
+            group["lr"] = lr_at(step, args.max_steps)
+        optimizer.step()
+        optimizer.zero_grad()
+    loss_value = loss.item()
+    elapsed = time.perf_counter() - started
+    tokens = args.max_steps * global_batch * DEFAULTS["block_size"]
+    if rank == 0:
+        with open(args.output, "w") as handle:
+            json.dump({"strategy": args.strategy, "steps": args.max_steps, "tokens_per_s": tokens / elapsed,
+                       "last_loss": loss_value}, handle)  # fmt: skip
+    dist.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
