@@ -16,7 +16,6 @@ Writes <output_dir>/<UTC time>/comparison.md, comparison.png and comparison.json
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import os
 import sys
@@ -24,7 +23,7 @@ from pathlib import Path
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from benchmarks.workers import free_port
+from benchmarks.workers import dated_folder, free_port
 from common.processes import TIMED_OUT, run_process_tree
 
 REPO = Path(__file__).resolve().parent.parent
@@ -203,11 +202,8 @@ def plot(rows: list[dict], path: Path) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    folder = Path(args.output_dir).resolve() / datetime.datetime.now(datetime.UTC).strftime("%Y%m%d-%H%M%S")
-    try:
-        folder.mkdir(parents=True, exist_ok=False)
-    except OSError as error:
-        print(f"compare_strategies: cannot make --output_dir {folder}: {error.strerror}", file=sys.stderr)
+    folder = dated_folder(args.output_dir, "compare_strategies")
+    if folder is None:
         return 2
     summaries = []
     for strategy in args.strategies:

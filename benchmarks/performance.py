@@ -26,7 +26,6 @@ traces for ui.perfetto.dev, profile/timeline.png) and overhead/.
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import os
 import statistics
@@ -36,7 +35,7 @@ from pathlib import Path
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from benchmarks import compare_strategies, mfu
-from benchmarks.workers import free_port
+from benchmarks.workers import dated_folder, free_port
 from common.processes import TIMED_OUT, run_process_tree
 from common.profiling import trace_breakdown
 
@@ -265,11 +264,8 @@ def markdown(report: dict, command: str) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    folder = Path(args.output_dir).resolve() / datetime.datetime.now(datetime.UTC).strftime("%Y%m%d-%H%M%S")
-    try:
-        folder.mkdir(parents=True, exist_ok=False)
-    except OSError as error:
-        print(f"performance: cannot make --output_dir {folder}: {error.strerror}", file=sys.stderr)
+    folder = dated_folder(args.output_dir, "performance")
+    if folder is None:
         return 2
     print("1/5 peak and FLOPs per token ...", flush=True)
     peak = mfu.measure(*((256, 0.05) if args.quick else (2048, 1.0)))

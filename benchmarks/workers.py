@@ -17,6 +17,21 @@ import tempfile
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
+def dated_folder(output_dir: str, program: str):
+    """A new <output_dir>/<UTC time>/ for one run of a benchmark (never an existing one), or None after
+    saying why on stderr."""
+    import datetime
+    from pathlib import Path
+
+    folder = Path(output_dir).resolve() / datetime.datetime.now(datetime.UTC).strftime("%Y%m%d-%H%M%S")
+    try:
+        folder.mkdir(parents=True, exist_ok=False)
+    except OSError as error:
+        print(f"{program}: cannot make --output_dir {folder}: {error.strerror}", file=sys.stderr)
+        return None
+    return folder
+
+
 def free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
