@@ -123,6 +123,10 @@ def row(summary: dict) -> dict:
         "wire_bytes": communication.get("theory", {}).get("wire_bytes", 0),
         "tokens_per_s": metrics["tokens_per_s"],
         "step_time_ms": metrics["step_time_ms"],
+        "tokens_per_step": config["per_rank_batch_size"]
+        * config["block_size"]
+        * metrics["dp_size"]
+        * config["gradient_accumulation_steps"],
         "comm_calls": communication.get("counted", {}).get("calls", {}),
         "step_breakdown_ms": metrics.get("step_breakdown_ms", []),
     }

@@ -37,7 +37,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from benchmarks import compare_strategies, mfu
 from benchmarks.workers import dated_folder, free_port
 from common.processes import TIMED_OUT, run_process_tree
-from common.profiling import trace_breakdown
+from common.profiling import trace_breakdown, waiting_for_peers
 
 REPO = Path(__file__).resolve().parent.parent
 CPU_DDP = str(REPO / "accelerate_configs" / "cpu_ddp.yaml")
@@ -58,7 +58,7 @@ def parse_args(argv):
         "--strategies", default=",".join(compare_strategies.RANKS), help="strategies profiled"
     )
     parser.add_argument("--max_steps", type=int, default=100, help="optimizer steps per training run")
-    parser.add_argument("--profile_steps", type=int, default=5, help="steps traced per run (after step 4)")
+    parser.add_argument("--profile_steps", type=int, default=5, help="steps traced per run (after step 16)")
     parser.add_argument(
         "--overhead_strategies", default="ddp,fsdp", help="bare PyTorch vs train_gpt: ddp, fsdp"
     )
@@ -80,8 +80,9 @@ def parse_args(argv):
                      "--overhead_strategies from ddp, fsdp")  # fmt: skip
     if args.quick:
         args.max_steps, args.profile_steps = 12, min(args.profile_steps, 3)
-    if args.overhead_rounds < 0 or not 0 < args.profile_steps <= args.max_steps - 4:
-        parser.error(f"--overhead_rounds must be >= 0 and --profile_steps in 1..--max_steps - 4, got "
+    # train_gpt profiles after its 15 parity steps (6 in --quick) and one warm-up step
+    if args.overhead_rounds < 0 or not 0 < args.profile_steps <= args.max_steps - (7 if args.quick else 16):
+        parser.error(f"--overhead_rounds must be >= 0 and --profile_steps in 1..--max_steps - 16, got "
                      f"{args.overhead_rounds}, {args.profile_steps} (--max_steps {args.max_steps})")  # fmt: skip
     return args
 
@@ -296,9 +297,15 @@ def main(argv: list[str] | None = None) -> int:
             continue
         predicted = predicted_ms(r["comm_calls"], r["comm_counted"], fits)
         measured = r["step_breakdown_ms"][0]["communication_ms"]
+        ranks = compare_strategies.RANKS[r["strategy"]]
+        traces = [str(strategies_folder / r["strategy"] / "profile" / f"rank{k}.json") for k in range(ranks)]
+        waiting = (
+            waiting_for_peers(traces) if r["strategy"] != "fsdp_tp" else {}
+        )  # one group of all ranks only
         report["cost_model"]["strategies"][r["strategy"]] = {
             "calls": r["comm_calls"], "bytes": r["comm_counted"], "predicted_ms": predicted,
             "measured_ms": measured, "ratio": measured / predicted if predicted else float("nan"),
+            "waiting_for_peers": waiting,
         }  # fmt: skip
     print("5/5 overhead against bare PyTorch ...", flush=True)
     report["overhead"] = overhead(folder / "overhead", args) if args.overhead_rounds else {}

@@ -208,3 +208,40 @@ class StepProfiler:
         import os
 
         return trace_breakdown(self.path) if self.profiler and os.path.exists(self.path) else []
+
+
+def waiting_for_peers(trace_paths: list[str]) -> dict:
+    """How much of rank 0's collective time is waiting for the other ranks to arrive. The ranks' traces
+    share one clock (one host), and every rank issues the same collectives in the same order when all
+    ranks form one group (ddp, zero2, fsdp, tp), so the k-th collective span of each rank is the same
+    call: it can move data only once the last rank has entered it. Per profiled step, averaged: rank 0's
+    span time, the part before the last rank arrived, and the rest (the transfer proper). {} when the
+    ranks' spans do not pair up (several groups, as under fsdp_tp)."""
+    per_rank, steps = [], 0
+    for path in trace_paths:
+        with open(path) as handle:
+            events = [e for e in json.load(handle)["traceEvents"] if e.get("ph") == "X" and "dur" in e]
+        profiled = [e for e in events if e["name"].startswith("ProfilerStep#")]
+        if not profiled:
+            return {}
+        start, end = min(e["ts"] for e in profiled), max(e["ts"] + e["dur"] for e in profiled)
+        steps = len(profiled)
+        spans = sorted(
+            (e["ts"], e["ts"] + e["dur"])
+            for e in events
+            if COLLECTIVE_SPANS.match(e["name"]) and start <= e["ts"] < end
+        )
+        per_rank.append(spans)
+    if len({len(spans) for spans in per_rank}) != 1 or not per_rank[0]:
+        return {}
+    calls = list(zip(*per_rank, strict=True))  # the k-th span of every rank
+    own = [call[0] for call in calls]
+    last_arrival = [max(span[0] for span in call) for call in calls]
+    waiting = sum(arrival - mine[0] for arrival, mine in zip(last_arrival, own, strict=True))
+    spans_total = sum(end - start for start, end in own)
+    return {
+        "calls_per_step": len(own) / steps,
+        "spans_ms": spans_total / steps / 1e3,
+        "waiting_ms": waiting / steps / 1e3,
+        "after_arrival_ms": (spans_total - waiting) / steps / 1e3,
+    }

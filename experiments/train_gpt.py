@@ -61,6 +61,8 @@ Run it (2 CPU ranks; the same commands on GPUs with accelerate_configs/multi_gpu
     accelerate launch --config_file accelerate_configs/cpu_ddp.yaml --num_processes 4 experiments/train_gpt.py \
         --strategy fsdp_tp --dp_size 2 --tp_size 2      # 4 ranks on 2 cores: slow, but every check runs
 Every strategy side by side (table + PNG): python -m benchmarks.compare_strategies
+Where a step's time goes: --profile_steps 5 (torch.profiler traces per rank, common/profiling.py); against
+this machine's peak, a cost model and bare PyTorch: python -m benchmarks.performance
 """
 
 from __future__ import annotations
@@ -181,8 +183,9 @@ class Config(ResumableArgs):
     sample_tokens: int = flag(40, "tokens of text generated at the end (0: none)")
     profile_steps: int = flag(
         0,
-        "torch.profiler traces this many steps after step 4 (0: off): <output_dir>/profile/rank<r>.json "
-        "(open in ui.perfetto.dev), each step split into compute / communication / overlapped / idle, and "
+        "torch.profiler traces this many steps (0: off) after the one-time work (the first 3 steps and the "
+        "--parity_steps snapshot) and one warm-up step: <output_dir>/profile/rank<r>.json (open in "
+        "ui.perfetto.dev), each step split into compute / communication / overlapped / idle, and "
         "profile/timeline.png",
     )
     wrong_variant: str = flag(
@@ -264,10 +267,12 @@ class Config(ResumableArgs):
             f"--wrong_variant {self.wrong_variant} is a mistake only under --strategy "
             f"{', '.join(WRONG_VARIANTS[self.wrong_variant])}, not {self.strategy}",
         )
+        most = self.max_steps - self.steps_before_profiling() - 1
         require(
-            self.profile_steps == 0 or 0 < 4 + self.profile_steps <= self.max_steps,
-            f"--profile_steps {self.profile_steps}: must be 0 (off) or 1..--max_steps - 4 ({self.max_steps - 4}): "
-            "the first 3 steps do one-time work and the 4th warms the profiler up",
+            self.profile_steps == 0 or 0 < self.profile_steps <= most,
+            f"--profile_steps {self.profile_steps}: must be 0 (off) or 1..{most} with --max_steps {self.max_steps}: "
+            f"profiling starts after {self.steps_before_profiling()} steps of one-time work (the first 3, the "
+            "--parity_steps snapshot) and one warm-up step",
         )
         require(
             0 <= self.parity()["steps"] <= self.max_steps,
@@ -281,6 +286,12 @@ class Config(ResumableArgs):
         if self.wrong_variant.startswith("resume_"):
             trajectory["wrong_variant"] = ""
         return trajectory
+
+    def steps_before_profiling(self) -> int:
+        """Steps with one-time work, left out of --profile_steps: the first 3 (after the evaluation FSDP2's
+        root stays gathered; DDP rebuilds its buckets in the 2nd; the 3rd is counted) and the snapshot at
+        --parity_steps, which gathers every parameter."""
+        return max(3, self.parity()["steps"])
 
     def mesh_shape(self, world_size: int) -> tuple[int, int]:
         """(data-parallel size, tensor-parallel size). Data-parallel ranks see different data."""
@@ -630,9 +641,13 @@ def run(cfg: Config) -> int:
         probe = Probe(
             cfg, accelerator, checkpointer, run.start_step, count_step=min(run.start_step + 3, cfg.max_steps)
         )
-        # --profile_steps: a trace per rank of steps 5.. (common/profiling.py), in steady state
+        # --profile_steps: a trace per rank of steady-state steps (common/profiling.py)
         profiler = StepProfiler(
-            cfg.profile_steps, os.path.join(run.output_dir, "profile"), rank, accelerator.device.type
+            cfg.profile_steps,
+            os.path.join(run.output_dir, "profile"),
+            rank,
+            accelerator.device.type,
+            skip=cfg.steps_before_profiling(),
         )
         with profiler:
             train(cfg, accelerator, model, optimizer, loop, batches, probe, profiler)

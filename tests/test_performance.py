@@ -41,6 +41,9 @@ def test_one_command_writes_peak_mfu_breakdown_cost_model_overhead_and_traces(tm
     assert all(f["alpha_us"] >= 0 and f["bandwidth_gbps"] > 0 for f in fits.values())
     tp = report["cost_model"]["strategies"]["tp"]
     assert tp["calls"] == {"all_reduce": 10, "all_gather": 1} and tp["predicted_ms"] > 0 < tp["measured_ms"]
+    # the traces hold the same collectives the counter saw (10 + 1), plus clipping's norm all-reduce
+    assert tp["waiting_for_peers"]["calls_per_step"] == 12 and tp["waiting_for_peers"]["waiting_ms"] >= 0
+    assert 0 < report["mfu"][0]["mfu_median_step_model_shapes"] < 1
     b = report["breakdown"]["tp"]
     parts = b["compute_ms"] + b["communication_ms"] - b["overlapped_ms"] + b["idle_ms"]
     assert parts == pytest.approx(b["step_ms"], rel=1e-6) and b["communication_ms"] > 0
@@ -77,7 +80,7 @@ def test_one_command_writes_peak_mfu_breakdown_cost_model_overhead_and_traces(tm
     [
         (["--strategies", "ddp,zero4"], "unknown strategies ['zero4']"),
         (["--overhead_strategies", "tp"], "unknown strategies ['tp']"),
-        (["--profile_steps", "99"], "--profile_steps in 1..--max_steps - 4"),
+        (["--profile_steps", "99"], "--profile_steps in 1..--max_steps - 16"),
     ],
 )
 def test_bad_input_is_refused_before_any_run(tmp_path, capsys, args, message):

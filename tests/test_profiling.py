@@ -1,11 +1,14 @@
 """common/profiling.py: a step's time split into compute / communication / overlapped / idle, on a trace
-built by hand (the arithmetic) and on a real torch.profiler trace of a 2-thread program."""
+built by hand (the arithmetic), and the wait for the other rank split from the transfer. Real traces:
+tests/test_train_gpt.py (zero2, one process) and tests/test_performance.py (tp)."""
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
-from common.profiling import difference, merged, step_breakdown
+from common.profiling import difference, merged, step_breakdown, waiting_for_peers
 
 
 def span(name, ts, dur, tid=1, cat="cpu_op"):
@@ -46,3 +49,23 @@ def test_merged_is_a_union():
 def test_difference_cuts_holes():
     assert difference([(0, 10), (20, 30)], [(2, 3), (5, 22), (29, 40)]) == [(0, 2), (3, 5), (22, 29)]
     assert difference([(0, 10)], [(0, 10)]) == [] and difference([(0, 10)], []) == [(0, 10)]
+
+
+def write_trace(path, spans):
+    path.write_text(json.dumps({"traceEvents": spans}))
+    return str(path)
+
+
+def test_waiting_for_the_other_rank_is_split_from_the_transfer(tmp_path):
+    step = span("ProfilerStep#5", 0, 100, cat="user_annotation")
+    rank0 = [step, span("gloo:all_reduce", 10, 30, tid=7), span("gloo:all_gather", 60, 10, tid=7)]
+    rank1 = [step, span("gloo:all_reduce", 25, 15, tid=7), span("gloo:all_gather", 55, 15, tid=7)]
+    paths = [write_trace(tmp_path / "r0.json", rank0), write_trace(tmp_path / "r1.json", rank1)]
+    figures = waiting_for_peers(paths)
+    # rank 0 entered the all-reduce at 10, rank 1 at 25: 15 µs of waiting; the all-gather none
+    assert figures["calls_per_step"] == 2 and figures["spans_ms"] == pytest.approx(0.040)
+    assert figures["waiting_ms"] == pytest.approx(0.015) and figures["after_arrival_ms"] == pytest.approx(
+        0.025
+    )
+    rank1_short = [step, span("gloo:all_reduce", 25, 15, tid=7)]
+    assert waiting_for_peers([paths[0], write_trace(tmp_path / "r1b.json", rank1_short)]) == {}

@@ -129,7 +129,7 @@ def test_a_model_that_does_not_learn_fails_loss_decreased(tmp_path, capsys):
             "--mixed_precision bf16 with --strategy tp: not built",
         ),
         (["--vocab_size", "100"], "--vocab_size must be >= 260"),
-        (["--profile_steps", "9"], "--profile_steps 9: must be 0 (off) or 1..--max_steps - 4 (8)"),
+        (["--profile_steps", "6"], "--profile_steps 6: must be 0 (off) or 1..5 with --max_steps 12"),
     ],
 )
 def test_bad_input_is_one_line(tmp_path, args, message, capsys):
