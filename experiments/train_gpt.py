@@ -89,7 +89,7 @@ from common.comm_counter import WIRE_FACTOR, CollectiveCounter
 from common.config import flag, parse_config, require, require_positive, run_cli
 from common.data import iterate_sample_stream
 from common.gpt import GPT, GPTConfig, build_gpt, count_parameters
-from common.profiling import StepProfiler, median_breakdown, plot_timeline
+from common.profiling import StepProfiler, mean_breakdown, plot_timeline
 from common.reliability import ResumableArgs
 from common.run import start_run
 from common.runtime import launched_world_size
@@ -728,18 +728,18 @@ def train(cfg: Config, accelerator, model, optimizer, loop: TrainLoop, batches, 
 
 
 def report_profile(run, cfg: Config, rows: list[dict]) -> None:
-    """Every rank's profiled steps: the median breakdown per rank in the metrics, a timeline PNG."""
+    """Every rank's profiled steps: the mean breakdown per rank in the metrics, a timeline PNG."""
     every_rank = run.accelerator.gather_for_metrics([rows], use_gather_object=True)
     if not run.is_main or not all(every_rank):
         return
-    medians = [median_breakdown(rows) for rows in every_rank]
-    run.metrics["step_breakdown_ms"] = medians
+    means = [mean_breakdown(rows) for rows in every_rank]
+    run.metrics["step_breakdown_ms"] = means
     timeline = os.path.join(run.output_dir, "profile", "timeline.png")
     plot_timeline(every_rank, f"{cfg.strategy} on {len(every_rank)} rank(s): one profiled step", timeline)
-    run.log_table("step_breakdown", [{"rank": r, **m} for r, m in enumerate(medians)], timeline)
+    run.log_table("step_breakdown", [{"rank": r, **m} for r, m in enumerate(means)], timeline)
     run.print(
-        "profiled step, rank 0 (ms): "
-        + ", ".join(f"{k[:-3]} {v:.1f}" for k, v in medians[0].items())
+        f"profiled steps, rank 0, mean of {len(every_rank[0])} (ms): "
+        + ", ".join(f"{k[:-3]} {v:.1f}" for k, v in means[0].items())
         + f"; traces and timeline.png in {os.path.dirname(timeline)}"
     )
 
