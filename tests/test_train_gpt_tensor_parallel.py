@@ -12,7 +12,20 @@ from helpers import GPT_DISTRIBUTED_CHECKS, GPT_TINY, assert_gpt_passed, launch
 
 @pytest.mark.launch
 def test_fsdp_times_tp_on_four_ranks(tmp_path):
-    args = [*GPT_TINY, "--strategy", "fsdp_tp", "--dp_size", "2", "--tp_size", "2"]
+    # 8 steps, not 12: 4 ranks share 2 cores here, and parity over 4 steps already separates the mistakes
+    args = [
+        *GPT_TINY,
+        "--strategy",
+        "fsdp_tp",
+        "--dp_size",
+        "2",
+        "--tp_size",
+        "2",
+        "--max_steps",
+        "8",
+        "--parity_steps",
+        "4",
+    ]
     summary = assert_gpt_passed(launch("train_gpt.py", args, tmp_path / "run", num_processes=4), 4)
     assert set(summary["checks"]) == GPT_DISTRIBUTED_CHECKS
     metrics = summary["metrics"]
