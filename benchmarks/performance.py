@@ -39,8 +39,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from benchmarks import compare_strategies, mfu
 from benchmarks.workers import dated_folder, free_port
-from common.processes import TIMED_OUT, run_process_tree
-from common.profiling import trace_breakdown, waiting_for_peers
+from common.processes import run_process_tree
+from common.profiling import median_step, plot_timeline, trace_breakdown, waiting_for_peers
 
 REPO = Path(__file__).resolve().parent.parent
 CPU_DDP = str(REPO / "accelerate_configs" / "cpu_ddp.yaml")
@@ -95,7 +95,7 @@ def launch(command: list[str], log: Path, timeout_s: float) -> bool:
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     done = run_process_tree(command, timeout_s, cwd=REPO, env=env)
     log.write_text(done.stdout + done.stderr)
-    return done.returncode == 0 and done.returncode != TIMED_OUT
+    return done.returncode == 0  # TIMED_OUT is not 0
 
 
 def accelerate_launch(script: str, flags: list[str]) -> list[str]:
@@ -106,7 +106,7 @@ def accelerate_launch(script: str, flags: list[str]) -> list[str]:
 def bench_collectives(folder: Path, args) -> list[dict]:
     """collectives_bench's rows (op, bytes, time_us) on 2 ranks."""
     sizes = (
-        ["--max_bytes", str(2**20), "--iters", "3", "--repeats", "3", "--memcpy_bytes", str(2**24)]
+        ["--max_bytes", str(2**22), "--iters", "3", "--repeats", "3", "--memcpy_bytes", str(2**24)]
         if args.quick
         else []
     )
@@ -122,7 +122,9 @@ def bench_collectives(folder: Path, args) -> list[dict]:
 
 def fit_alpha_beta(rows: list[dict]) -> dict:
     """Per op: time = alpha + bytes / bandwidth, by least squares on the relative error (each row's
-    equation divided by its time). alpha is kept >= 0. Also the worst relative error of the fit."""
+    equation divided by its time). Neither term may be negative: a negative latency is refitted as
+    bandwidth only, a negative cost per byte (times falling with size: noise) as latency only, and then
+    bandwidth is None. Also the worst relative error of the fit."""
     import torch
 
     fits = {}
@@ -135,8 +137,16 @@ def fit_alpha_beta(rows: list[dict]) -> dict:
         if alpha < 0:  # latency cannot be negative: bandwidth only
             alpha = 0.0
             per_byte = sum(s / t for s, t in points) / sum((s / t) ** 2 for s, t in points)
+        if per_byte < 0:  # nor a cost per byte: latency only
+            per_byte = 0.0
+            alpha = sum(1 / t for _, t in points) / sum(1 / t**2 for _, t in points)
         worst = max(abs(alpha + per_byte * s - t) / t for s, t in points)
-        fits[op] = {"alpha_us": alpha * 1e6, "bandwidth_gbps": 1e-9 / per_byte, "worst_relative_error": worst}
+        fits[op] = {
+            "alpha_us": alpha * 1e6,
+            "ns_per_byte": per_byte * 1e9,
+            "bandwidth_gbps": 1 / (per_byte * 1e9) if per_byte > 0 else None,
+            "worst_relative_error": worst,
+        }
     return fits
 
 
@@ -145,7 +155,7 @@ def predicted_ms(calls: dict, sizes: dict, fits: dict) -> float:
     total_s = 0.0
     for kind, count in calls.items():
         fit = fits[BENCH_OP[kind]]
-        total_s += count * fit["alpha_us"] * 1e-6 + sizes.get(kind, 0) / (fit["bandwidth_gbps"] * 1e9)
+        total_s += count * fit["alpha_us"] * 1e-6 + sizes.get(kind, 0) * fit["ns_per_byte"] * 1e-9
     return total_s * 1e3
 
 
@@ -202,31 +212,12 @@ def overhead(folder: Path, args) -> dict:
 
 
 def plot_timelines(folder: Path, rows: list[dict], path: Path) -> None:
-    """Rank 0's median profiled step of every strategy, compute above communication, on one time axis."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    """Rank 0's median profiled step of every strategy, on one time axis."""
     traced = [(r, trace_breakdown(str(folder / r["strategy"] / "profile" / "rank0.json"))) for r in rows]
-    traced = [(r, steps) for r, steps in traced if steps]
-    figure, axis = plt.subplots(figsize=(12, 1 + 0.9 * len(traced)))
-    for index, (_, steps) in enumerate(traced):
-        step = sorted(steps, key=lambda s: s["step_ms"])[len(steps) // 2]
-        y = 2 * (len(traced) - 1 - index)
-        axis.broken_barh([(s, e - s) for s, e in step["compute_intervals"]], (y + 0.5, 0.8), color="tab:blue")
-        axis.broken_barh(
-            [(s, e - s) for s, e in step["communication_intervals"]], (y - 0.4, 0.8), color="tab:orange"
-        )
-    axis.set_yticks([2 * (len(traced) - 1 - i) + 0.5 for i in range(len(traced))],
-                    [f"{r['strategy']} ({r['ranks']})" for r, _ in traced])  # fmt: skip
-    axis.set_xlabel(
-        "ms from the step's start (rank 0, its median profiled step): blue compute, orange communication"
+    labelled = [(f"{r['strategy']} ({r['ranks']})", median_step(steps)) for r, steps in traced if steps]
+    plot_timeline(
+        labelled, "Where one training step's time goes (rank 0, its median profiled step)", str(path)
     )
-    axis.set_title("Where one training step's time goes")
-    figure.tight_layout()
-    figure.savefig(path, dpi=100)
-    plt.close(figure)
 
 
 def markdown(report: dict, command: str) -> str:
@@ -245,7 +236,7 @@ def markdown(report: dict, command: str) -> str:
     ]
     for op, fit in report["cost_model"]["fits"].items():
         lines.append(
-            f"| {op} | {fit['alpha_us']:.0f} | {fit['bandwidth_gbps']:.2f} | {fit['worst_relative_error']:.0%} |"
+            f"| {op} | {fit['alpha_us']:.0f} | {fit['bandwidth_gbps'] or float('inf'):.2f} | {fit['worst_relative_error']:.0%} |"
         )
     lines += ["", "| strategy | collectives per step, forward + backward (calls: bytes) | predicted ms | traced: "
               "collective spans ms (calls) | of which waiting for the other rank | after both arrived "

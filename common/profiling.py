@@ -20,6 +20,7 @@ is two threads taking turns on a core, not free time: compare it with the step, 
 from __future__ import annotations
 
 import json
+import os
 import re
 
 COMMUNICATION_OPS = re.compile(r"^(c10d::|_c10d_functional::|c10d_functional::)|wait", re.IGNORECASE)
@@ -139,27 +140,28 @@ def mean_breakdown(rows: list[dict]) -> dict:
     return {key: sum(row[key] for row in rows) / len(rows) for key in keys} if rows else {}
 
 
-def plot_timeline(per_rank: list[list[dict]], title: str, path: str) -> None:
-    """One profiled step per rank (the median-length one of rank 0's): compute and communication bars."""
+def median_step(rows: list[dict]) -> dict:
+    """The profiled step of median length: the one a timeline shows."""
+    return sorted(rows, key=lambda row: row["step_ms"])[(len(rows) - 1) // 2]
+
+
+def plot_timeline(labelled_steps: list[tuple[str, dict]], title: str, path: str) -> None:
+    """One row pair per (label, step row): compute bars above communication bars, on one time axis."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    index = sorted(range(len(per_rank[0])), key=lambda i: per_rank[0][i]["step_ms"])[len(per_rank[0]) // 2]
-    figure, axis = plt.subplots(figsize=(11, 1.2 + 0.8 * len(per_rank)))
-    for rank, rows in enumerate(per_rank):
-        row = rows[min(index, len(rows) - 1)]
-        y = 2 * (len(per_rank) - 1 - rank)
-        axis.broken_barh([(s, e - s) for s, e in row["compute_intervals"]], (y + 0.55, 0.8), color="tab:blue")
+    figure, axis = plt.subplots(figsize=(12, 1.2 + 0.9 * len(labelled_steps)))
+    for index, (_, step) in enumerate(labelled_steps):
+        y = 2 * (len(labelled_steps) - 1 - index)
+        axis.broken_barh([(s, e - s) for s, e in step["compute_intervals"]], (y + 0.5, 0.8), color="tab:blue")
         axis.broken_barh(
-            [(s, e - s) for s, e in row["communication_intervals"]], (y - 0.35, 0.8), color="tab:orange"
+            [(s, e - s) for s, e in step["communication_intervals"]], (y - 0.4, 0.8), color="tab:orange"
         )
-    axis.set_yticks(
-        [2 * (len(per_rank) - 1 - r) + d for r in range(len(per_rank)) for d in (0.95, 0.05)],
-        [f"rank {r} {kind}" for r in range(len(per_rank)) for kind in ("compute", "communication")],
-    )
-    axis.set_xlabel("ms from the step's start")
+    axis.set_yticks([2 * (len(labelled_steps) - 1 - i) + 0.5 for i in range(len(labelled_steps))],
+                    [label for label, _ in labelled_steps])  # fmt: skip
+    axis.set_xlabel("ms from the step's start: blue compute, orange communication")
     axis.set_title(title)
     figure.tight_layout()
     figure.savefig(path, dpi=100)
@@ -172,11 +174,8 @@ class StepProfiler:
     last profiled step ends; .breakdown() then reads it. steps=0: does nothing."""
 
     def __init__(self, steps: int, folder: str, rank: int, device_type: str, skip: int = 3):
-        self.steps, self.path = steps, f"{folder}/rank{rank}.json"
-        self.folder, self.profiler = folder, None
+        self.path, self.profiler, self.written = os.path.join(folder, f"rank{rank}.json"), None, False
         if steps:
-            import os
-
             from torch.profiler import ProfilerActivity, profile, schedule
 
             os.makedirs(folder, exist_ok=True)
@@ -184,8 +183,12 @@ class StepProfiler:
             self.profiler = profile(
                 activities=activities,
                 schedule=schedule(wait=skip, warmup=1, active=steps, repeat=1),
-                on_trace_ready=lambda done: done.export_chrome_trace(self.path),
+                on_trace_ready=self._export,
             )
+
+    def _export(self, profiler) -> None:
+        profiler.export_chrome_trace(self.path)
+        self.written = True  # this run's trace (a resumed run's folder may hold an older one)
 
     def __enter__(self) -> StepProfiler:
         if self.profiler:
@@ -202,9 +205,7 @@ class StepProfiler:
 
     def breakdown(self) -> list[dict]:
         """This rank's rows (step_breakdown), or [] when nothing was profiled (off, or too few steps)."""
-        import os
-
-        return trace_breakdown(self.path) if self.profiler and os.path.exists(self.path) else []
+        return trace_breakdown(self.path) if self.written else []
 
 
 def waiting_for_peers(trace_paths: list[str]) -> dict:

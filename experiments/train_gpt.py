@@ -89,7 +89,7 @@ from common.comm_counter import WIRE_FACTOR, CollectiveCounter
 from common.config import flag, parse_config, require, require_positive, run_cli
 from common.data import iterate_sample_stream
 from common.gpt import GPT, GPTConfig, build_gpt, count_parameters
-from common.profiling import StepProfiler, mean_breakdown, plot_timeline
+from common.profiling import StepProfiler, mean_breakdown, median_step, plot_timeline
 from common.reliability import ResumableArgs
 from common.run import start_run
 from common.runtime import launched_world_size
@@ -650,9 +650,32 @@ def run(cfg: Config) -> int:
             skip=cfg.steps_before_profiling(),
         )
         with profiler:
-            train(cfg, accelerator, model, optimizer, loop, batches, probe, profiler)
+            for x, y in loop.micro_batches(batches):
+                step = loop.step + 1
+                # Accelerate's accumulate(): DDP's no_sync and loss / k on all but the last micro-batch of a step
+                with accelerator.accumulate(model):
+                    sync_gradients_this_micro_batch(model, accelerator.sync_gradients)  # FSDP2's no_sync
+                    with probe.watch("forward", step):
+                        _, loss = model(x, y)
+                    probe.after_forward(model)
+                    with probe.watch("backward", step):
+                        accelerator.backward(loss)
+                    with probe.watch("optimizer", step):
+                        if accelerator.sync_gradients:
+                            probe.grad_norms.append(
+                                clip_by_global_norm(
+                                    model, cfg.grad_clip, cfg.wrong_variant == "local_grad_norm"
+                                )
+                            )
+                            set_lr(optimizer, lr_at(step, cfg))
+                        optimizer.step()
+                    probe.after_step(model, optimizer, loss, step)
+                    optimizer.zero_grad()
+                loop.record(loss, **probe.latest(optimizer))
+                if accelerator.sync_gradients:
+                    profiler.step()
         if cfg.profile_steps:
-            report_profile(run, cfg, profiler.breakdown())
+            report_profile(run, cfg, profiler.breakdown(), steps_trained=loop.step - run.start_step)
 
         val_loss = evaluate(model, val_shard, cfg.per_rank_batch_size, accelerator)
         step_losses = accelerator.reduce(
@@ -701,41 +724,24 @@ def run(cfg: Config) -> int:
     return run.exit_code
 
 
-def train(cfg: Config, accelerator, model, optimizer, loop: TrainLoop, batches, probe, profiler) -> None:
-    """The training loop: each data-parallel rank trains on its own rows of every global batch."""
-    for x, y in loop.micro_batches(batches):
-        step = loop.step + 1
-        # Accelerate's accumulate(): DDP's no_sync and loss / k on all but the last micro-batch of a step
-        with accelerator.accumulate(model):
-            sync_gradients_this_micro_batch(model, accelerator.sync_gradients)  # FSDP2's no_sync
-            with probe.watch("forward", step):
-                _, loss = model(x, y)
-            probe.after_forward(model)
-            with probe.watch("backward", step):
-                accelerator.backward(loss)
-            with probe.watch("optimizer", step):
-                if accelerator.sync_gradients:
-                    probe.grad_norms.append(
-                        clip_by_global_norm(model, cfg.grad_clip, cfg.wrong_variant == "local_grad_norm")
-                    )
-                    set_lr(optimizer, lr_at(step, cfg))
-                optimizer.step()
-            probe.after_step(model, optimizer, loss, step)
-            optimizer.zero_grad()
-        loop.record(loss, **probe.latest(optimizer))
-        if accelerator.sync_gradients:
-            profiler.step()
-
-
-def report_profile(run, cfg: Config, rows: list[dict]) -> None:
+def report_profile(run, cfg: Config, rows: list[dict], steps_trained: int) -> None:
     """Every rank's profiled steps: the mean breakdown per rank in the metrics, a timeline PNG."""
     every_rank = run.accelerator.gather_for_metrics([rows], use_gather_object=True)
-    if not run.is_main or not all(every_rank):
+    if not all(every_rank):  # a resumed run may train fewer steps than profiling starts after
+        run.print(f"--profile_steps {cfg.profile_steps}: nothing profiled, this run trained {steps_trained} "
+                  f"steps; profiling starts after {cfg.steps_before_profiling()} + 1 warm-up")  # fmt: skip
+        return
+    if not run.is_main:
         return
     means = [mean_breakdown(rows) for rows in every_rank]
     run.metrics["step_breakdown_ms"] = means
     timeline = os.path.join(run.output_dir, "profile", "timeline.png")
-    plot_timeline(every_rank, f"{cfg.strategy} on {len(every_rank)} rank(s): one profiled step", timeline)
+    ranks_steps = [(f"rank {rank}", median_step(rows)) for rank, rows in enumerate(every_rank)]
+    plot_timeline(
+        ranks_steps,
+        f"{cfg.strategy} on {len(every_rank)} rank(s): each rank's median profiled step",
+        timeline,
+    )
     run.log_table("step_breakdown", [{"rank": r, **m} for r, m in enumerate(means)], timeline)
     run.print(
         f"profiled steps, rank 0, mean of {len(every_rank[0])} (ms): "
