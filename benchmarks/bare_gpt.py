@@ -24,12 +24,13 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import torch
 import torch.distributed as dist
 
-from common.gpt import GPTConfig, build_gpt  # noqa: I001  (the model and corpus are the experiment's)
+from benchmarks.mfu import MODEL as DEFAULTS  # noqa: I001  (train_gpt's default model and batch)
+from benchmarks.mfu import PER_RANK_BATCH
+from common.gpt import GPTConfig, build_gpt  # the model and corpus are the experiment's
 from common.text import load_corpus
 
-# train_gpt's defaults (experiments/train_gpt.py Config)
-DEFAULTS = {"vocab_size": 2048, "block_size": 64, "n_layer": 4, "n_head": 4, "d_model": 128}
-LR, MIN_LR_RATIO, WARMUP, WEIGHT_DECAY, CLIP, PER_RANK_BATCH, SEED = 3e-3, 0.1, 20, 0.1, 1.0, 4, 0
+# train_gpt's default optimizer, schedule and clipping (experiments/train_gpt.py Config)
+LR, MIN_LR_RATIO, WARMUP, WEIGHT_DECAY, CLIP, SEED = 3e-3, 0.1, 20, 0.1, 1.0, 0
 
 
 def lr_at(step: int, max_steps: int) -> float:

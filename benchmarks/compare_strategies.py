@@ -23,8 +23,8 @@ from pathlib import Path
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from benchmarks.workers import dated_folder, free_port
-from common.processes import TIMED_OUT, run_process_tree
+from benchmarks.workers import accelerate_launch, dated_folder, run_one_thread_per_rank
+from common.processes import TIMED_OUT
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -76,27 +76,18 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 def launch_command(strategy: str, run_dir: Path, args: argparse.Namespace) -> list[str]:
     """`accelerate launch` with the 2-rank CPU config (its --num_processes overridden), or plain python
     for the one-process reference: the commands the README gives."""
-    program = [str(REPO / "experiments" / "train_gpt.py")]
-    if RANKS[strategy] > 1:
-        config = str(REPO / "accelerate_configs" / "cpu_ddp.yaml")
-        launcher = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", config]
-        launcher += ["--num_processes", str(RANKS[strategy]), "--main_process_port", str(free_port())]
-    else:
-        launcher = [sys.executable]
     flags = ["--strategy", strategy, "--output_dir", str(run_dir), "--report_to", "none"]
     flags += QUICK if args.quick else []
     flags += ["--max_steps", str(args.max_steps)] if args.max_steps else []
     flags += ["--profile_steps", str(args.profile_steps)] if args.profile_steps else []
-    return launcher + program + flags
+    if RANKS[strategy] > 1:
+        return accelerate_launch("experiments/train_gpt.py", flags, num_processes=RANKS[strategy])
+    return [sys.executable, str(REPO / "experiments" / "train_gpt.py"), *flags]
 
 
 def run_strategy(strategy: str, run_dir: Path, args: argparse.Namespace) -> dict:
     """One run; its summary.json, or what went wrong. The console goes to <run_dir>.log."""
-    # one thread per rank, the one-process run included (torch would take every core), as torchrun and
-    # accelerate launch set it for several ranks: throughput per rank compares, and MFU has one peak
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    done = run_process_tree(launch_command(strategy, run_dir, args), args.timeout_s, cwd=REPO, env=env)
-    Path(f"{run_dir}.log").write_text(done.stdout + done.stderr)
+    done = run_one_thread_per_rank(launch_command(strategy, run_dir, args), f"{run_dir}.log", args.timeout_s)
     summary_path = run_dir / "summary.json"
     if done.returncode == TIMED_OUT or not summary_path.exists():
         reason = "timed out" if done.returncode == TIMED_OUT else f"exit {done.returncode}, no summary"

@@ -38,12 +38,10 @@ from pathlib import Path
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from benchmarks import compare_strategies, mfu
-from benchmarks.workers import dated_folder, free_port
-from common.processes import run_process_tree
+from benchmarks.workers import accelerate_launch, dated_folder, free_port, run_one_thread_per_rank
 from common.profiling import median_step, plot_timeline, trace_breakdown, waiting_for_peers
 
 REPO = Path(__file__).resolve().parent.parent
-CPU_DDP = str(REPO / "accelerate_configs" / "cpu_ddp.yaml")
 # the counter's kinds -> the bench's ops (the same message-size convention: common/comm_counter.py)
 BENCH_OP = {
     "all_reduce": "all_reduce",
@@ -84,23 +82,16 @@ def parse_args(argv):
     if args.quick:
         args.max_steps, args.profile_steps = 12, min(args.profile_steps, 3)
     # train_gpt profiles after its 15 parity steps (6 in --quick) and one warm-up step
-    if args.overhead_rounds < 0 or not 0 < args.profile_steps <= args.max_steps - (7 if args.quick else 16):
-        parser.error(f"--overhead_rounds must be >= 0 and --profile_steps in 1..--max_steps - 16, got "
+    before = 7 if args.quick else 16
+    if args.overhead_rounds < 0 or not 0 < args.profile_steps <= args.max_steps - before:
+        parser.error(f"--overhead_rounds must be >= 0 and --profile_steps in 1..--max_steps - {before}, got "
                      f"{args.overhead_rounds}, {args.profile_steps} (--max_steps {args.max_steps})")  # fmt: skip
     return args
 
 
 def launch(command: list[str], log: Path, timeout_s: float) -> bool:
-    """A run with one thread per rank, its console in `log`; whether it exited 0."""
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    done = run_process_tree(command, timeout_s, cwd=REPO, env=env)
-    log.write_text(done.stdout + done.stderr)
-    return done.returncode == 0  # TIMED_OUT is not 0
-
-
-def accelerate_launch(script: str, flags: list[str]) -> list[str]:
-    return [sys.executable, "-m", "accelerate.commands.launch", "--config_file", CPU_DDP,
-            "--main_process_port", str(free_port()), str(REPO / script), *flags]  # fmt: skip
+    """A run with one thread per rank, its console in `log`; whether it exited 0 (TIMED_OUT is not 0)."""
+    return run_one_thread_per_rank(command, str(log), timeout_s).returncode == 0
 
 
 def bench_collectives(folder: Path, args) -> list[dict]:

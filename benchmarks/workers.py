@@ -32,6 +32,26 @@ def dated_folder(output_dir: str, program: str):
     return folder
 
 
+def accelerate_launch(script: str, flags: list[str], num_processes: int = 2) -> list[str]:
+    """`accelerate launch` of a repo script with the CPU config (its --num_processes overridden)."""
+    config = os.path.join(REPO, "accelerate_configs", "cpu_ddp.yaml")
+    return [sys.executable, "-m", "accelerate.commands.launch", "--config_file", config,
+            "--num_processes", str(num_processes), "--main_process_port", str(free_port()),
+            os.path.join(REPO, script), *flags]  # fmt: skip
+
+
+def run_one_thread_per_rank(command: list[str], log_path: str, timeout_s: float):
+    """Run a launch (common/processes.run_process_tree) with one thread per rank, the one-process run
+    included (torch would take every core), as torchrun and accelerate launch set it for several ranks:
+    throughput per rank compares, and MFU has one peak. The console goes to `log_path`."""
+    from common.processes import run_process_tree
+
+    done = run_process_tree(command, timeout_s, cwd=REPO, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    with open(log_path, "w") as handle:
+        handle.write(done.stdout + done.stderr)
+    return done
+
+
 def free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
