@@ -35,7 +35,13 @@ KNOWN_TRACKERS = (
 
 
 class UsageError(Exception):
-    """Bad input found after parsing (a data file, a device map, an output dir): exit 2, one line."""
+    """Bad input found after parsing (a data file, a device map, an output dir): exit 2, one line.
+    `same_on_every_rank`: every rank raised this same error (the ranks agreed on it first), so only the
+    main process says it."""
+
+    def __init__(self, message: str, same_on_every_rank: bool = False):
+        super().__init__(message)
+        self.same_on_every_rank = same_on_every_rank
 
 
 def flag(default: Any, help: str, choices: Sequence[Any] | None = None, positional: bool = False) -> Any:
@@ -238,8 +244,13 @@ def run_cli(main: Callable[[], int]) -> None:
     try:
         code = main()
     except UsageError as error:
-        print(f"{os.path.basename(sys.argv[0])}: error: {error}", file=sys.stderr)
+        if int(os.environ.get("RANK", "0")) == 0 or not error.same_on_every_rank:
+            print(f"{os.path.basename(sys.argv[0])}: error: {error}", file=sys.stderr)
         code = 2
+    except KeyboardInterrupt:  # Ctrl-C before a run started (a run says where it stopped itself)
+        if int(os.environ.get("RANK", "0")) == 0:
+            print(f"{os.path.basename(sys.argv[0])}: interrupted (Ctrl-C)", file=sys.stderr)
+        code = 130
     finally:
         # Collect the run's models (DDP holds the process group) while the interpreter is fully alive,
         # and close a group a run that stopped early left open: gloo threads alive at interpreter exit

@@ -28,7 +28,7 @@ from common.config import UsageError
 FILE_FORMATS = {".csv": "csv", ".json": "json", ".jsonl": "json", ".parquet": "parquet"}
 
 
-def require_memory(flag_name: str, bytes_needed: float) -> None:
+def require_memory(flag_name: str, bytes_needed: float, what: str = "the data") -> None:
     """Refuse, naming the flag, a size whose tensors cannot fit in the memory this machine has free
     (instead of a MemoryError traceback, or the kernel killing the run halfway)."""
     import psutil
@@ -36,8 +36,8 @@ def require_memory(flag_name: str, bytes_needed: float) -> None:
     available = psutil.virtual_memory().available
     if bytes_needed > available:
         raise UsageError(
-            f"--{flag_name}: the data would need about {bytes_needed / 2**30:.1f} GiB of memory, "
-            f"this machine has {available / 2**30:.1f} GiB free; use a smaller --{flag_name}"
+            f"--{flag_name}: {what} would need about {bytes_needed / 2**30:.1f} GiB of memory, "
+            f"this machine has {available / 2**30:.1f} GiB free; use a smaller size"
         )
 
 

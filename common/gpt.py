@@ -136,6 +136,28 @@ def build_gpt(cfg: GPTConfig, seed: int) -> GPT:
     return GPT(cfg)
 
 
+def parameter_count(cfg: GPTConfig) -> int:
+    """Distinct parameters of GPT(cfg), by formula (no model built): what a size check needs before any
+    memory is spent. Equal to count_parameters(GPT(cfg)) (a test)."""
+    d = cfg.d_model
+    attention = 3 * d * d + 2 * d + d * d + d  # q, k, v (k without bias), o
+    mlp = d * 4 * d + 4 * d + 4 * d * d + d
+    block = attention + mlp + 2 * 2 * d  # two LayerNorms
+    embeddings = cfg.vocab_size * d + cfg.block_size * d
+    head = 0 if cfg.tie_weights else cfg.vocab_size * d
+    return embeddings + cfg.n_layer * block + 2 * d + head
+
+
+def training_bytes(cfg: GPTConfig, batch_size: int) -> int:
+    """A generous estimate of one process's memory to train GPT(cfg) in float32 with AdamW: parameters,
+    gradients and two moments (x 4), the one-process reference's copy of all four, and the activations
+    autograd keeps (about 20 floats per token per layer and width, the attention matrices, the logits)."""
+    tokens = batch_size * cfg.block_size
+    activations = tokens * (20 * cfg.d_model * cfg.n_layer + 3 * cfg.vocab_size)
+    activations += batch_size * cfg.n_head * cfg.block_size**2 * cfg.n_layer * 2
+    return 4 * (8 * parameter_count(cfg) + activations)
+
+
 def count_parameters(model: nn.Module) -> int:
     """Distinct parameters (a tied head counts once), as nanoGPT reports them."""
     return sum(p.numel() for p in {id(p): p for p in model.parameters()}.values())

@@ -3,9 +3,13 @@
 On entry, in this order. Each step can refuse with one line and exit status 2, and none of them
 writes anything before the steps that could refuse have passed:
 1. --output_dir resolved; a folder holding a finished run is refused unless --overwrite (resuming a
-   finished run is a no-op that says so, when its settings are the same);
-2. the checkpoint to resume from found, and refused if its settings differ from this run's;
-3. the folder locked by the main process: a second run into it is refused, naming the holder;
+   finished run is a no-op that says so, when its settings and data are the same);
+2. the checkpoint to resume from found and verified, every byte against the digests it was saved with
+   (common/checkpoint.py), and refused if it fails, if its settings or training data differ from this
+   run's, or if it would mix two runs' checkpoints in one folder;
+3. the folder locked by the main process: a second run into it is refused, naming the holder. With
+   --overwrite, the earlier run's files (checkpoints, metrics, heartbeats, W&B run) are moved aside
+   to <output_dir>.replaced-<time>, said in one line: a clean run, and nothing lost;
 4. trackers resolved (W&B offline without a key; a resumed run continues its W&B run);
 5. the Accelerator (CPU over gloo where torch sees no GPU; a timeout on every collective);
 6. config.json, metrics.jsonl and the trackers started (main process only);
@@ -21,26 +25,60 @@ re-raised naming the rank that is behind.
 
 from __future__ import annotations
 
+import datetime
 import gc
 import json
 import os
+import sys
 
 import torch
 
-from common.config import RunArgs, UsageError
-from common.reliability import (
-    OutputLock,
-    explain_timeout,
+from common.checkpoint import (
+    Found,
     find_checkpoint,
     first_difference,
+    newest_verified,
     refuse_incompatible,
+    refuse_mixed_lineage,
+    tidy_checkpoints,
 )
+from common.config import RunArgs, UsageError
+from common.reliability import OutputLock, explain_timeout
 from common.runtime import check_distributed, launched_world_size, make_accelerator
 from common.tracking import RunRecorder, resolve_trackers
 
 
 class RunEnded(SystemExit):
     """The run ended early but cleanly (a failed `distributed` check, nothing to resume): exit with `code`."""
+
+
+INTERRUPTED_EXIT_CODE = 130  # 128 + SIGINT, what a shell reports for a program ended by Ctrl-C
+
+
+def is_interrupt(error: BaseException | None) -> bool:
+    """Ctrl-C, also where a library caught it and raised its own error (DCP wraps it in a
+    CheckpointException), or where this rank's collective failed first because a peer had already
+    stopped on its own Ctrl-C (the pending signal is then delivered by the next Python call)."""
+    seen = set()
+    while error is not None and id(error) not in seen:
+        seen.add(id(error))
+        if isinstance(error, KeyboardInterrupt):
+            return True
+        failures = getattr(error, "failures", None)  # torch.distributed.checkpoint's CheckpointException
+        if isinstance(failures, dict) and any(
+            isinstance(f[0] if isinstance(f, tuple) else f, KeyboardInterrupt) for f in failures.values()
+        ):
+            return True
+        error = error.__cause__ or error.__context__
+    try:
+        _a_python_call()  # a Ctrl-C that arrived while C++ code waited runs its handler here
+    except KeyboardInterrupt:
+        return True
+    return False
+
+
+def _a_python_call() -> None:
+    pass
 
 
 def resolve_output_dir(cfg: RunArgs, experiment: str) -> str:
@@ -74,6 +112,7 @@ class Run:
         *,
         needs_process_group: bool = False,
         backend: str | None = None,
+        data_identity: dict | None = None,
         **accelerator_kwargs,
     ):
         self.cfg, self.experiment = cfg, experiment
@@ -82,13 +121,16 @@ class Run:
             backend,
             accelerator_kwargs,
         )
+        # content hashes of what the run trains on ({"data_sha256": ..., ...}): recorded in every
+        # checkpoint and in summary.json; a resume on other data is refused, naming both
+        self.data_identity = data_identity or {}
         self.metrics: dict = {}
         self.checks: dict = {}
         self.exit_code: int | None = None
         self.heartbeat = None  # set by a TrainLoop, read when a collective times out
         self.progress_bar = None  # set by a TrainLoop, cleared when the run stops on an error
         self.accelerator = self.recorder = None
-        self.own_group = False
+        self.own_group = self.finished = False
         self.lock: OutputLock | None = None
 
     # ------------------------------------------------------------------------------------------ start
@@ -104,20 +146,26 @@ class Run:
         cfg = self.cfg
         world_size = launched_world_size(cfg)
         self.output_dir = resolve_output_dir(cfg, self.experiment)
-        self.checkpoint, self.checkpoint_meta = find_checkpoint(cfg, self.output_dir)
-        self.start_step = self.checkpoint_meta["step"]
+        resumable = hasattr(cfg, "resume_from_checkpoint")
+        found = find_checkpoint(cfg, self.output_dir) if resumable else Found()
+        self.checkpoint, self.checkpoint_meta = found.path, found.meta
+        self.start_step, self.samples_seen = found.meta["step"], found.meta["samples_seen"]
+        if (
+            cfg.overwrite
+            and self.checkpoint
+            and os.path.commonpath([self.checkpoint, self.output_dir]) == self.output_dir
+        ):
+            raise UsageError(
+                f"--resume_from_checkpoint {self.checkpoint} lies inside --output_dir {self.output_dir}, which "
+                "--overwrite moves aside: resume into another --output_dir"
+            )
         self._refuse_finished_run(world_size)
+        if resumable:
+            refuse_mixed_lineage(cfg, self.output_dir, found)
         if self.checkpoint:
-            refuse_incompatible(cfg, self.checkpoint, self.checkpoint_meta, world_size)
+            refuse_incompatible(cfg, self.checkpoint, self.checkpoint_meta, world_size, self.data_identity)
         if int(os.environ.get("RANK", "0")) == 0:  # the main process, before any Accelerator exists
-            try:
-                os.makedirs(self.output_dir, exist_ok=True)
-                self.lock = OutputLock(self.output_dir)
-                self.lock.acquire()
-            except OSError as error:
-                raise UsageError(
-                    f"--output_dir {self.output_dir}: cannot write there ({error.strerror or error})"
-                ) from None
+            self._take_folder(found)
         self.trackers = resolve_trackers(cfg.report_to, self.output_dir, continuing=bool(self.checkpoint))
         self.accelerator = make_accelerator(
             cfg, self.output_dir, self.trackers.log_with, backend=self.backend, **self.accelerator_kwargs
@@ -129,11 +177,11 @@ class Run:
             self.output_dir,
             self.trackers,
             resume_step=self.start_step if self.checkpoint else None,
+            data_identity=self.data_identity,
         )
         self.checks["distributed"] = check_distributed(self.accelerator, cfg)
         if not self.checks["distributed"]["passed"]:
-            self.__exit__(None, None, None)
-            raise RunEnded(self.exit_code)
+            self.end_now()
         if self.needs_process_group and not torch.distributed.is_initialized():
             # Experiments about the raw torch.distributed API need a group even in one process, where
             # Accelerate makes none: a 1-rank gloo group on a port the OS picks.
@@ -141,6 +189,35 @@ class Run:
                 "gloo", init_method="tcp://127.0.0.1:0", rank=0, world_size=1
             )
             self.own_group = True
+
+    def _take_folder(self, found: Found) -> None:
+        """Main process: lock --output_dir (one run at a time); with --overwrite move the earlier run's
+        files aside, whole; tidy the checkpoints (half-written ones removed, those `latest` passed over
+        set aside) and say what happened."""
+        try:
+            os.makedirs(self.output_dir, exist_ok=True)
+            self.lock = OutputLock(self.output_dir)
+            self.lock.acquire()
+            if self.cfg.overwrite and set(os.listdir(self.output_dir)) - {OutputLock.NAME}:
+                moved = f"{self.output_dir}.replaced-{datetime.datetime.now(datetime.UTC):%Y%m%d-%H%M%S-%f}"
+                os.replace(self.output_dir, moved)  # the lock's file moves with it, still held
+                os.makedirs(self.output_dir)
+                earlier, self.lock = self.lock, OutputLock(self.output_dir)
+                self.lock.acquire()
+                earlier.release()
+                os.remove(os.path.join(moved, OutputLock.NAME))
+                print(f"{self.experiment}: --overwrite: the earlier run in {self.output_dir} was moved to {moved}",
+                      file=sys.stderr, flush=True)  # fmt: skip
+            tidy_checkpoints(self.output_dir, found.rejected)
+        except OSError as error:
+            raise UsageError(
+                f"--output_dir {self.output_dir}: cannot write there ({error.strerror or error})"
+            ) from None
+        if found.rejected:
+            passed_over = "; ".join(f"{name} ({why})" for name, why in found.rejected)
+            print(f"{self.experiment}: --resume_from_checkpoint latest: resuming from {os.path.basename(found.path)}, "
+                  f"the newest checkpoint that verifies; passed over {passed_over}: moved to "
+                  "checkpoints/rejected/", file=sys.stderr, flush=True)  # fmt: skip
 
     def _refuse_finished_run(self, world_size: int) -> None:
         summary_path = os.path.join(self.output_dir, "summary.json")
@@ -151,13 +228,20 @@ class Run:
                 f"--output_dir {self.output_dir} already holds a finished run (summary.json); "
                 "pass --overwrite or another --output_dir"
             )
-        with open(summary_path) as handle:
-            finished = json.load(handle)
+        try:
+            with open(summary_path) as handle:
+                finished = json.load(handle)
+        except (OSError, ValueError):
+            raise UsageError(
+                f"--output_dir {self.output_dir}: its summary.json is unreadable; pass --overwrite or another --output_dir"
+            ) from None
         then = {
             **{k: v for k, v in finished.get("config", {}).items() if k not in self.cfg.result_neutral},
             "world_size": finished.get("world_size"),
+            "data": finished.get("data", {}),
         }
-        difference = first_difference(then, self.cfg.trajectory(world_size), where="in that run")
+        now = {**self.cfg.trajectory(world_size), "data": self.data_identity}
+        difference = first_difference(then, now, where="in that run")
         if difference:
             raise UsageError(
                 f"--output_dir {self.output_dir} already holds a finished run with other settings ({difference}); "
@@ -191,18 +275,42 @@ class Run:
         self.checks[name] = parity_check(difference, atol, what)
 
     # ------------------------------------------------------------------------------------------- end
+    def end_now(self) -> None:
+        """End the run here, cleanly: summary.json with the checks so far, shutdown, exit code. For a
+        check whose failure makes the rest meaningless (`distributed`, `resume_restored_state`)."""
+        self.__exit__(None, None, None)
+        raise RunEnded(self.exit_code)
+
     def __exit__(self, exc_type, error, traceback) -> bool:
+        if self.finished:  # end_now() already wrote the summary and shut down
+            return False
         if exc_type is None:
+            self.finished = True
             self.exit_code = self.recorder.finish(self.metrics, self.checks)
             shutdown(self.accelerator, self.own_group, self.recorder)
             self._release()
             return False
         self._abort()
+        if is_interrupt(error):
+            self._say_interrupted()
+            raise RunEnded(INTERRUPTED_EXIT_CODE) from None
         if isinstance(error, RuntimeError) and self.heartbeat is not None:
             explained = explain_timeout(error, self.heartbeat, self.cfg.dist_timeout_s)
             if explained is not error:
                 raise explained from None
         return False
+
+    def _say_interrupted(self) -> None:
+        """One line, from the main process only: where the run stopped and what to resume."""
+        if int(os.environ.get("RANK", "0")) != 0:
+            return
+        where = ""
+        if self.heartbeat is not None:
+            where = f" in step {int(self.heartbeat.progress()[self.heartbeat.rank] + 1)}"
+        newest = newest_verified(self.output_dir)[0] if getattr(self.cfg, "checkpoint_every", 0) else None
+        resume = (f"newest checkpoint {newest}: continue with --resume_from_checkpoint latest" if newest
+                  else "no checkpoint to continue from")  # fmt: skip
+        print(f"{self.experiment}: interrupted (Ctrl-C){where}; {resume}", file=sys.stderr, flush=True)
 
     def _abort(self) -> None:
         """After an error: clear the progress bar (the error is the last line the user sees), close the
@@ -223,7 +331,8 @@ class Run:
 
 def start_run(cfg: RunArgs, experiment: str, **options) -> Run:
     """`with start_run(cfg, "name", gradient_accumulation_steps=..., mixed_precision=...) as run:`.
-    Options: needs_process_group (a 1-rank gloo group in one process), backend, and Accelerator kwargs."""
+    Options: needs_process_group (a 1-rank gloo group in one process), backend, data_identity (content
+    hashes of the training data, checked on resume), and Accelerator kwargs."""
     return Run(cfg, experiment, **options)
 
 

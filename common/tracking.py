@@ -131,8 +131,10 @@ class RunRecorder:
         output_dir: str,
         trackers: TrackerPlan,
         resume_step: int | None = None,
+        data_identity: dict | None = None,
     ):
         self.accelerator = accelerator
+        self.data_identity = data_identity or {}
         self.experiment = experiment
         self.cfg = cfg
         self.output_dir = output_dir
@@ -246,6 +248,7 @@ class RunRecorder:
                 "config": dataclasses.asdict(self.cfg),
                 "world_size": self.accelerator.num_processes,
                 "distributed_type": self.accelerator.distributed_type.value,
+                "data": self.data_identity,
                 "metrics": metrics,
                 "checks": checks,
                 "passed": passed,

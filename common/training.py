@@ -1,18 +1,20 @@
 """Everything a training loop does besides its idea, behind one object (as torchtitan's trainer keeps
 checkpointing, metrics and fault handling out of its step):
 
-    loop = TrainLoop(run, model, optimizer, global_micro_batch_size=64)
+    loop = TrainLoop(run, model, optimizer, samples_per_micro_batch=64)
     for x, y in loop.micro_batches(batches):
         with accelerator.accumulate(model):
             ...the idea: forward, backward, step...
         loop.record(loss)
 
-`TrainLoop` resumes from the run's checkpoint (and proves the loaded state is the saved one, by
-digest), counts optimizer steps (one per `gradient_accumulation_steps` micro-batches), keeps a loss
-window and logs `step | loss | samples/s` every --log_every steps, draws the progress bar, beats the
-heartbeat that names a stuck rank, stops at the first non-finite loss, writes checkpoints every
---checkpoint_every steps with the state digest of each, and injects the faults that --fail_at_step /
---hang_at_step ask for. The experiment's loop stays the idea.
+`TrainLoop` resumes from the run's checkpoint (already verified byte for byte by common/run.py) and
+proves the loaded state is the saved one, by digest, before any step (`resume_restored_state`; a
+failure ends the run there), counts optimizer steps (one per `gradient_accumulation_steps`
+micro-batches) and samples seen (the resume position), keeps a loss window and logs
+`step | loss | samples/s` every --log_every steps, draws the progress bar, beats the heartbeat that
+names a stuck rank, stops at the first non-finite loss, writes checkpoints every --checkpoint_every
+steps (common/checkpoint.py), and injects the faults that --fail_at_step / --hang_at_step ask for.
+The experiment's loop stays the idea.
 """
 
 from __future__ import annotations
@@ -23,49 +25,37 @@ import time
 import torch
 from tqdm.auto import tqdm
 
+from common.checkpoint import AccelerateCheckpointer, save_checkpoint
 from common.config import UsageError
-from common.reliability import Heartbeat, inject_fault, save_checkpoint, state_digest
-
-
-class AccelerateCheckpointer:
-    """Checkpoints through Accelerate's save_state / load_state (model, optimizer, every rank's RNG
-    states), for a model every rank holds whole (one process, DDP). Sharded models use
-    common/sharded_checkpoint.ShardedCheckpointer, which has the same three methods."""
-
-    def __init__(self, accelerator, model, optimizer):
-        self.accelerator, self.model, self.optimizer = accelerator, model, optimizer
-
-    def save(self, folder: str) -> None:
-        self.accelerator.save_state(folder)
-
-    def load(self, folder: str, same_layout: bool) -> None:
-        self.accelerator.load_state(folder)
-
-    def digest(self) -> str | None:
-        """sha256 of parameters + optimizer state (main process; DDP keeps every rank's state equal)."""
-        if not self.accelerator.is_main_process:
-            return None
-        return state_digest(self.accelerator.unwrap_model(self.model), self.optimizer)
+from common.reliability import Heartbeat, inject_fault
 
 
 class TrainLoop:
     def __init__(
-        self, run, model, optimizer, global_micro_batch_size: int, unit: str = "samples", checkpointer=None
+        self,
+        run,
+        model,
+        optimizer,
+        samples_per_micro_batch: int,
+        checkpointer=None,
+        tokens_per_sample: int | None = None,
     ):
+        """`samples_per_micro_batch`: over every rank (the global micro-batch). `tokens_per_sample`: report
+        throughput as tokens/s (a language model's sample is a block of tokens) instead of samples/s.
+        `checkpointer`: common/checkpoint.ShardedCheckpointer for sharded models (default: Accelerate's)."""
         self.run, self.cfg, self.accelerator = run, run.cfg, run.accelerator
         self.model, self.optimizer = model, optimizer
-        self.global_micro_batch_size, self.unit = global_micro_batch_size, unit
+        self.samples_per_micro_batch, self.tokens_per_sample = samples_per_micro_batch, tokens_per_sample
+        self.unit = "tokens" if tokens_per_sample else "samples"
         self.checkpointer = checkpointer or AccelerateCheckpointer(self.accelerator, model, optimizer)
         self.step = self.start_step = run.start_step
-        # where in the data the run is, in samples / tokens (not steps: a resume at another world size
-        # has another global batch)
-        per_step = global_micro_batch_size * getattr(self.cfg, "gradient_accumulation_steps", 1)
-        self.seen = run.checkpoint_meta.get(f"{unit}_seen", self.start_step * per_step)
+        # where in the data the run is, in samples (not steps: a resume at another world size has
+        # another global batch)
+        self.samples_seen = run.samples_seen
         self.state_digests: dict[int, str] = {}
+        self.resumed_full_state = None  # the full state right after loading (main process), if resumed
         if run.checkpoint:
-            same_layout = run.checkpoint_meta.get("world_size", self.accelerator.num_processes) == (
-                self.accelerator.num_processes
-            )
+            same_layout = run.checkpoint_meta["world_size"] == self.accelerator.num_processes
             self.checkpointer.load(run.checkpoint, same_layout)
             self._check_restored_state()
         run.heartbeat = self.heartbeat = Heartbeat(
@@ -82,22 +72,26 @@ class TrainLoop:
         self.train_start = self.window_start = time.perf_counter()
 
     def _check_restored_state(self) -> None:
-        """The state right after loading must be, bit for bit, the state the checkpoint was saved from."""
+        """The state right after loading must be, bit for bit, the state the checkpoint was saved from.
+        If it is not, nothing trained from here would mean anything: the run ends now (exit 1)."""
+        from accelerate.utils import broadcast_object_list
+
         saved = self.run.checkpoint_meta.get("state_digest")
-        loaded = self.digest()
-        self.resumed_state_digest = loaded
+        self.resumed_full_state = self.checkpointer.full_state()
+        loaded = self.resumed_state_digest = self.checkpointer.digest(self.resumed_full_state)
+        verdict = [loaded == saved]
+        if self.accelerator.num_processes > 1:
+            broadcast_object_list(verdict, from_process=0)  # the digest exists on the main process only
         if self.run.is_main:
             self.run.check(
                 "resume_restored_state",
-                loaded == saved,
-                f"state digest after loading {self.run.checkpoint}: "
-                f"{loaded[:16]}..., saved with it: {str(saved)[:16]}...",
+                verdict[0],
+                f"state digest after loading {self.run.checkpoint}: {loaded[:16]}..., saved with it: {str(saved)[:16]}...",
             )
             self.run.print(f"resumed from {self.run.checkpoint} at step {self.step}")
-
-    def digest(self) -> str | None:
-        """sha256 of the whole training state, on the main process (a collective for sharded models)."""
-        return self.checkpointer.digest()
+        if not verdict[0]:
+            self.run.metrics.update(resumed_from_step=self.start_step, resumed_state_digest=loaded)
+            self.run.end_now()
 
     def micro_batches(self, batches):
         """Micro-batches from `batches` until --max_steps optimizer steps are done."""
@@ -115,7 +109,7 @@ class TrainLoop:
         self.latest.update(latest)
         self.window_loss += loss.detach()
         self.window_micro_batches += 1
-        self.seen += self.global_micro_batch_size
+        self.samples_seen += self.samples_per_micro_batch
         if not self.accelerator.sync_gradients:
             return
         self.step += 1
@@ -133,14 +127,15 @@ class TrainLoop:
             self._log_interval()
         checkpoint_every = getattr(self.cfg, "checkpoint_every", 0)
         if checkpoint_every and self.step % checkpoint_every == 0:
-            self.state_digests[self.step] = self.digest()
+            self.state_digests[self.step] = self.checkpointer.digest()
             if self.step < self.cfg.max_steps:
                 meta = {
-                    "trajectory": self.cfg.trajectory(self.accelerator.num_processes),
-                    "state_digest": self.state_digests[self.step],
+                    "samples_seen": self.samples_seen,
                     "world_size": self.accelerator.num_processes,
                     "layout": {name: getattr(self.cfg, name) for name in self.cfg.layout_flags},
-                    f"{self.unit}_seen": self.seen,
+                    "trajectory": self.cfg.trajectory(self.accelerator.num_processes),
+                    "data": self.run.data_identity,
+                    "state_digest": self.state_digests[self.step],
                 }
                 save_checkpoint(
                     self.accelerator,
@@ -152,32 +147,34 @@ class TrainLoop:
                 )
         inject_fault(self.cfg, self.step, self.accelerator.process_index)
 
+    def _per_second(self, micro_batches: int, seconds: float) -> float:
+        samples = micro_batches * self.samples_per_micro_batch
+        return samples * (self.tokens_per_sample or 1) / seconds if seconds > 0 else math.nan
+
     def _log_interval(self) -> None:
         mean_loss = self.accelerator.reduce(self.window_loss / self.window_micro_batches, "mean").item()
-        throughput = (
-            self.window_micro_batches
-            * self.global_micro_batch_size
-            / (time.perf_counter() - self.window_start)
-        )
+        throughput = self._per_second(self.window_micro_batches, time.perf_counter() - self.window_start)
         self.last_interval = {"loss": mean_loss, f"{self.unit}_per_s": throughput, **self.latest}
         if self.step < self.cfg.max_steps:  # the last interval goes out with the experiment's final figures
             self.run.log(self.step, self.last_interval)
         self.window_loss.zero_()
         self.window_micro_batches, self.window_start = 0, time.perf_counter()
 
-    def metrics(self) -> dict:
-        """Figures for summary.json: throughput, where the run resumed, state digests."""
+    def metrics(self, final_state: tuple[dict, dict] | None = None) -> dict:
+        """Figures for summary.json: throughput, where the run resumed, state digests. `final_state`: the
+        full state at the end if the caller already gathered it (else gathered here: a collective)."""
         steps_run = self.step - self.start_step
-        per_step = self.global_micro_batch_size * getattr(self.cfg, "gradient_accumulation_steps", 1)
+        micro_batches = steps_run * getattr(self.cfg, "gradient_accumulation_steps", 1)
         figures = {
             "train_time_s": self.train_time_s,
             "resumed_from_step": self.start_step,
             "first_step_unix_time": self.first_step_unix_time,
-            f"{self.unit}_per_s": steps_run * per_step / self.train_time_s
-            if steps_run and self.train_time_s > 0
+            f"{self.unit}_per_s": self._per_second(micro_batches, self.train_time_s)
+            if steps_run
             else math.nan,
+            "samples_seen": self.samples_seen,
             "state_digests": {str(step): digest for step, digest in self.state_digests.items()},
-            "final_state_digest": self.digest(),
+            "final_state_digest": self.checkpointer.digest(final_state),
         }
         if self.start_step:
             figures["resumed_state_digest"] = self.resumed_state_digest

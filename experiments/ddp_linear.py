@@ -40,7 +40,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__)))) 
 import torch
 import torch.nn.functional as F
 
-from common.config import flag, parse_config, require, require_positive, run_cli
+from common.checkpoint import ResumableArgs, file_sha256
+from common.config import UsageError, flag, parse_config, require, require_positive, run_cli
 from common.data import (
     iterate_batches,
     iterate_global_batches,
@@ -51,7 +52,6 @@ from common.data import (
 )
 from common.models import build_linear
 from common.reference import max_abs_difference, train_single_process
-from common.reliability import ResumableArgs
 from common.run import start_run
 from common.training import TrainLoop
 
@@ -61,12 +61,13 @@ EXPERIMENT = "ddp_linear"
 @dataclass
 class Config(ResumableArgs):
     sweep_metrics = ("loss", "samples_per_s", "final_mse", "max_weight_error", "bias_error")
-    # tolerances change no result
+    # tolerances change no result; --data_file is known by its content (data_identity), not its path
     result_neutral = (
         *ResumableArgs.result_neutral,
         "truth_tolerance",
         "parity_atol",
         "parity_atol_mixed_precision",
+        "data_file",
     )
 
     n_samples: int = flag(1000, "rows of synthetic data (the tutorial's 1000)")
@@ -149,10 +150,25 @@ def replay_single_process(
     )
 
 
+def data_identity(cfg: Config) -> dict:
+    """What a checkpoint of this run is tied to: the data file's bytes (synthetic data is fixed by the flags)."""
+    if not cfg.data_file:
+        return {}
+    if not os.path.isfile(cfg.data_file):
+        raise UsageError(f"--data_file {cfg.data_file!r}: no such file")
+    try:
+        return {"data_file_sha256": file_sha256(cfg.data_file)}
+    except OSError as error:
+        raise UsageError(
+            f"--data_file {cfg.data_file!r}: cannot be read ({error.strerror or error})"
+        ) from None
+
+
 def run(cfg: Config) -> int:
     with start_run(
         cfg,
         EXPERIMENT,
+        data_identity=data_identity(cfg),
         gradient_accumulation_steps=cfg.gradient_accumulation_steps,
         mixed_precision=cfg.mixed_precision,
     ) as run:
@@ -162,12 +178,13 @@ def run(cfg: Config) -> int:
         rank, world_size = accelerator.process_index, accelerator.num_processes
         shard_x, shard_y = (t.to(accelerator.device) for t in shard_tensors(dataset, rank, world_size))
         # A resumed run skips the micro-batches the checkpointed steps consumed: same data order as one long run.
+        samples_per_micro_batch = cfg.per_rank_batch_size * world_size  # 32 per rank x 2 ranks = 64
         batches = iterate_batches(
             shard_x,
             shard_y,
             cfg.per_rank_batch_size,
             cfg.seed,
-            start_batch=run.start_step * cfg.gradient_accumulation_steps,
+            start_batch=run.samples_seen // samples_per_micro_batch,
         )
 
         # same seed on every rank, and DDP broadcasts rank 0's anyway
@@ -179,7 +196,7 @@ def run(cfg: Config) -> int:
 
         # The idea: each rank trains on its own shard; DDP averages the gradients in backward.
         # TrainLoop (common/training.py): resume, logging, progress, heartbeat, checkpoints, NaN stop
-        loop = TrainLoop(run, model, optimizer, global_micro_batch_size=cfg.per_rank_batch_size * world_size)
+        loop = TrainLoop(run, model, optimizer, samples_per_micro_batch=samples_per_micro_batch)
         for x, y in loop.micro_batches(batches):
             with accelerator.accumulate(model):  # no all-reduce until the last micro-batch of a step
                 loss = F.mse_loss(model(x), y)

@@ -85,15 +85,14 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor, init_device_mesh
 
+from common.checkpoint import ResumableArgs, ShardedCheckpointer, load_full_optimizer_state
 from common.comm_counter import WIRE_FACTOR, CollectiveCounter
 from common.config import flag, parse_config, require, require_positive, run_cli
-from common.data import iterate_sample_stream
-from common.gpt import GPT, GPTConfig, build_gpt, count_parameters
+from common.data import iterate_sample_stream, require_memory
+from common.gpt import GPT, GPTConfig, build_gpt, count_parameters, parameter_count, training_bytes
 from common.profiling import StepProfiler, mean_breakdown, median_step, plot_timeline
-from common.reliability import ResumableArgs
 from common.run import start_run
 from common.runtime import launched_world_size
-from common.sharded_checkpoint import ShardedCheckpointer, load_full_optimizer_state
 from common.sharding import shard_gpt, sync_gradients_this_micro_batch, tensor_parallelize_gpt, tp_split_dim
 from common.text import load_corpus, shard_rows
 from common.training import TrainLoop
@@ -128,8 +127,10 @@ class Config(ResumableArgs):
     # How close a check wants its figures; they change no result, so a resume may change them.
     tolerances = ("loss_atol", "param_atol", "grad_norm_rtol", "loss_atol_bf16", "param_atol_bf16", "grad_norm_rtol_bf16",
                   "memory_rtol")  # fmt: skip
+    # --text_files is known by its content (the corpus's sha256 and its tokenizer's, in every checkpoint),
+    # not by how its path is spelled
     result_neutral = (*ResumableArgs.result_neutral, *tolerances, "parity_steps", "parity_steps_bf16", "min_loss_drop",
-                      "sample_tokens", "profile_steps")  # fmt: skip
+                      "sample_tokens", "profile_steps", "text_files")  # fmt: skip
 
     strategy: str = flag(
         "none", "none (one process), ddp, zero2, fsdp, tp or fsdp_tp (see the docstring)", choices=STRATEGIES
@@ -155,6 +156,11 @@ class Config(ResumableArgs):
     lr: float = flag(3e-3, "peak AdamW learning rate")
     min_lr_ratio: float = flag(0.1, "the cosine schedule ends at lr x this")
     warmup_steps: int = flag(20, "linear warm-up steps")
+    lr_decay_steps: int = flag(
+        0,
+        "steps over which the cosine decays to lr x min_lr_ratio, then stays there (nanoGPT's lr_decay_iters; "
+        "0: --max_steps). A checkpoint records it: to train a resumed run longer, keep its value",
+    )
     weight_decay: float = flag(0.1, "AdamW weight decay on matrices (not on biases, norms)")
     grad_clip: float = flag(1.0, "clip gradients to this global norm (0: off)")
     mixed_precision: str = flag(
@@ -179,7 +185,10 @@ class Config(ResumableArgs):
         1e-2, "bf16: largest relative |clipping norm - one-process gradient norm|"
     )
     memory_rtol: float = flag(0.01, "allowed relative difference of bytes held per rank from the theory")
-    min_loss_drop: float = flag(0.3, "validation loss must fall by at least this (nats)")
+    min_loss_drop: float = flag(
+        0.3,
+        "validation loss must fall by more than this (nats) from the initialisation; a resumed run's must fall",
+    )
     sample_tokens: int = flag(40, "tokens of text generated at the end (0: none)")
     profile_steps: int = flag(
         0,
@@ -221,6 +230,18 @@ class Config(ResumableArgs):
         )
         require(
             self.vocab_size >= 260, f"--vocab_size must be >= 260 (256 bytes + merges), got {self.vocab_size}"
+        )
+        require(self.lr_decay_steps >= 0, f"--lr_decay_steps must be >= 0, got {self.lr_decay_steps}")
+        # every process of this machine trains its own copy (or piece): refuse a model that cannot fit
+        local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+        model = GPTConfig(
+            self.vocab_size, self.block_size, self.n_layer, self.n_head, self.d_model, self.tie_weights
+        )
+        require_memory(
+            f"d_model {self.d_model} --n_layer {self.n_layer} --vocab_size {self.vocab_size} --block_size "
+            f"{self.block_size} --per_rank_batch_size {self.per_rank_batch_size}",
+            local_ranks * training_bytes(model, self.per_rank_batch_size),
+            what=f"{local_ranks} process(es) training a {parameter_count(model):,}-parameter model",
         )
         world_size = launched_world_size(self)
         require(
@@ -281,11 +302,21 @@ class Config(ResumableArgs):
         )
 
     def trajectory(self, world_size: int) -> dict:
-        """As RunArgs', except that a mistake made only while resuming (resume_*) is not the checkpoint's."""
+        """As RunArgs', except that a mistake made only while resuming (resume_*) is not the checkpoint's,
+        and the learning-rate schedule's length is the one it runs with (--lr_decay_steps 0 follows
+        --max_steps: a resume that grows --max_steps would stretch the schedule mid-run, so it differs)."""
         trajectory = super().trajectory(world_size)
         if self.wrong_variant.startswith("resume_"):
             trajectory["wrong_variant"] = ""
+        trajectory["lr_decay_steps"] = self.lr_decay_steps or self.max_steps
         return trajectory
+
+    def resume_hint(self, difference: str) -> str:
+        """Said after a refused resume's difference, where the fix is not obvious."""
+        if difference.startswith("--lr_decay_steps"):
+            return (" (the cosine schedule's length, which --max_steps sets while --lr_decay_steps is 0; to train "
+                    f"longer on the checkpoint's schedule pass --lr_decay_steps {difference.split()[1]})")  # fmt: skip
+        return ""
 
     def steps_before_profiling(self) -> int:
         """Steps with one-time work, left out of --profile_steps: the first 3 (after the evaluation FSDP2's
@@ -318,10 +349,12 @@ class Config(ResumableArgs):
 
 
 def lr_at(step: int, cfg: Config) -> float:
-    """Linear warm-up to --lr, then cosine down to lr x min_lr_ratio at max_steps (step counts from 1)."""
+    """Linear warm-up to --lr, then cosine down to lr x min_lr_ratio at --lr_decay_steps (default
+    --max_steps), then flat (step counts from 1)."""
     if step <= cfg.warmup_steps:
         return cfg.lr * step / cfg.warmup_steps
-    progress = (step - cfg.warmup_steps) / max(1, cfg.max_steps - cfg.warmup_steps)
+    decay_steps = cfg.lr_decay_steps or cfg.max_steps
+    progress = min(1.0, (step - cfg.warmup_steps) / max(1, decay_steps - cfg.warmup_steps))
     return cfg.lr * (cfg.min_lr_ratio + (1 - cfg.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress)))
 
 
@@ -569,9 +602,14 @@ def set_lr(optimizer, lr: float) -> None:
 
 def run(cfg: Config) -> int:
     precision = cfg.mixed_precision if cfg.strategy in ("none", "ddp") else "no"  # zero2/fsdp: FSDP2's policy
+    # The corpus first, before the run starts: its content hashes tie every checkpoint to this data (a
+    # resume on other text is refused before anything is written). The token cache is built once, under
+    # a file lock, while other ranks wait.
+    corpus = load_corpus(cfg.text_files, cfg.vocab_size, cfg.block_size, cfg.val_fraction, cfg.dist_timeout_s)
     with start_run(
         cfg,
         EXPERIMENT,
+        data_identity=corpus["identity"],
         gradient_accumulation_steps=cfg.gradient_accumulation_steps,
         mixed_precision=precision,
     ) as run:
@@ -579,15 +617,13 @@ def run(cfg: Config) -> int:
         rank, world_size = accelerator.process_index, accelerator.num_processes
         dp_size, tp_size = cfg.mesh_shape(world_size)
         dp_rank = rank // tp_size  # the ranks of one tensor-parallel group see the same data
-        with accelerator.main_process_first():  # the tokenizer is trained once, then read from the cache
-            corpus = load_corpus(cfg.text_files, cfg.vocab_size, cfg.block_size, cfg.val_fraction)
         gpt_cfg = GPTConfig(
             corpus["vocab_size"], cfg.block_size, cfg.n_layer, cfg.n_head, cfg.d_model, cfg.tie_weights
         )
         # One stream of samples for the whole run; each data-parallel rank takes its rows of every global
-        # micro-batch. The position is in samples (checkpointed as tokens_seen): a resume at another world
+        # micro-batch. The position is in samples (checkpointed as samples_seen): a resume at another world
         # size, whose global batch differs, continues at the same place in the data.
-        start_sample = run.checkpoint_meta.get("tokens_seen", 0) // cfg.block_size
+        start_sample = run.samples_seen
         if cfg.wrong_variant == "resume_without_data_position":
             start_sample = 0  # the mistake: the resumed run sees the first samples again
         data_rank = 0 if cfg.wrong_variant == "same_data_on_every_rank" else dp_rank  # the forgotten sampler
@@ -602,18 +638,11 @@ def run(cfg: Config) -> int:
         n_parameters = count_parameters(model)
         model = distribute(model, cfg, accelerator)
         optimizer = accelerator.prepare(make_optimizer(model, cfg))  # steps only on a step's last micro-batch
-        val_loss_before = evaluate(model, val_shard, cfg.per_rank_batch_size, accelerator)
-        run.print(
-            f"{n_parameters:,} parameters, {corpus['tokens']:,} tokens of {corpus['name']}, {cfg.strategy} "
-            f"on {world_size} rank(s) ({dp_size} data-parallel x {tp_size} tensor-parallel), "
-            f"validation loss {val_loss_before:.3f}"
-        )
 
         # The idea: each data-parallel rank trains on its own shard of the data; the strategy decides who
-        # holds what. 4 blocks x 64 tokens per rank x 2 data-parallel ranks = 512 tokens per micro-batch.
-        tokens_per_micro_batch = cfg.per_rank_batch_size * cfg.block_size * dp_size
+        # holds what. 4 blocks per rank x 2 data-parallel ranks = 8 samples (of 64 tokens) per micro-batch.
         # Checkpoints (--checkpoint_every) in torch.distributed.checkpoint's sharded format, readable by any
-        # strategy at any world size (common/sharded_checkpoint.py); resuming loads one here.
+        # strategy at any world size (common/checkpoint.py); resuming loads one here, and proves it.
         checkpointer = ShardedCheckpointer(
             model, optimizer, restore_optimizer=cfg.wrong_variant != "resume_without_optimizer_state"
         )
@@ -621,16 +650,22 @@ def run(cfg: Config) -> int:
             run,
             model,
             optimizer,
-            global_micro_batch_size=tokens_per_micro_batch,
-            unit="tokens",
+            samples_per_micro_batch=global_rows,
             checkpointer=checkpointer,
+            tokens_per_sample=cfg.block_size,
         )
-        # the one-process reference starts from the state just loaded, as the digest that verified it gathered it
-        resumed_state = checkpointer.last_full_state if run.checkpoint else None
+        # the one-process reference starts from the state just loaded (gathered whole to verify it)
+        resumed_state = loop.resumed_full_state
+        val_loss_before = evaluate(model, val_shard, cfg.per_rank_batch_size, accelerator)  # after any load
+        run.print(
+            f"{n_parameters:,} parameters, {corpus['tokens']:,} tokens of {corpus['name']}, {cfg.strategy} "
+            f"on {world_size} rank(s) ({dp_size} data-parallel x {tp_size} tensor-parallel), "
+            f"validation loss {val_loss_before:.3f}"
+        )
         if run.checkpoint:
             saved = run.checkpoint_meta
             run.print(
-                f"continuing from {saved.get('layout', {}).get('strategy', '?')} on {saved.get('world_size', '?')} "
+                f"continuing from {saved['layout'].get('strategy', '?')} on {saved['world_size']} "
                 f"rank(s) at step {run.start_step}, sample {start_sample:,} of the stream, with {cfg.strategy} on "
                 f"{world_size} rank(s): {global_rows} blocks per global micro-batch"
             )
@@ -682,8 +717,9 @@ def run(cfg: Config) -> int:
             torch.stack(probe.step_losses), "mean"
         ).tolist()  # each step's global loss
         # the final state digest gathers every tensor whole (a collective); the sample reuses those weights
-        loop_metrics = loop.metrics()
-        trained = checkpointer.last_full_state[0]
+        final_state = checkpointer.full_state()  # every tensor whole, on the main process (a collective)
+        loop_metrics = loop.metrics(final_state)
+        trained = final_state[0]
         every_rank = accelerator.gather_for_metrics(
             [probe.held | {"peak_rss_bytes": peak_rss_bytes()}], use_gather_object=True
         )
@@ -704,18 +740,23 @@ def run(cfg: Config) -> int:
             parameters=n_parameters,
             corpus=corpus_facts,
         )
+        # from where THIS run started: the random initialisation, or the state it resumed (which has
+        # learned already, so a resumed run need only keep learning)
+        min_drop = cfg.min_loss_drop if not run.checkpoint else 0.0
         run.check(
             "loss_decreased",
-            val_loss <= val_loss_before - cfg.min_loss_drop,
-            f"validation loss {val_loss_before:.3f} -> {val_loss:.3f}, must fall by >= {cfg.min_loss_drop}",
+            val_loss < val_loss_before - min_drop,
+            f"validation loss {val_loss_before:.3f} -> {val_loss:.3f} (from "
+            f"{'the loaded checkpoint' if run.checkpoint else 'the initialisation'}), must fall by more than {min_drop}",
         )
         if run.is_main:
             check_memory(run, cfg, build_gpt(gpt_cfg, cfg.seed), every_rank)
             check_communication(run, cfg, build_gpt(gpt_cfg, cfg.seed), probe.collectives)
             if cfg.strategy != "none" and probe.at_parity_step is not None:
                 # the reference replays the same global batches, from where the data stream really was
-                start = run.checkpoint_meta.get("tokens_seen", 0) // cfg.block_size
-                global_batches = iterate_sample_stream(*corpus["train"], global_rows, cfg.seed, start)
+                global_batches = iterate_sample_stream(
+                    *corpus["train"], global_rows, cfg.seed, run.samples_seen
+                )
                 start_state = resumed_state or (initial_state, None)
                 compare_with_one_process(run, cfg, gpt_cfg, start_state, global_batches, probe, step_losses)
             run.metrics["sample"] = generate_sample(cfg, gpt_cfg, trained, corpus, accelerator.device)

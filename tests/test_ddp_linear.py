@@ -136,7 +136,10 @@ def test_finished_run_is_not_overwritten(tmp_path, capsys):
         (["--data_file", "missing.csv"], "no such file"),
         (["--n_samples", "20"], "fewer than the batch size 32"),
         (["--report_to", "mlflow"], "--report_to mlflow: that tracker is not installed"),
-        (["--resume_from_checkpoint", "no/such/checkpoint"], "is not a complete checkpoint"),
+        (
+            ["--resume_from_checkpoint", "no/such/checkpoint"],
+            "no/such/checkpoint: cannot be used: not a folder",
+        ),
         (["--checkpoint_every", "-5"], "--checkpoint_every must be >= 0, got -5"),
         (["--keep_checkpoints", "0"], "--keep_checkpoints must be > 0, got 0"),
         (["--gradient_accumulation_steps", "0"], "--gradient_accumulation_steps must be > 0, got 0"),

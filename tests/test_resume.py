@@ -72,29 +72,31 @@ def test_kill_every_process_then_resume_equals_the_clean_run_and_continues_its_w
     assert summary["passed"] is True and summary["check/matches_single_process"] == "PASS"
 
 
-def test_a_checkpoint_with_another_runs_weights_fails_its_resume_check(tmp_path, capsys):
-    """The evidence can fail: SGD on this convex problem forgets where it started, so the final
-    parameters alone would not notice a swapped checkpoint. The digest recorded at save time does."""
+def test_a_checkpoint_holding_another_runs_weights_is_refused_before_anything_is_written(tmp_path, capsys):
+    """SGD on this convex problem forgets where it started, so the final parameters alone would not
+    notice a swapped checkpoint. The file digests recorded at save time do, before anything loads."""
     from experiments.ddp_linear import main
 
     args = ["--report_to", "none", "--max_steps", "40", "--log_every", "20", "--checkpoint_every", "20"]
     first = run_in_process(main, args, tmp_path / "a", capsys)
     other = run_in_process(main, [*args, "--seed", "1"], tmp_path / "b", capsys)
     assert first.returncode == other.returncode == 0
-    for name in ("model.safetensors",):
-        shutil.copy(
-            tmp_path / "b" / "checkpoints" / "step_00000020" / name,
-            tmp_path / "a" / "checkpoints" / "step_00000020" / name,
-        )
-    resumed = run_in_process(
-        main,
-        [*args, "--max_steps", "60", "--resume_from_checkpoint", "latest", "--overwrite"],
-        tmp_path / "a",
-        capsys,
+    (tmp_path / "a" / "summary.json").unlink()  # as if killed after its step-20 checkpoint
+    checkpoint = tmp_path / "a" / "checkpoints" / "step_00000020"
+    shutil.copy(
+        tmp_path / "b" / "checkpoints" / "step_00000020" / "model.safetensors",
+        checkpoint / "model.safetensors",
     )
-    assert resumed.returncode == 1
-    check = resumed.summary["checks"]["resume_restored_state"]
-    assert check["passed"] is False and "state digest after loading" in check["detail"]
+    before = {p.name: p.read_bytes() for p in (tmp_path / "a").iterdir() if p.is_file()}
+    resumed = run_in_process(main, [*args, "--resume_from_checkpoint", "latest"], tmp_path / "a", capsys)
+    assert resumed.returncode == 2 and resumed.stderr.strip().count("\n") == 0, resumed.stderr
+    assert (
+        "no checkpoint in" in resumed.stderr
+        and "model.safetensors differs from what was written" in resumed.stderr
+    )
+    assert {
+        p.name: p.read_bytes() for p in (tmp_path / "a").iterdir() if p.is_file()
+    } == before  # nothing written
 
 
 @pytest.mark.parametrize("launcher", ["torchrun", "accelerate"])

@@ -86,6 +86,39 @@ BAD = {
         "parameters: {lr: {min: -0.5, max: 0.1}}\n",
         "parameter 'lr' may propose -0.5",
     ),
+    "a duplicate key": (
+        "program: experiments/ddp_linear.py\nmethod: grid\nmetric: {name: final_mse}\n"
+        "parameters: {lr: {values: [0.1]}, lr: {values: [0.5]}}\n",
+        "is not valid YAML: duplicate key 'lr' in",
+    ),
+    "a duplicate top-level key": (
+        "program: experiments/ddp_linear.py\nmethod: grid\nmethod: random\nmetric: {name: final_mse}\n"
+        "parameters: {lr: {values: [0.1]}}\n",
+        "is not valid YAML: duplicate key 'method' in",
+    ),
+    "a flag the command sets after ${args}": (
+        "program: experiments/ddp_linear.py\nmethod: grid\nmetric: {name: final_mse}\n"
+        "parameters: {lr: {values: [0.1, 0.5]}}\n"
+        'command: ["${env}", "${interpreter}", "${program}", "${args}", "--lr=0.2"]\n',
+        "command sets --lr itself, which the sweep also sets through ${args}: the last one on the command line wins",
+    ),
+    "a swept output_dir": (
+        "program: experiments/ddp_linear.py\nmethod: grid\nmetric: {name: final_mse}\n"
+        "parameters: {output_dir: {values: [a, b]}}\n",
+        "parameter 'output_dir' cannot be swept: each trial writes into its own folder",
+    ),
+    "a swept overwrite": (
+        "program: experiments/ddp_linear.py\nmethod: grid\nmetric: {name: final_mse}\n"
+        "parameters: {overwrite: {values: [true, false]}}\n",
+        "parameter 'overwrite' cannot be swept",
+    ),
+    "an output_dir in the command": (
+        "program: experiments/ddp_linear.py\nmethod: grid\nmetric: {name: final_mse}\n"
+        "parameters: {lr: {values: [0.1]}}\n"
+        'command: ["${env}", "${interpreter}", "${program}", "--output_dir", "runs/x", "${args}"]\n',
+        "command sets --output_dir: each trial writes into its own folder",
+    ),
+    "not utf-8": (b"program: experiments/ddp_linear.py\nmethod: \xff\xfe\n", "is not UTF-8 text (byte 0xff"),
     "missing program": (
         "program: experiments/nope.py\nmethod: grid\nmetric: {name: final_mse}\nparameters: {lr: {values: [0.1]}}\n",
         "program 'experiments/nope.py' not found",
@@ -98,7 +131,7 @@ def test_bad_sweeps_are_refused(case, tmp_path, monkeypatch):
     monkeypatch.chdir(REPO)
     text, message = BAD[case]
     path = tmp_path / "bad.yaml"
-    path.write_text(text)
+    path.write_bytes(text if isinstance(text, bytes) else text.encode())
     with pytest.raises(UsageError) as refused:
         validate_sweep(str(path))
     assert message in str(refused.value)

@@ -6,6 +6,8 @@ fsdp_tp in test_train_gpt_tensor_parallel.py."""
 
 from __future__ import annotations
 
+import os
+
 import pytest
 
 from experiments.train_gpt import main
@@ -137,6 +139,47 @@ def test_bad_input_is_one_line(tmp_path, args, message, capsys):
         main, [*GPT_TINY, "--output_dir", str(tmp_path / "run"), *args], capsys
     )
     assert code == 2 and message in stderr and stderr.strip().count("\n") == 0
+    assert not (tmp_path / "run").exists()  # refused before anything was written
+
+
+@pytest.mark.parametrize(
+    ("content", "message"),
+    [
+        (b"", "is empty"),
+        (b"\x89PNG\r\n\x1a\n" + bytes(range(256)) * 8, "is not text (a NUL byte at offset"),
+        ("caf\u00e9 ".encode("latin-1") * 400, "is not UTF-8 text (byte 0xe9 at offset 3)"),
+        ("tiny", "the corpus has 4 characters; give it at least 1,000"),
+        (None, "cannot be read (Permission denied)"),
+        ("folder", "is not a file (a folder?)"),
+    ],
+    ids=["empty", "binary", "latin-1", "too-short", "unreadable", "a-folder"],
+)
+def test_text_files_that_are_no_use_are_one_line(tmp_path, capsys, content, message):
+    path = tmp_path / "corpus.txt"
+    if content == "folder":
+        path.mkdir()
+    elif content is None:
+        path.write_text("some text " * 200)
+        path.chmod(0)
+        if os.access(path, os.R_OK):
+            pytest.skip("root reads a file whatever its mode")
+    else:
+        path.write_bytes(content.encode() if isinstance(content, str) else content)
+    code, stderr = run_main_in_process(
+        main, [*GPT_TINY, "--text_files", str(path), "--output_dir", str(tmp_path / "run")], capsys
+    )
+    assert code == 2 and message in stderr and stderr.strip().count("\n") == 0, stderr
+    assert not (tmp_path / "run").exists()
+
+
+def test_a_model_too_big_for_this_machine_is_one_line(tmp_path, capsys):
+    code, stderr = run_main_in_process(
+        main,
+        [*GPT_TINY, "--d_model", "65536", "--n_head", "2", "--output_dir", str(tmp_path / "run")],
+        capsys,
+    )
+    assert code == 2 and stderr.strip().count("\n") == 0
+    assert "--d_model 65536 --n_layer 2" in stderr and "-parameter model would need about" in stderr
 
 
 def test_trains_on_your_own_text_files(tmp_path, capsys):

@@ -30,7 +30,18 @@ from helpers import (
     start_and_kill_every_process,
 )
 
-CHECKPOINTED = [*GPT_TINY, "--checkpoint_every", "3", "--keep_checkpoints", "5", "--log_every", "3"]
+# the learning-rate schedule is the 12-step run's in every resume, whatever its --max_steps
+CHECKPOINTED = [
+    *GPT_TINY,
+    "--checkpoint_every",
+    "3",
+    "--keep_checkpoints",
+    "5",
+    "--log_every",
+    "3",
+    "--lr_decay_steps",
+    "12",
+]
 
 
 @pytest.fixture(scope="module")
@@ -159,6 +170,7 @@ def test_half_resumes_fail_their_check(uninterrupted, small_text, tmp_path, vari
     assert failing in failed
 
 
+@pytest.mark.launch
 def test_dcp_safetensors_round_trip_is_bitwise(uninterrupted, tmp_path, capsys):
     from common.gpt import GPT, GPTConfig
     from tools.convert_checkpoint import main as convert
@@ -182,6 +194,7 @@ def test_dcp_safetensors_round_trip_is_bitwise(uninterrupted, tmp_path, capsys):
     assert torch.equal(weights["head.weight"], weights["tok_emb.weight"])  # the tied weight, stored twice
 
 
+@pytest.mark.launch
 def test_converter_refuses_a_checkpoint_missing_a_shard_and_never_overwrites(uninterrupted, tmp_path, capsys):
     import shutil
 

@@ -1,86 +1,196 @@
 """Convert a train_gpt checkpoint (torch.distributed.checkpoint, one file per rank that wrote it) to ONE
-safetensors file of full model weights, for inference elsewhere, and back.
+safetensors file of full model weights, for inference elsewhere, and back. Verified both ways.
 
     python -m tools.convert_checkpoint to-safetensors runs/train_gpt/checkpoints/step_00000100 model.safetensors
     python -m tools.convert_checkpoint from-safetensors model.safetensors weights_dcp/
 
-to-safetensors reads the DCP shards in this one process (no process group, any world size wrote them)
-into full tensors and keeps the model's (the optimizer's are training state, not weights); a tied weight
-(head = token embedding) is stored once under each name, as separate tensors, because safetensors stores
-no shared storage. from-safetensors writes those weights as a DCP checkpoint (state/ under the folder, keys
-"model.<name>" as train_gpt writes them): loadable with dcp.load into any layout. Weights only, so a
-training run cannot resume from it (no optimizer state, no step). Bad paths give one line and exit 2.
+to-safetensors first verifies the checkpoint as a resume would (every file against the sha256 recorded
+when it was written, common/checkpoint.py), then reads the DCP shards in this one process (no process
+group; any world size wrote them) into full tensors and checks them against the checkpoint's own digest
+of its full state (parameters and optimizer) before writing anything. It keeps the model's tensors (the
+optimizer's are training state, not weights) and records their sha256 in the file's metadata. A tied
+weight (head = token embedding) is stored once under each name, as separate tensors, because
+safetensors stores no shared storage.
+
+from-safetensors verifies that sha256 against the tensors it reads, then writes them as a DCP
+checkpoint (state/ with keys "model.<name>", as train_gpt writes them; loadable with dcp.load into any
+layout) plus weights.json (the files' digests and the weights' digest), which to-safetensors verifies in
+turn. Weights only: a training run cannot resume from it (no optimizer state, no step).
+
+Outputs are written under a temporary name and renamed when complete, never over an existing path. Every
+problem (a corrupt, truncated or foreign input, a file that is not safetensors, a full disk) is one
+line and exit 2.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
+import shutil
 import sys
 import tempfile
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import torch
-from safetensors.torch import load_file, save_file
-from torch.distributed.checkpoint import FileSystemReader
-from torch.distributed.checkpoint.api import CheckpointException
-from torch.distributed.checkpoint.format_utils import dcp_to_torch_save, torch_save_to_dcp
 
-from common.sharded_checkpoint import STATE_FOLDER
+from common.checkpoint import (
+    FORMAT,
+    STATE_FOLDER,
+    STEP_FILE,
+    digest_named_values,
+    files_manifest,
+    full_state_digest,
+    read_sealed,
+    seal,
+    verify_checkpoint,
+    verify_files,
+)
+
+WEIGHTS_FILE = "weights.json"  # beside state/ in a checkpoint written by from-safetensors
+DIGEST_KEY = "weights_sha256"  # in the safetensors file's metadata
 
 
-def dcp_model_weights(checkpoint: str) -> dict[str, torch.Tensor]:
-    """Every model tensor of a DCP checkpoint (a checkpoint folder, or its state/ folder), full size."""
-    folder = (
-        os.path.join(checkpoint, STATE_FOLDER)
-        if os.path.isdir(os.path.join(checkpoint, STATE_FOLDER))
-        else checkpoint
-    )
-    if not os.path.isfile(os.path.join(folder, ".metadata")):
-        fail(f"{checkpoint!r} is not a DCP checkpoint (no .metadata in {folder})")
-    # every file the metadata names must be there: each rank wrote its own (__<rank>_0.distcp)
-    named = {info.relative_path for info in FileSystemReader(folder).read_metadata().storage_data.values()}
-    missing = sorted(name for name in named if not os.path.isfile(os.path.join(folder, name)))
-    if missing:
-        fail(f"{checkpoint!r} is incomplete: {', '.join(missing)} missing (written by another rank?)")
+def weights_digest(weights: dict[str, torch.Tensor]) -> str:
+    return digest_named_values((name, weights[name]) for name in sorted(weights))
+
+
+def read_checkpoint(checkpoint: str) -> dict[str, torch.Tensor]:
+    """Every model tensor of a verified DCP checkpoint (a checkpoint folder, or its state/ folder), full
+    size, each checked against the digest the checkpoint was written with."""
+    folder = os.path.abspath(checkpoint)
+    if os.path.basename(folder) == STATE_FOLDER:
+        folder = os.path.dirname(folder)
+    if not os.path.isdir(folder):
+        fail(f"{checkpoint!r} is not a folder")
+    training = os.path.exists(os.path.join(folder, STEP_FILE))
+    if training:
+        meta, problem = verify_checkpoint(folder)
+    elif os.path.exists(os.path.join(folder, WEIGHTS_FILE)):
+        meta, problem = read_sealed(folder, WEIGHTS_FILE)
+        problem = problem or verify_files(folder, meta.get("files"))
+    else:
+        fail(f"{checkpoint!r} is not a checkpoint of this project (no {STEP_FILE} or {WEIGHTS_FILE})")
+    if problem:
+        fail(f"{checkpoint!r} cannot be used: {problem}")
+    state = read_dcp(os.path.join(folder, STATE_FOLDER), checkpoint)
+    model = {name: tensor.contiguous().clone() for name, tensor in state["model"].items()}
+    if training:
+        found, expected = (
+            full_state_digest(state["model"], state.get("optimizer", {})),
+            meta.get("state_digest"),
+        )
+    else:
+        found, expected = weights_digest(model), meta.get("model_digest")
+    if found != expected:
+        fail(
+            f"{checkpoint!r}: its tensors do not match the digest it was written with "
+            f"({found[:16]}... != {str(expected)[:16]}...)"
+        )
+    return model
+
+
+def read_dcp(folder: str, checkpoint: str) -> dict:
+    """DCP files -> one dict of full tensors, in this process (no group needed)."""
+    from torch.distributed.checkpoint.api import CheckpointException
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
     with tempfile.TemporaryDirectory() as scratch:
         whole = os.path.join(scratch, "whole.pt")
         try:
-            dcp_to_torch_save(folder, whole)  # reads every rank's shards in this process, no group needed
-        except (OSError, RuntimeError, ValueError, CheckpointException) as error:  # e.g. a shard cut short
-            fail(f"{checkpoint!r} could not be read: {str(error).strip().splitlines()[-1]}")
-        state = torch.load(whole, weights_only=True)
-    return {name: tensor.contiguous().clone() for name, tensor in state["model"].items()}
+            dcp_to_torch_save(folder, whole)
+            return torch.load(whole, weights_only=True)
+        except (Exception, CheckpointException) as error:  # noqa: B014 (CheckpointException is a BaseException)
+            fail(f"{checkpoint!r} could not be read: {one_line(error)}")
 
 
 def to_safetensors(checkpoint: str, output: str) -> dict[str, torch.Tensor]:
-    weights = dcp_model_weights(checkpoint)
+    from safetensors.torch import save_file
+
     refuse_existing(output)
-    save_file(weights, output)
+    weights = read_checkpoint(checkpoint)
+    metadata = {DIGEST_KEY: weights_digest(weights)}  # one key: safetensors writes a map's keys in any order
+    write_whole(output, lambda temporary: save_file(weights, temporary, metadata=metadata))
     return weights
 
 
-def from_safetensors(weights_file: str, checkpoint: str) -> None:
+def read_safetensors(weights_file: str) -> dict[str, torch.Tensor]:
+    """The tensors of a safetensors file written by to-safetensors, checked against its recorded digest."""
+    from safetensors import safe_open
+
     if not os.path.isfile(weights_file):
         fail(f"{weights_file!r} is not a file")
-    weights = load_file(weights_file)
+    try:
+        with safe_open(weights_file, framework="pt") as handle:
+            metadata = handle.metadata() or {}
+            weights = {name: handle.get_tensor(name) for name in handle.keys()}  # noqa: SIM118 (not a dict)
+    except Exception as error:  # safetensors raises its own types for a file that is not safetensors
+        fail(f"{weights_file!r} is not a readable safetensors file: {one_line(error)}")
+    if DIGEST_KEY not in metadata:
+        fail(
+            f"{weights_file!r} records no {DIGEST_KEY} (not written by to-safetensors): it cannot be verified"
+        )
+    if weights_digest(weights) != metadata[DIGEST_KEY]:
+        fail(f"{weights_file!r}: its tensors do not match the digest recorded in it (corrupted?)")
+    return weights
+
+
+def from_safetensors(weights_file: str, checkpoint: str) -> dict[str, torch.Tensor]:
+    from torch.distributed.checkpoint.format_utils import torch_save_to_dcp
+
     refuse_existing(checkpoint)
-    with tempfile.TemporaryDirectory() as scratch:
-        whole = os.path.join(scratch, "whole.pt")
-        torch.save({"model": weights}, whole)
-        torch_save_to_dcp(whole, os.path.join(checkpoint, STATE_FOLDER))
+    weights = read_safetensors(weights_file)
+
+    def write(folder: str) -> None:
+        os.makedirs(folder)
+        with tempfile.TemporaryDirectory() as scratch:
+            whole = os.path.join(scratch, "whole.pt")
+            torch.save({"model": weights}, whole)
+            torch_save_to_dcp(whole, os.path.join(folder, STATE_FOLDER))
+        record = seal(
+            {"format": FORMAT, "model_digest": weights_digest(weights), "files": files_manifest(folder)}
+        )
+        with open(os.path.join(folder, WEIGHTS_FILE), "w") as handle:
+            json.dump(record, handle, indent=1)
+
+    write_whole(checkpoint, write)
+    return weights
+
+
+def write_whole(output: str, write) -> None:
+    """write(temporary path), then rename to `output`: a failure (a full disk) leaves nothing behind."""
+    temporary = f"{os.path.abspath(output)}.partial{os.getpid()}"
+    try:
+        write(temporary)
+        os.replace(temporary, output)
+    except (Exception, KeyboardInterrupt) as error:
+        if os.path.isdir(temporary):
+            shutil.rmtree(temporary, ignore_errors=True)
+        elif os.path.exists(temporary):
+            os.remove(temporary)
+        if isinstance(error, KeyboardInterrupt):
+            fail("interrupted (Ctrl-C); nothing written", code=130)
+        fail(f"could not write {output!r}: {one_line(error)}")
+
+
+def one_line(error: BaseException) -> str:
+    text = (getattr(error, "strerror", None) or str(error)).strip()
+    return (text.splitlines()[-1] if text else type(error).__name__)[:300]
 
 
 def refuse_existing(path: str) -> None:
     """Never overwrite: results are not lost to a mistyped output path."""
-    if os.path.exists(path):
+    if os.path.lexists(path):
         fail(f"{path!r} exists; choose a new output path")
+    parent = os.path.dirname(os.path.abspath(path))
+    if not os.path.isdir(parent):
+        fail(f"{path!r}: the folder {parent!r} does not exist")
 
 
-def fail(message: str) -> None:
+def fail(message: str, code: int = 2):
     print(f"convert_checkpoint: {message}", file=sys.stderr)
-    raise SystemExit(2)
+    raise SystemExit(code)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -92,19 +202,26 @@ def main(argv: list[str] | None = None) -> int:
     to.add_argument("checkpoint", help="a checkpoints/step_XXXXXXXX folder (or its state/ folder)")
     to.add_argument("output", help="the .safetensors file to write (must not exist)")
     back = commands.add_parser(
-        "from-safetensors", help=".safetensors file -> DCP checkpoint folder of weights"
+        "from-safetensors",
+        help=".safetensors file (written by to-safetensors) -> DCP checkpoint folder of weights",
     )
-    back.add_argument("weights", help="a .safetensors file")
+    back.add_argument("weights", help="a .safetensors file written by to-safetensors")
     back.add_argument("output", help="the checkpoint folder to write (must not exist)")
     args = parser.parse_args(argv)
     if args.command == "to-safetensors":
         weights = to_safetensors(args.checkpoint, args.output)
-        print(f"{len(weights)} tensors, {sum(t.numel() for t in weights.values()):,} values -> {args.output}")
+        target = args.output
     else:
-        from_safetensors(args.weights, args.output)
-        print(f"{args.weights} -> {args.output}/{STATE_FOLDER}")
+        weights = from_safetensors(args.weights, args.output)
+        target = f"{args.output}/{STATE_FOLDER}"
+    print(
+        f"{len(weights)} tensors, {sum(t.numel() for t in weights.values()):,} values, verified -> {target}"
+    )
     return 0
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    try:
+        sys.exit(main())
+    except KeyboardInterrupt:
+        fail("interrupted (Ctrl-C)", code=130)

@@ -82,6 +82,31 @@ ARG_MACROS = (
 )
 
 
+# Flags a sweep may not set: the runner owns where each trial writes, and every trial is a new run.
+RUNNER_FLAGS = {
+    "output_dir": "each trial writes into its own folder of the sweep (<sweep folder>/<run id>)",
+    "overwrite": "every trial writes into a new folder, so nothing is there to overwrite; a swept "
+    "--overwrite could only make trials replace each other's results",
+    "resume_from_checkpoint": "every trial is a new run",
+}
+
+
+class UniqueKeyLoader(yaml.SafeLoader):
+    """yaml.safe_load, except that a key given twice in one mapping is an error (PyYAML keeps the last
+    one silently: a sweep would run with a value its author did not see)."""
+
+    def construct_mapping(self, node, deep=False):
+        seen = set()
+        for key_node, _value in node.value:
+            key = self.construct_object(key_node, deep=deep)
+            if key in seen:
+                raise yaml.constructor.ConstructorError(
+                    None, None, f"duplicate key {key!r}", key_node.start_mark
+                )
+            seen.add(key)
+        return super().construct_mapping(node, deep)
+
+
 @dataclass
 class Sweep:
     path: str
@@ -112,12 +137,19 @@ def validate_sweep(path: str) -> Sweep:
     sweeps = import_sweeps()
 
     try:
-        with open(path) as handle:
-            config = yaml.safe_load(handle)
+        with open(path, encoding="utf-8") as handle:
+            config = yaml.load(handle, Loader=UniqueKeyLoader)
     except FileNotFoundError:
         raise UsageError(f"sweep file {path!r} not found") from None
+    except IsADirectoryError:
+        raise UsageError(f"sweep file {path!r} is a folder") from None
+    except UnicodeDecodeError as error:
+        raise UsageError(f"sweep file {path!r} is not UTF-8 text (byte 0x{error.object[error.start]:02x} at "
+                         f"offset {error.start})") from None  # fmt: skip
+    except OSError as error:
+        raise UsageError(f"sweep file {path!r} cannot be read ({error.strerror or error})") from None
     except yaml.YAMLError as error:
-        raise UsageError(f"sweep file {path!r} is not valid YAML: {str(error).splitlines()[0]}") from None
+        raise UsageError(f"sweep file {path!r} is not valid YAML: {' '.join(str(error).split())}") from None
     if not isinstance(config, dict):
         raise UsageError(
             f"sweep file {path!r} must be a YAML mapping with program, method, metric, parameters"
@@ -138,6 +170,8 @@ def validate_sweep(path: str) -> Sweep:
                 f"sweep file {path!r}: parameter {name!r} is not a flag of {config['program']}; "
                 f"its flags: {', '.join(flags)}"
             )
+        if name in RUNNER_FLAGS:
+            raise UsageError(f"sweep file {path!r}: parameter {name!r} cannot be swept: {RUNNER_FLAGS[name]}")
         for value in proposable_values(spec):
             refuse_value(path, module.Config, name, value)
     metric = config["metric"].get("name") if isinstance(config["metric"], dict) else None
@@ -161,6 +195,18 @@ def validate_sweep(path: str) -> Sweep:
             f"sweep file {path!r}: command never passes ${{args}}: "
             "hyper-parameters would reach only rank 0's wandb.config"
         )
+    program_at = next(
+        (i for i, c in enumerate(map(str, command)) if c in ("${program}", config["program"])), -1
+    )
+    for word in map(str, command[program_at + 1 :]):  # the program's own flags, where ${args} goes too
+        name = word[2:].split("=")[0] if word.startswith("--") else None
+        if name in config["parameters"]:
+            raise UsageError(
+                f"sweep file {path!r}: command sets --{name} itself, which the sweep also sets through ${{args}}: "
+                "the last one on the command line wins, so the leaderboard would show a value the trial never used"
+            )
+        if name in RUNNER_FLAGS:
+            raise UsageError(f"sweep file {path!r}: command sets --{name}: {RUNNER_FLAGS[name]}")
     return Sweep(
         path,
         config,

@@ -1,0 +1,617 @@
+"""Checkpoints that cannot lie: written whole or not at all, verified before use, tied to their data.
+
+A checkpoint is a folder `<output_dir>/checkpoints/step_XXXXXXXX/` holding the training state (written
+by a checkpointer, below) and `step.json`, which records:
+  step, samples_seen      where the run was (the data position in samples, so a resume at another
+                          world size, with another global batch, continues at the same sample);
+  trajectory, world_size, every flag that changes what the run computes, the layout it ran under, and
+  layout, data            content hashes of its training data (and tokenizer): a resume that differs
+                          in any of them is refused, naming the field and both values;
+  state_digest            sha256 of the FULL state (every parameter and optimizer tensor, gathered
+                          whole, by name): the same at any world size and strategy, so the state
+                          right after a load must have the digest it was saved with;
+  files                   the sha256 and size of every file of the checkpoint, computed from disk
+                          once every rank had written;
+  digest                  sha256 of everything above: a step.json edited by hand, or flipped by the
+                          disk, is refused like a corrupt shard.
+Every one of them is checked BEFORE any training step uses the checkpoint (`verify_checkpoint`): a bad
+checkpoint is refused in one line naming it and the newest good one, exit 2, nothing written.
+`--resume_from_checkpoint latest` takes the newest checkpoint that verifies and says which newer ones
+it passed over, and why.
+
+Writing (`save_checkpoint`, a collective): every rank writes into step_XXXXXXXX.partial, the ranks
+agree that every write succeeded, the main process hashes the files, writes step.json and renames the
+folder: a half-written checkpoint is never "latest". Any failure (a full disk, a permission, DCP's
+CheckpointException on any rank) is one line on every rank, the partial folder removed, the newest
+complete checkpoint kept. Pruning (`--keep_checkpoints K`) happens only after the new checkpoint is
+complete, so the newest verified one is never deleted.
+
+Two checkpointers with the same save / load / full_state / digest:
+- `AccelerateCheckpointer`: Accelerate's save_state / load_state (model, optimizer, every rank's RNG
+  state) for a model every rank holds whole (ddp_linear);
+- `ShardedCheckpointer`: PyTorch's distributed checkpoint (DCP): `get_state_dict` gives the state in
+  this run's layout (DTensor shards under FSDP / TP) keyed by parameter NAME, `dcp.save` has each rank
+  write its pieces plus a metadata file, and `dcp.load` reads them into whatever layout the resuming
+  run has: saved by fsdp on 2 ranks, resumed by fsdp on 3, by ddp, or by one process (train_gpt).
+Both digest the full state the same way (`full_state_digest`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import errno
+import hashlib
+import json
+import os
+import re
+import shutil
+from dataclasses import dataclass, field
+
+from common.config import UsageError, flag, require, require_positive
+from common.reliability import FaultArgs
+
+CHECKPOINT_PREFIX = "step_"
+CHECKPOINT_NAME = re.compile(r"^step_(\d{8})$")
+STEP_FILE = "step.json"
+FORMAT = 2  # format 1 (before 2026-12-04) had no file digests: refused, it cannot be verified
+REJECTED_FOLDER = (
+    "rejected"  # checkpoints/rejected/: newer checkpoints that failed verification, kept for a look
+)
+STATE_FOLDER = "state"  # inside a DCP checkpoint: one .distcp per rank + .metadata
+
+
+@dataclass
+class ResumableArgs(FaultArgs):
+    checkpoint_every: int = flag(0, "save a checkpoint every N optimizer steps (0: never)")
+    keep_checkpoints: int = flag(2, "how many complete checkpoints to keep (oldest pruned, never the newest)")
+    resume_from_checkpoint: str = flag(
+        "",
+        "'latest' (the newest checkpoint in --output_dir that verifies; none yet = start fresh) or a "
+        "checkpoint folder",
+    )
+
+    def validate(self) -> None:
+        super().validate()
+        require(self.checkpoint_every >= 0, f"--checkpoint_every must be >= 0, got {self.checkpoint_every}")
+        require_positive(self, "keep_checkpoints")
+        require(
+            not (self.overwrite and self.resume_from_checkpoint == "latest"),
+            "--overwrite starts afresh and --resume_from_checkpoint latest continues: pass one of them",
+        )
+
+
+# ------------------------------------------------------------------------------------------ digests
+def digest_named_values(items) -> str:
+    """sha256 over (name, value) pairs in the order given: a tensor's raw bytes, anything else its repr."""
+    import torch
+
+    digest = hashlib.sha256()
+    for name, value in items:
+        digest.update(name.encode())
+        if isinstance(value, torch.Tensor):
+            digest.update(value.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes())
+        else:
+            digest.update(repr(value).encode())
+    return digest.hexdigest()
+
+
+def full_state_digest(model_state: dict, optimizer_state: dict) -> str:
+    """sha256 of a full (model, optimizer) state keyed by parameter name: names and bytes of every
+    parameter and every optimizer tensor (exp_avg, exp_avg_sq, step), learning rates excluded (a
+    function of the step, set before each update). Independent of how the state was split."""
+    states = optimizer_state.get("state", {})
+    return digest_named_values(
+        [(name, model_state[name]) for name in sorted(model_state)]
+        + [
+            (f"optimizer.{name}.{key}", value)
+            for name in sorted(states)
+            for key, value in sorted(states[name].items())
+        ]
+    )
+
+
+def file_sha256(path: str) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as handle:
+        while chunk := handle.read(1 << 20):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def files_manifest(folder: str) -> dict:
+    """{relative path: {"bytes", "sha256"}} of every file under `folder` but step.json."""
+    manifest = {}
+    for parent, _folders, names in os.walk(folder):
+        for name in names:
+            path = os.path.join(parent, name)
+            relative = os.path.relpath(path, folder)
+            if relative != STEP_FILE:
+                manifest[relative] = {"bytes": os.path.getsize(path), "sha256": file_sha256(path)}
+    return dict(sorted(manifest.items()))
+
+
+def seal(meta: dict) -> dict:
+    """`meta` plus "digest": the sha256 of its canonical JSON (what verify_checkpoint recomputes)."""
+    body = {k: v for k, v in meta.items() if k != "digest"}
+    return {**body, "digest": hashlib.sha256(json.dumps(body, sort_keys=True).encode()).hexdigest()}
+
+
+# -------------------------------------------------------------------------------- finding, verifying
+def checkpoint_root(output_dir: str) -> str:
+    return os.path.join(output_dir, "checkpoints")
+
+
+def checkpoint_folders(output_dir: str) -> list[str]:
+    """Names of the step_XXXXXXXX folders (complete or not, verified or not), oldest first."""
+    root = checkpoint_root(output_dir)
+    if not os.path.isdir(root):
+        return []
+    return sorted(name for name in os.listdir(root) if CHECKPOINT_NAME.match(name))
+
+
+def _whole_number(meta: dict, key: str, least: int) -> str | None:
+    value = meta.get(key)
+    if isinstance(value, bool) or not isinstance(value, int) or value < least:
+        return f"{STEP_FILE}: {key!r} must be a whole number >= {least}, got {value!r}"
+    return None
+
+
+def read_sealed(folder: str, name: str = STEP_FILE) -> tuple[dict | None, str | None]:
+    """(the JSON record `name` in folder, None) if it is readable, ours and unchanged since it was
+    sealed; else (None, what is wrong)."""
+    try:
+        with open(os.path.join(folder, name), encoding="utf-8") as handle:
+            meta = json.load(handle)
+    except FileNotFoundError:
+        return None, f"no {name} (a checkpoint whose writing never finished)"
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as error:
+        return None, f"{name} is unreadable ({type(error).__name__})"
+    if not isinstance(meta, dict):
+        return None, f"{name} is not a JSON object"
+    if meta.get("format") != FORMAT:
+        return (
+            None,
+            f"{name} has format {meta.get('format')!r}, not {FORMAT} (written by an older version, unverifiable)",
+        )
+    if seal(meta)["digest"] != meta.get("digest"):
+        return None, f"{name} was changed after it was written (its digest does not match)"
+    return meta, None
+
+
+def verify_files(folder: str, files) -> str | None:
+    """None if every file recorded is there with its size and sha256, else what is wrong."""
+    if not isinstance(files, dict) or not files:
+        return "no files recorded"
+    for relative, record in files.items():
+        path = os.path.join(folder, relative)
+        if not isinstance(record, dict) or not os.path.isfile(path):
+            return f"{relative} is missing"
+        if os.path.getsize(path) != record.get("bytes"):
+            return f"{relative} has {os.path.getsize(path):,} bytes, {record.get('bytes')!r} were written"
+        if file_sha256(path) != record.get("sha256"):
+            return f"{relative} differs from what was written (sha256 mismatch)"
+    return None
+
+
+def verify_checkpoint(path: str) -> tuple[dict | None, str | None]:
+    """(step.json, None) when every recorded fact holds, else (None, what is wrong, in a few words).
+    Reads every byte of the checkpoint: a bit flipped anywhere, a file missing, truncated or added
+    to the record, or step.json edited, each fails here, before anything is loaded."""
+    if not os.path.isdir(path):
+        return None, "not a folder"
+    meta, problem = read_sealed(path)
+    if problem:
+        return None, problem
+    for key, least in (("step", 1), ("samples_seen", 0), ("world_size", 1)):
+        if problem := _whole_number(meta, key, least):
+            return None, problem
+    for key in ("trajectory", "layout", "data"):
+        if not isinstance(meta.get(key), dict):
+            return None, f"{STEP_FILE}: {key!r} must be an object, got {meta.get(key)!r}"
+    match = CHECKPOINT_NAME.match(os.path.basename(os.path.normpath(path)))
+    if match and int(match.group(1)) != meta["step"]:
+        return None, f"the folder is step {int(match.group(1))} but {STEP_FILE} says step {meta['step']}"
+    if problem := verify_files(path, meta.get("files")):
+        return None, problem
+    return meta, None
+
+
+@dataclass
+class Found:
+    """What --resume_from_checkpoint resolved to: the checkpoint (None: start fresh), its step.json, and
+    the newer checkpoints `latest` passed over because they failed verification (name, why)."""
+
+    path: str | None = None
+    meta: dict = field(default_factory=lambda: {"step": 0, "samples_seen": 0})
+    rejected: list[tuple[str, str]] = field(default_factory=list)
+
+
+def newest_verified(output_dir: str) -> tuple[str | None, list[tuple[str, str]]]:
+    """(the newest checkpoint folder of output_dir that verifies, [(newer name, why it failed)])."""
+    rejected = []
+    for name in reversed(checkpoint_folders(output_dir)):
+        path = os.path.join(checkpoint_root(output_dir), name)
+        _meta, problem = verify_checkpoint(path)
+        if problem is None:
+            return path, rejected
+        rejected.append((name, problem))
+    return None, rejected
+
+
+def find_checkpoint(cfg, output_dir: str) -> Found:
+    """--resume_from_checkpoint -> Found, or UsageError. 'latest': the newest checkpoint of output_dir
+    that verifies (none at all: start fresh, which is what an elastic restart of a run that had not
+    checkpointed yet needs; only failing ones: refused). A path: that checkpoint, refused if it fails,
+    naming the newest good one beside it."""
+    wanted = getattr(cfg, "resume_from_checkpoint", "")
+    if not wanted:
+        return Found()
+    if wanted == "latest":
+        path, rejected = newest_verified(output_dir)
+        if path is None and rejected:
+            reasons = "; ".join(f"{name}: {why}" for name, why in rejected)
+            raise UsageError(
+                f"--resume_from_checkpoint latest: no checkpoint in {checkpoint_root(output_dir)} verifies ({reasons}); "
+                "nothing to resume: start afresh with --overwrite or another --output_dir"
+            )
+        if path is None:
+            return Found()
+        return Found(path, verify_checkpoint(path)[0], rejected)
+    path = os.path.abspath(wanted)
+    meta, problem = verify_checkpoint(path)
+    if problem:
+        parent = os.path.dirname(os.path.dirname(path))
+        good, _ = (
+            newest_verified(parent)
+            if os.path.basename(os.path.dirname(path)) == "checkpoints"
+            else (None, [])
+        )
+        hint = (
+            f"the newest checkpoint there that verifies is {good}"
+            if good
+            else "no checkpoint beside it verifies"
+        )
+        raise UsageError(f"--resume_from_checkpoint {wanted}: cannot be used: {problem}; {hint}")
+    return Found(path, meta)
+
+
+def first_difference(saved: dict, now: dict, where: str = "in the checkpoint") -> str | None:
+    """'--lr: 0.1 in the checkpoint, 0.2 now' for the first field of `now` that differs, else None.
+    Fields only `saved` has (a flag since declared result-neutral, for instance) are not compared."""
+    for name in sorted(now):
+        if saved.get(name) != now[name]:
+            label = name if name == "world_size" else f"--{name}"
+            return f"{label}: {saved.get(name)!r} {where}, {now[name]!r} now"
+    return None
+
+
+def refuse_incompatible(cfg, path: str, meta: dict, world_size: int, data_identity: dict) -> None:
+    """A resume continues the SAME run: the flags that determine the trajectory (and the world size,
+    unless the checkpoint reshards) and the training data must be the checkpoint's. --max_steps may
+    grow, never shrink past it (what it does to a learning-rate schedule is in the trajectory)."""
+    if cfg.max_steps <= meta["step"]:
+        raise UsageError(
+            f"--max_steps {cfg.max_steps}: the checkpoint {path} is already at step {meta['step']}; "
+            f"pass --max_steps > {meta['step']} to train on"
+        )
+    saved = meta.get("trajectory")
+    if not isinstance(saved, dict):
+        raise UsageError(f"--resume_from_checkpoint: {path} records no trajectory; start afresh")
+    now = {k: v for k, v in cfg.trajectory(world_size).items() if k != "max_steps"}
+    difference = first_difference({k: v for k, v in saved.items() if k != "max_steps"}, now)
+    if difference:
+        hint = cfg.resume_hint(difference) if hasattr(cfg, "resume_hint") else ""
+        raise UsageError(
+            f"cannot resume {path}: {difference}{hint}; resume with the checkpoint's settings or start a new --output_dir"
+        )
+    saved_data = meta.get("data", {})
+    changed = [
+        key
+        for key in sorted(set(saved_data) | set(data_identity))
+        if saved_data.get(key) != data_identity.get(key)
+    ]
+    if changed:
+        both = "; ".join(
+            f"{key} {saved_data.get(key)} in the checkpoint, {data_identity.get(key)} now" for key in changed
+        )
+        raise UsageError(
+            f"cannot resume {path}: the training data is not the checkpoint's ({both}); "
+            "resume on the same data, or start a new --output_dir"
+        )
+
+
+def refuse_mixed_lineage(cfg, output_dir: str, found: Found) -> None:
+    """One run's checkpoints per folder: a fresh run into a folder that holds checkpoints, or a resume
+    from elsewhere (or from an older checkpoint) into a folder holding newer ones, would interleave two
+    runs' checkpoints and make `latest` pick the other run's. Refused, unless --overwrite."""
+    if cfg.overwrite:
+        return
+    kept = checkpoint_folders(output_dir)
+    if not kept:
+        return
+    newest = kept[-1]
+    if found.path is None:
+        raise UsageError(
+            f"--output_dir {output_dir} holds checkpoints of an earlier run (newest {newest}): continue it with "
+            "--resume_from_checkpoint latest, or start afresh with --overwrite or another --output_dir"
+        )
+    inside = os.path.dirname(found.path) == checkpoint_root(output_dir)
+    newer = [name for name in kept if name > os.path.basename(found.path)]
+    rejected = {name for name, _ in found.rejected}
+    if not inside or [name for name in newer if name not in rejected]:
+        raise UsageError(
+            f"--resume_from_checkpoint {found.path} into --output_dir {output_dir}, which holds "
+            f"{'other' if not inside else 'newer'} checkpoints (newest {newest}): the two runs' checkpoints would mix; "
+            "resume into a new --output_dir"
+        )
+
+
+# ------------------------------------------------------------------------------------------ writing
+def _write_failure(error: BaseException, folder: str) -> str | None:
+    """A short reason when `error` is a failed write (disk full, permission, DCP's exception wrapping
+    one), else None: a timed-out collective is not a write failure and is re-raised."""
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    causes = [error]
+    if isinstance(error, CheckpointException):
+        causes = [
+            failure[0] if isinstance(failure, tuple) else failure for failure in error.failures.values()
+        ]
+    text = " ".join(f"{type(c).__name__}: {c}" for c in causes)
+    disk_full = any(getattr(c, "errno", None) == errno.ENOSPC for c in causes) or "No space left" in text
+    try:
+        disk_full = disk_full or shutil.disk_usage(folder).free < 2**20
+    except OSError:
+        pass
+    if disk_full:
+        return "disk full"
+    # torch.save reports I/O as a RuntimeError of its zip writer ("iostream error", "file write failed")
+    io_words = (
+        "iostream",
+        "write failed",
+        "Permission denied",
+        "Read-only file system",
+        "Errno",
+        "I/O error",
+    )
+    if any(isinstance(c, OSError) for c in causes) or any(word in text for word in io_words):
+        first = next((c for c in causes if isinstance(c, OSError)), causes[0])
+        return getattr(first, "strerror", None) or str(first).strip().splitlines()[-1][:200]
+    return None
+
+
+def save_checkpoint(accelerator, output_dir: str, step: int, keep: int, meta: dict, write_state) -> str:
+    """A collective: every rank writes its part with `write_state(folder)`; the ranks agree that all
+    writes succeeded; then the main process records the files' digests in step.json and renames the
+    folder. On any failure every rank raises the same one-line UsageError; the partial folder is
+    removed and the newest complete checkpoint kept."""
+    from accelerate.utils import broadcast_object_list, gather_object
+
+    root = checkpoint_root(output_dir)
+    final = os.path.join(root, f"{CHECKPOINT_PREFIX}{step:08d}")
+    partial = final + ".partial"
+    failure = None
+    try:
+        if accelerator.is_main_process:
+            shutil.rmtree(partial, ignore_errors=True)  # left by a run killed while saving
+            os.makedirs(partial)
+        accelerator.wait_for_everyone()
+        write_state(partial)
+    except (Exception, _checkpoint_exception()) as error:  # noqa: B014 (CheckpointException is a BaseException)
+        failure = _write_failure(error, root)
+        if failure is None:
+            _remove_partial_if_interrupted(accelerator, partial, error)
+            raise  # a timed-out collective, say: not a write failure
+    except KeyboardInterrupt as error:
+        _remove_partial_if_interrupted(accelerator, partial, error)
+        raise
+    failures = gather_object([failure]) if accelerator.num_processes > 1 else [failure]
+    failure = next((f for f in failures if f), None)
+    if failure is None and accelerator.is_main_process:
+        try:
+            with open(os.path.join(partial, STEP_FILE), "w") as handle:
+                json.dump(
+                    seal({"format": FORMAT, "step": step, **meta, "files": files_manifest(partial)}),
+                    handle,
+                    indent=1,
+                )
+                handle.flush()
+                os.fsync(handle.fileno())
+            _remove(final)  # a checkpoint of an abandoned run at this step (refused unless --overwrite)
+            os.replace(partial, final)  # atomic on one filesystem: the checkpoint exists whole or not at all
+        except OSError as error:
+            failure = _write_failure(error, root) or (error.strerror or str(error))
+    if accelerator.num_processes > 1:
+        verdict = [failure]
+        broadcast_object_list(verdict, from_process=0)
+        failure = verdict[0]
+    if failure:
+        if accelerator.is_main_process:
+            shutil.rmtree(partial, ignore_errors=True)
+        kept, _ = newest_verified(output_dir)
+        raise UsageError(
+            f"could not write the step-{step} checkpoint in {root} ({failure}); "
+            f"newest complete checkpoint kept: {os.path.basename(kept) if kept else 'none'}",
+            same_on_every_rank=True,
+        )
+    if accelerator.is_main_process:
+        for old in checkpoint_folders(output_dir)[:-keep]:
+            _remove(os.path.join(root, old))
+    accelerator.wait_for_everyone()
+    return final
+
+
+def _remove_partial_if_interrupted(accelerator, partial: str, error: BaseException) -> None:
+    """Ctrl-C while saving (perhaps wrapped by DCP): the main process removes the half-written folder."""
+    from common.run import is_interrupt
+
+    if accelerator.is_main_process and is_interrupt(error):
+        shutil.rmtree(partial, ignore_errors=True)
+
+
+def _checkpoint_exception():
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    return CheckpointException
+
+
+def _remove(folder: str) -> None:
+    """Rename, then delete: a checkpoint half-deleted by a kill is never mistaken for one (no step_ name)."""
+    if os.path.exists(folder):
+        doomed = folder + ".deleting"
+        os.replace(folder, doomed)
+        shutil.rmtree(doomed, ignore_errors=True)
+
+
+def tidy_checkpoints(output_dir: str, rejected: list[tuple[str, str]]) -> None:
+    """Main process, at the start of a run (the folder locked): remove what killed runs left half-written
+    or half-deleted, and move the checkpoints `latest` passed over into checkpoints/rejected/ (kept for a
+    look; never counted, never resumed, never pruned)."""
+    root = checkpoint_root(output_dir)
+    if not os.path.isdir(root):
+        return
+    for name in os.listdir(root):
+        if name.endswith((".partial", ".deleting")):
+            shutil.rmtree(os.path.join(root, name), ignore_errors=True)
+    for name, _why in rejected:
+        target = os.path.join(root, REJECTED_FOLDER, name)
+        os.makedirs(os.path.dirname(target), exist_ok=True)
+        _remove(target)
+        os.replace(os.path.join(root, name), target)
+
+
+# ------------------------------------------------------------------------------------- checkpointers
+def _unwrap(optimizer):
+    return getattr(optimizer, "optimizer", optimizer)  # Accelerate's AcceleratedOptimizer holds the real one
+
+
+class FullState:
+    """What every checkpointer shares: the full state (every tensor whole, by name) and its digest."""
+
+    def __init__(self, model, optimizer):
+        self.model, self.optimizer = model, _unwrap(optimizer)
+
+    def full_state(self) -> tuple[dict, dict]:
+        """(model, optimizer) state with every tensor whole, keyed by name, on the main process (empty
+        dicts elsewhere); a collective for sharded models. Cloned: for a plain CPU tensor the state dict
+        holds the live tensor, which the next step would change."""
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
+
+        options = StateDictOptions(full_state_dict=True, cpu_offload=True)
+        model_state, optimizer_state = get_state_dict(self.model, self.optimizer, options=options)
+        return copy.deepcopy(model_state), copy.deepcopy(optimizer_state)
+
+    def digest(self, full_state: tuple[dict, dict] | None = None) -> str | None:
+        """full_state_digest of the state (main process; None elsewhere). A collective unless the full
+        state is passed in."""
+        import torch.distributed as dist
+
+        model_state, optimizer_state = full_state or self.full_state()
+        if dist.is_initialized() and dist.get_rank() != 0:
+            return None
+        return full_state_digest(model_state, optimizer_state)
+
+
+class AccelerateCheckpointer(FullState):
+    """Accelerate's save_state / load_state (model, optimizer, every rank's RNG states), for a model every
+    rank holds whole (one process, DDP)."""
+
+    def __init__(self, accelerator, model, optimizer):
+        super().__init__(model, optimizer)
+        self.accelerator = accelerator
+
+    def save(self, folder: str) -> None:
+        self.accelerator.save_state(folder)
+
+    def load(self, folder: str, same_layout: bool) -> None:
+        self.accelerator.load_state(folder)
+
+
+@contextlib.contextmanager
+def one_process_dcp():
+    """DCP warns, on every save and load, that it assumes one process when there is no process group:
+    that is what one process means. The warning is silenced for that call only."""
+    import warnings
+
+    import torch.distributed as dist
+
+    with warnings.catch_warnings():
+        if not dist.is_initialized():
+            warnings.filterwarnings(
+                "ignore", message="torch.distributed is disabled, unavailable or uninitialized"
+            )
+        yield
+
+
+class ShardedCheckpointer(FullState):
+    """PyTorch's distributed checkpoint: each rank writes its pieces, any layout reads them.
+    `restore_optimizer=False` loads the parameters only: the classic half-resume that train_gpt's
+    `resume_without_optimizer_state` shows failing its check."""
+
+    def __init__(self, model, optimizer, restore_optimizer: bool = True):
+        super().__init__(model, optimizer)
+        self.restore_optimizer = restore_optimizer
+
+    def save(self, folder: str) -> None:
+        import torch
+        import torch.distributed as dist
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.state_dict import get_state_dict
+
+        model_state, optimizer_state = get_state_dict(self.model, self.optimizer)
+        with one_process_dcp():
+            dcp.save(
+                {"model": model_state, "optimizer": optimizer_state},
+                checkpoint_id=os.path.join(folder, STATE_FOLDER),
+            )
+        rank = dist.get_rank() if dist.is_initialized() else 0
+        torch.save(torch.get_rng_state(), os.path.join(folder, f"rng_rank{rank}.pt"))
+
+    def load(self, folder: str, same_layout: bool) -> None:
+        """Read the checkpoint into this run's layout. The CPU RNG comes back only at the same layout (a
+        rank of another world size has no counterpart); train_gpt draws no random numbers while training."""
+        import torch
+        import torch.distributed as dist
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.state_dict import (
+            get_model_state_dict,
+            get_state_dict,
+            set_model_state_dict,
+            set_state_dict,
+        )
+
+        if not self.restore_optimizer:
+            model_state = get_model_state_dict(self.model)
+            with one_process_dcp():
+                dcp.load({"model": model_state}, checkpoint_id=os.path.join(folder, STATE_FOLDER))
+            set_model_state_dict(self.model, model_state)
+            return
+        model_state, optimizer_state = get_state_dict(self.model, self.optimizer)
+        state = {"model": model_state, "optimizer": optimizer_state}
+        with one_process_dcp():
+            dcp.load(state, checkpoint_id=os.path.join(folder, STATE_FOLDER))
+        set_state_dict(
+            self.model, self.optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"]
+        )
+        rank = dist.get_rank() if dist.is_initialized() else 0
+        rng = os.path.join(folder, f"rng_rank{rank}.pt")
+        if same_layout and os.path.exists(rng):
+            torch.set_rng_state(torch.load(rng))
+
+
+def load_full_optimizer_state(optimizer, model, full_state: dict) -> None:
+    """Load a name-keyed full optimizer state (get_state_dict's format) into a plain one-process
+    optimizer, whose own state_dict is keyed by parameter position. No collective: for the one-process
+    reference, which runs on the main process alone."""
+    name_of = {id(p): name for name, p in model.named_parameters()}
+    position = {}  # the optimizer numbers its parameters in the order its groups list them
+    for group in optimizer.param_groups:
+        for param in group["params"]:
+            position[name_of[id(param)]] = len(position)
+    groups = [
+        {**group, "params": [position[name] for name in group["params"]]}
+        for group in full_state["param_groups"]
+    ]
+    state = {position[name]: value for name, value in full_state["state"].items()}
+    optimizer.load_state_dict({"state": state, "param_groups": groups})
