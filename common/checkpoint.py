@@ -164,7 +164,7 @@ def read_sealed(folder: str, name: str = STEP_FILE) -> tuple[dict | None, str | 
         with open(os.path.join(folder, name), encoding="utf-8") as handle:
             meta = json.load(handle)
     except FileNotFoundError:
-        return None, f"no {name} (a checkpoint whose writing never finished)"
+        return None, f"no {name}: not a checkpoint folder, or one whose writing never finished"
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as error:
         return None, f"{name} is unreadable ({type(error).__name__})"
     if not isinstance(meta, dict):

@@ -23,6 +23,7 @@ import contextlib
 import fcntl
 import hashlib
 import os
+import sys
 import time
 
 import torch
@@ -172,18 +173,23 @@ def tokenized(files: list[str], vocab_size: int, timeout_s: float = 600) -> dict
     importing datasets and re-encoding (~2 s per process here)."""
     data_sha256 = files_sha256(files)
     path = os.path.join(CACHE_DIR, f"tokens-{data_sha256[:16]}-{vocab_size}.pt")
-    if not os.path.exists(path):
+    cached = read_token_cache(path, data_sha256, say_why=True)
+    if cached is None:
         with cache_lock(timeout_s):
-            if not os.path.exists(path):  # nobody built it while this process waited
+            cached = read_token_cache(path, data_sha256)  # built by another process while this one waited?
+            if cached is None:
                 build_token_cache(files, vocab_size, path)
-    return read_token_cache(path, data_sha256)
+                cached = read_token_cache(path, data_sha256)
+    return cached
 
 
 def build_token_cache(files: list[str], vocab_size: int, path: str) -> None:
     text = load_text(files)
     tokenizer = train_tokenizer(text, vocab_size)
+    ids = torch.tensor(tokenizer.encode(text).ids, dtype=torch.long)
     cached = {
-        "ids": torch.tensor(tokenizer.encode(text).ids, dtype=torch.long),
+        "ids": ids,
+        "ids_sha256": tensor_sha256(ids),
         "sha256": hashlib.sha256(text.encode()).hexdigest(),
         "characters": len(text),
         "tokenizer_json": tokenizer.to_str(),
@@ -193,10 +199,28 @@ def build_token_cache(files: list[str], vocab_size: int, path: str) -> None:
     os.replace(temporary, path)  # whole or absent, whoever reads it
 
 
-def read_token_cache(path: str, data_sha256: str) -> dict:
+def tensor_sha256(tensor: torch.Tensor) -> str:
+    return hashlib.sha256(tensor.contiguous().view(torch.uint8).numpy().tobytes()).hexdigest()
+
+
+def read_token_cache(path: str, data_sha256: str, say_why: bool = False) -> dict | None:
+    """The cached corpus, or None when there is none, or it is unreadable or its token ids are not the ones
+    it was written with (a damaged cache is rebuilt over, never trained on)."""
     from tokenizers import Tokenizer
 
-    cached = torch.load(path, weights_only=True)
+    if not os.path.exists(path):
+        return None
+    try:
+        cached = torch.load(path, weights_only=True)
+        if tensor_sha256(cached["ids"]) != cached["ids_sha256"]:
+            raise ValueError("token ids changed since they were cached")
+    except Exception as error:  # a truncated file, an old format without ids_sha256, flipped bits
+        if say_why:
+            print(
+                f"token cache {path} is unusable ({type(error).__name__}: {error}); rebuilding it",
+                file=sys.stderr,
+            )
+        return None
     tokenizer_json = cached.pop("tokenizer_json")
     identity = {
         "data_sha256": data_sha256,

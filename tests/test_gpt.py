@@ -74,6 +74,25 @@ def test_the_token_cache_follows_the_files_bytes(tmp_path, monkeypatch):
     assert second["tokenizer"].decode(second["train"][0][0].tolist()) in path.read_text()
 
 
+def test_a_damaged_token_cache_is_rebuilt_not_trained_on(tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(tmp_path)
+    path = tmp_path / "notes.txt"
+    path.write_text("the quick brown fox jumps over the lazy dog\n" * 60)
+    first = load_corpus(str(path), vocab_size=300, block_size=8, val_fraction=0.1)
+    (cache,) = (tmp_path / "runs" / ".cache" / "text").glob("tokens-*.pt")
+    saved = torch.load(cache, weights_only=True)
+    saved["ids"][5] += 1  # a flipped token id
+    torch.save(saved, cache)
+    again = load_corpus(str(path), vocab_size=300, block_size=8, val_fraction=0.1)
+    assert (
+        "is unusable (ValueError: token ids changed since they were cached); rebuilding it"
+        in capsys.readouterr().err
+    )
+    assert torch.equal(again["train"][0], first["train"][0])
+    cache.write_bytes(cache.read_bytes()[:100])  # cut short
+    assert torch.equal(load_corpus(str(path), 300, 8, 0.1)["train"][0], first["train"][0])
+
+
 def test_blocks_shift_by_one_and_shards_are_equal():
     ids = torch.arange(23)
     x, y = make_blocks(ids, 5)
