@@ -12,9 +12,9 @@ torch.nn.utils.clip_grad_norm_ (which takes the global norm of FSDP2's DTensor g
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import datetime
 import json
-import math
 import os
 import sys
 import time
@@ -24,20 +24,12 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import torch
 import torch.distributed as dist
 
-from benchmarks.mfu import MODEL as DEFAULTS  # noqa: I001  (train_gpt's default model and batch)
-from benchmarks.mfu import PER_RANK_BATCH
-from common.gpt import GPTConfig, build_gpt  # the model and corpus are the experiment's
+from common.gpt import PER_RANK_BATCH_SIZE, GPTConfig, build_gpt  # the model, corpus, AdamW groups and
+from common.optim import cosine_lr  # schedule are the experiment's
 from common.text import load_corpus
 
 # train_gpt's default optimizer, schedule and clipping (experiments/train_gpt.py Config)
 LR, MIN_LR_RATIO, WARMUP, WEIGHT_DECAY, CLIP, SEED = 3e-3, 0.1, 20, 0.1, 1.0, 0
-
-
-def lr_at(step: int, max_steps: int) -> float:
-    if step <= WARMUP:
-        return LR * step / WARMUP
-    progress = (step - WARMUP) / max(1, max_steps - WARMUP)
-    return LR * (MIN_LR_RATIO + (1 - MIN_LR_RATIO) * 0.5 * (1 + math.cos(math.pi * progress)))
 
 
 def main() -> int:
@@ -52,11 +44,10 @@ def main() -> int:
         parser.error(f"--max_steps must be >= 1, got {args.max_steps}")
     dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=300))
     rank, world = dist.get_rank(), dist.get_world_size()
-    corpus = load_corpus("", DEFAULTS["vocab_size"], DEFAULTS["block_size"], 0.1)
+    defaults = GPTConfig()
+    corpus = load_corpus("", defaults.vocab_size, defaults.block_size, 0.1)
     x_all, y_all = corpus["train"]
-    config = GPTConfig(
-        corpus["vocab_size"], *(DEFAULTS[k] for k in ("block_size", "n_layer", "n_head", "d_model"))
-    )
+    config = dataclasses.replace(defaults, vocab_size=corpus["vocab_size"])
     model = build_gpt(config, SEED)
     if args.strategy == "ddp":
         model = torch.nn.parallel.DistributedDataParallel(model)
@@ -66,31 +57,24 @@ def main() -> int:
         for block in model.blocks:
             fully_shard(block)
         fully_shard(model)
-    decay = [p for p in model.parameters() if p.dim() >= 2]
-    no_decay = [p for p in model.parameters() if p.dim() < 2]
-    optimizer = torch.optim.AdamW(
-        [{"params": decay, "weight_decay": WEIGHT_DECAY}, {"params": no_decay, "weight_decay": 0.0}],
-        lr=LR,
-        betas=(0.9, 0.95),
-        eps=1e-8,
-    )
-    global_batch = PER_RANK_BATCH * world
+    optimizer = getattr(model, "module", model).configure_optimizers(LR, WEIGHT_DECAY)
+    global_batch = PER_RANK_BATCH_SIZE * world
     order = torch.randperm(len(x_all), generator=torch.Generator().manual_seed(SEED * 100_003))
     dist.barrier()
     started = time.perf_counter()
     for step in range(1, args.max_steps + 1):
         first = ((step - 1) * global_batch) % (len(order) - global_batch)
-        rows = order[first + rank * PER_RANK_BATCH : first + (rank + 1) * PER_RANK_BATCH]
+        rows = order[first + rank * PER_RANK_BATCH_SIZE : first + (rank + 1) * PER_RANK_BATCH_SIZE]
         _, loss = model(x_all[rows], y_all[rows])
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP)
         for group in optimizer.param_groups:
-            group["lr"] = lr_at(step, args.max_steps)
+            group["lr"] = cosine_lr(step, LR, WARMUP, args.max_steps, MIN_LR_RATIO)
         optimizer.step()
         optimizer.zero_grad()
     loss_value = loss.item()
     elapsed = time.perf_counter() - started
-    tokens = args.max_steps * global_batch * DEFAULTS["block_size"]
+    tokens = args.max_steps * global_batch * defaults.block_size
     if rank == 0:
         with open(args.output, "w") as handle:
             json.dump({"strategy": args.strategy, "steps": args.max_steps, "tokens_per_s": tokens / elapsed,

@@ -35,7 +35,8 @@ def worker(args):
     import torch
     import torch.distributed as dist
 
-    from common.collective_bench import bus_factor, make_bench_call, memcpy_gbps, time_per_call_s
+    from common.collective_bench import make_bench_call, memcpy_gbps, time_per_call_s
+    from common.comm_counter import bus_factor
     from common.config import RunArgs
     from common.runtime import make_accelerator
 

@@ -1,5 +1,5 @@
-"""Every training strategy side by side: the same GPT, data and seed trained by none, ddp, zero2, fsdp,
-tp and fsdp_tp (experiments/train_gpt.py, each launched by `accelerate launch`), one table + one PNG.
+"""Every training strategy side by side: the same GPT, data and seed trained by every strategy of
+strategies/ (experiments/train_gpt.py, each launched by `accelerate launch`), one table + one PNG.
 
     python -m benchmarks.compare_strategies                      # train_gpt's defaults, 300 steps each
     python -m benchmarks.compare_strategies --max_steps 100 --strategies ddp,tp
@@ -25,11 +25,12 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from benchmarks.workers import accelerate_launch, dated_folder, run_one_thread_per_rank
 from common.processes import TIMED_OUT
+from strategies import STRATEGIES
 
 REPO = Path(__file__).resolve().parent.parent
 
-# strategy -> ranks launched; fsdp_tp is 2 data-parallel groups of 2 tensor-parallel ranks
-RANKS = {"none": 1, "ddp": 2, "zero2": 2, "fsdp": 2, "tp": 2, "fsdp_tp": 4}
+# strategy -> ranks launched (each strategy module's RANKS; fsdp_tp: 2 data-parallel groups of 2 TP ranks)
+RANKS = {name: strategy.RANKS for name, strategy in STRATEGIES.items()}
 QUICK = (
     "--max_steps 12 --parity_steps 6 --log_every 6 --d_model 32 --n_layer 2 --n_head 2 --block_size 32 "
     "--vocab_size 512 --warmup_steps 2 --sample_tokens 5 --min_loss_drop 0.1"
@@ -160,14 +161,12 @@ def markdown(rows: list[dict], command: str) -> str:
 
 def plot(rows: list[dict], path: Path) -> None:
     """Four panels, one bar per strategy: bytes held, bytes sent, step time split, tokens/s."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    from matplotlib.figure import Figure  # no pyplot: no global backend or figure registry to leave behind
 
     rows = [r for r in rows if "error" not in r]
     names = [f"{r['strategy']}\n{r['ranks']}" for r in rows]
-    figure, axes = plt.subplots(2, 2, figsize=(12, 8))
+    figure = Figure(figsize=(12, 8))
+    axes = figure.subplots(2, 2)
 
     def stacked(axis, parts: list[str], values, title: str, unit: str) -> None:
         bottom = [0.0] * len(rows)
@@ -192,7 +191,6 @@ def plot(rows: list[dict], path: Path) -> None:
     axes[1][1].set_ylabel("tokens/s")
     figure.tight_layout()
     figure.savefig(path, dpi=100)
-    plt.close(figure)
 
 
 def main(argv: list[str] | None = None) -> int:

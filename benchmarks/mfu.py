@@ -22,6 +22,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import sys
@@ -32,11 +33,13 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import torch
 from torch.utils.flop_counter import FlopCounterMode
 
-from common.gpt import GPTConfig, build_gpt
+from common.gpt import PER_RANK_BATCH_SIZE, GPTConfig, build_gpt
 
 # train_gpt's defaults (experiments/train_gpt.py Config): the model and one rank's micro-batch
-MODEL = {"vocab_size": 2048, "block_size": 64, "n_layer": 4, "n_head": 4, "d_model": 128}
-PER_RANK_BATCH = 4
+MODEL = {
+    k: v for k, v in dataclasses.asdict(GPTConfig()).items() if k != "tie_weights"
+}  # train_gpt's default
+PER_RANK_BATCH = PER_RANK_BATCH_SIZE
 
 
 def gemm_flops_per_s(m: int, k: int, n: int, dtype: torch.dtype, min_time_s: float) -> float:
@@ -100,8 +103,17 @@ def flops_per_token_counted(model: dict, batch: int) -> float:
 
 
 def measure(square: int, min_time_s: float) -> dict:
-    """The one-thread peaks (float32 and bf16; square GEMM and the model's shapes) and FLOPs per token."""
-    torch.set_num_threads(1)  # one rank's share
+    """The one-thread peaks (float32 and bf16; square GEMM and the model's shapes) and FLOPs per token. One
+    thread is one rank's share; the process's own thread count is restored after."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        return _measure(square, min_time_s)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _measure(square: int, min_time_s: float) -> dict:
     tokens = PER_RANK_BATCH * MODEL["block_size"]
     peaks = {}
     for name, dtype in (("float32", torch.float32), ("bfloat16", torch.bfloat16)):

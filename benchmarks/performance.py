@@ -39,7 +39,15 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from benchmarks import compare_strategies, mfu
 from benchmarks.workers import accelerate_launch, dated_folder, free_port, run_one_thread_per_rank
-from common.profiling import median_step, plot_timeline, trace_breakdown, waiting_for_peers
+from common.profiling import (
+    STEP_KINDS,
+    median_step,
+    plot_timeline,
+    step_lanes,
+    trace_breakdown,
+    waiting_for_peers,
+)
+from strategies import STRATEGIES  # noqa: I001
 
 REPO = Path(__file__).resolve().parent.parent
 # the counter's kinds -> the bench's ops (the same message-size convention: common/comm_counter.py)
@@ -56,7 +64,7 @@ def parse_args(argv):
         description=__doc__.split("\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter
     )
     parser.add_argument(
-        "--strategies", default=",".join(compare_strategies.RANKS), help="strategies profiled"
+        "--strategies", default=",".join(STRATEGIES), help="strategies profiled (of strategies/)"
     )
     parser.add_argument("--max_steps", type=int, default=100, help="optimizer steps per training run")
     parser.add_argument("--profile_steps", type=int, default=5, help="steps traced per run (after step 16)")
@@ -74,10 +82,10 @@ def parse_args(argv):
     args = parser.parse_args(argv)
     args.strategies = [s.strip() for s in args.strategies.split(",") if s.strip()]
     args.overhead_strategies = [s.strip() for s in args.overhead_strategies.split(",") if s.strip()]
-    bad = [s for s in args.strategies if s not in compare_strategies.RANKS]
+    bad = [s for s in args.strategies if s not in STRATEGIES]
     bad += [s for s in args.overhead_strategies if s not in ("ddp", "fsdp")]
     if bad:
-        parser.error(f"unknown strategies {bad}: --strategies from {', '.join(compare_strategies.RANKS)}, "
+        parser.error(f"unknown strategies {bad}: --strategies from {', '.join(STRATEGIES)}, "
                      "--overhead_strategies from ddp, fsdp")  # fmt: skip
     if args.quick:
         args.max_steps, args.profile_steps = 12, min(args.profile_steps, 3)
@@ -205,9 +213,14 @@ def overhead(folder: Path, args) -> dict:
 def plot_timelines(folder: Path, rows: list[dict], path: Path) -> None:
     """Rank 0's median profiled step of every strategy, on one time axis."""
     traced = [(r, trace_breakdown(str(folder / r["strategy"] / "profile" / "rank0.json"))) for r in rows]
-    labelled = [(f"{r['strategy']} ({r['ranks']})", median_step(steps)) for r, steps in traced if steps]
+    labelled = [
+        (f"{r['strategy']} ({r['ranks']})", step_lanes(median_step(steps))) for r, steps in traced if steps
+    ]
     plot_timeline(
-        labelled, "Where one training step's time goes (rank 0, its median profiled step)", str(path)
+        labelled,
+        STEP_KINDS,
+        "Where one training step's time goes (rank 0, its median profiled step)",
+        str(path),
     )
 
 
@@ -288,7 +301,7 @@ def main(argv: list[str] | None = None) -> int:
         if r["strategy"] == "none" or not r["step_breakdown_ms"]:
             continue
         predicted = predicted_ms(r["comm_calls"], r["comm_counted"], fits)
-        ranks = compare_strategies.RANKS[r["strategy"]]
+        ranks = STRATEGIES[r["strategy"]].RANKS
         traces = [str(strategies_folder / r["strategy"] / "profile" / f"rank{k}.json") for k in range(ranks)]
         # one group of all ranks: each rank's k-th collective is the same call; fsdp_tp has two kinds of group
         traced = waiting_for_peers(traces) if r["strategy"] != "fsdp_tp" else {}

@@ -1,6 +1,6 @@
-"""Run every benchmark, write benchmarks/results.json and the README's benchmark table.
+"""Run every benchmark, write benchmarks/results.json and the benchmark table of docs/performance.md.
 
-    python -m benchmarks.run_all            # full: the figures in the README (a few minutes)
+    python -m benchmarks.run_all            # full: the figures in docs/performance.md (a few minutes)
     python -m benchmarks.run_all --quick    # seconds per benchmark: checks every figure is produced
 
 Each benchmark measures its comparison side by side in one run; nothing here is a timed test.
@@ -28,6 +28,9 @@ BENCHMARKS = {
     "startup": startup,
 }
 START, END = "<!-- benchmarks:start -->", "<!-- benchmarks:end -->"
+PAGE = os.path.join(
+    REPO, "docs", "performance.md"
+)  # the page whose table between START and END this rewrites
 
 
 def machine() -> dict:
@@ -95,7 +98,7 @@ def main() -> None:
     parser.add_argument(
         "--quick",
         action="store_true",
-        help="seconds per benchmark; touches no tracked file (README, results.json)",
+        help="seconds per benchmark; touches no tracked file (docs/performance.md, results.json)",
     )
     parser.add_argument(
         "--output",
@@ -124,14 +127,13 @@ def main() -> None:
     print(rendered)
     print(f"figures written to {args.output}")
     if not args.quick:
-        readme_path = os.path.join(REPO, "README.md")
-        with open(readme_path) as handle:
-            readme = handle.read()
-        if START in readme and END in readme:
-            head, rest = readme.split(START, 1)
-            readme = head + START + "\n" + rendered + "\n" + END + rest.split(END, 1)[1]
-            with open(readme_path, "w") as handle:
-                handle.write(readme)
+        with open(PAGE) as handle:
+            page = handle.read()
+        if START in page and END in page:
+            head, rest = page.split(START, 1)
+            page = head + START + "\n" + rendered + "\n" + END + rest.split(END, 1)[1]
+            with open(PAGE, "w") as handle:
+                handle.write(page)
 
 
 if __name__ == "__main__":

@@ -1,6 +1,7 @@
 """Timing collectives, shared by experiments/collectives_bench.py and benchmarks/ (which must not import an
-experiment): message construction, fixed-count timing that cannot make ranks disagree, the bus factor
-that makes busbw comparable across ops, and this host's memcpy bandwidth as the ceiling on one host.
+experiment): message construction, fixed-count timing that cannot make ranks disagree, and this host's memcpy
+bandwidth as the ceiling on one host (the bus factor that makes busbw comparable across ops is
+common/comm_counter.bus_factor, which the counted bytes of a training step use too).
 """
 
 from __future__ import annotations
@@ -22,15 +23,6 @@ BENCH_OPS = (
 # torch 2.13 renamed all_gather_into_tensor / reduce_scatter_tensor to *_single (the old names warn).
 ALL_GATHER_INTO_TENSOR = getattr(dist, "all_gather_single", dist.all_gather_into_tensor)
 REDUCE_SCATTER_TENSOR = getattr(dist, "reduce_scatter_single", dist.reduce_scatter_tensor)
-
-
-def bus_factor(op: str, n: int) -> float:
-    """nccl-tests' busbw = algbw x factor: the bytes each rank's link really carries per message byte."""
-    if op == "all_reduce":
-        return 2 * (n - 1) / n  # a ring reduce-scatter then a ring all-gather: 2(n-1)/n of the message each
-    if op in ("all_gather_into_tensor", "reduce_scatter_tensor", "all_to_all_single"):
-        return (n - 1) / n  # every rank receives the n-1 chunks it does not own
-    return 1.0  # broadcast, reduce: the whole message crosses a link once
 
 
 def make_bench_call(op: str, size_bytes: int, n: int, device):
@@ -78,12 +70,10 @@ def memcpy_gbps(copy_bytes: int, device) -> float:
 
 
 def plot_busbw(rows: list[dict], copy_gbps: float, n: int, output_dir: str) -> str:
-    import matplotlib
+    from matplotlib.figure import Figure  # no pyplot: no global backend or figure registry to leave behind
 
-    matplotlib.use("Agg")  # files only, no display
-    import matplotlib.pyplot as plt
-
-    figure, axes = plt.subplots(figsize=(8, 5))
+    figure = Figure(figsize=(8, 5))
+    axes = figure.subplots()
     for op in dict.fromkeys(r["op"] for r in rows):
         points = [(r["bytes"], r["busbw_gbps"]) for r in rows if r["op"] == op]
         axes.plot(*zip(*points, strict=True), marker="o", label=op)
@@ -97,5 +87,4 @@ def plot_busbw(rows: list[dict], copy_gbps: float, n: int, output_dir: str) -> s
     axes.legend(fontsize=8)
     path = os.path.join(output_dir, "busbw.png")
     figure.savefig(path, dpi=100, bbox_inches="tight")
-    plt.close(figure)
     return path

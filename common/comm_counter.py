@@ -9,7 +9,8 @@ in the nccl-tests convention, the size of the whole tensor being reduced or gath
   all_gather      the gathered output (N shards);
   reduce_scatter  the input (N shards, before reduction).
 Bytes each rank really puts on the wire are that times 2(N-1)/N for all_reduce and (N-1)/N for the
-other two (`WIRE_FACTOR`), N the size of the group the call ran on.
+other two (`bus_factor`, the nccl-tests factor; also what makes collectives_bench's busbw comparable),
+N the size of the group the call ran on.
 """
 
 from __future__ import annotations
@@ -39,12 +40,23 @@ KINDS = {
     "broadcast_": "broadcast",
     "broadcast": "broadcast",
 }
-WIRE_FACTOR = {
-    "all_reduce": lambda n: 2 * (n - 1) / n,
-    "all_gather": lambda n: (n - 1) / n,
-    "reduce_scatter": lambda n: (n - 1) / n,
-    "broadcast": lambda n: 1.0,
+# the torch.distributed call behind each kind, as collectives_bench names its rows
+KIND_OF_OP = {
+    "all_gather_into_tensor": "all_gather",
+    "reduce_scatter_tensor": "reduce_scatter",
+    "all_to_all_single": "all_to_all",
 }
+
+
+def bus_factor(kind: str, n: int) -> float:
+    """nccl-tests' busbw = algbw x factor: the bytes each rank's link really carries per message byte, for a
+    collective over n ranks (a kind, or the op collectives_bench times)."""
+    kind = KIND_OF_OP.get(kind, kind)
+    if kind == "all_reduce":
+        return 2 * (n - 1) / n  # a ring reduce-scatter then a ring all-gather: 2(n-1)/n of the message each
+    if kind in ("all_gather", "reduce_scatter", "all_to_all"):
+        return (n - 1) / n  # every rank receives the n-1 chunks it does not own
+    return 1.0  # broadcast, reduce: the whole message crosses a link once
 
 
 def _nbytes(tree) -> int:

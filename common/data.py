@@ -110,15 +110,25 @@ def load_table(path: str, target_column: str = "y", feature_columns: str = "") -
     return Dataset.from_dict({"x": features.numpy(), "y": targets.numpy()})
 
 
-def shard_tensors(dataset: Dataset, rank: int, world_size: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Rank `rank`'s contiguous shard as (x, y) tensors. Rows past a multiple of world_size are dropped so
-    that every shard has the same size: DDP's gradient average equals the global mean only then."""
-    usable_rows = len(dataset) - len(dataset) % world_size
-    shard = dataset.select(range(usable_rows)).shard(num_shards=world_size, index=rank, contiguous=True)
-    columns = shard.with_format("torch")[:]
-    return columns["x"].to(torch.float32).reshape(len(shard), -1), columns["y"].to(torch.float32).reshape(
+def shard_rows(tensors: tuple[torch.Tensor, ...], rank: int, world_size: int) -> tuple[torch.Tensor, ...]:
+    """Rank `rank`'s contiguous share of the rows, every share the same size (the remainder dropped):
+    equal shards make the mean of per-rank means the global mean (DDP's gradient average equals the global
+    mean only then), and every rank run the same number of collectives."""
+    per_rank = len(tensors[0]) // world_size
+    return tuple(t[rank * per_rank : (rank + 1) * per_rank] for t in tensors)
+
+
+def dataset_tensors(dataset: Dataset) -> tuple[torch.Tensor, torch.Tensor]:
+    """A Dataset(x, y) as (x, y) float32 tensors, y a column."""
+    columns = dataset.with_format("torch")[:]
+    return columns["x"].to(torch.float32).reshape(len(dataset), -1), columns["y"].to(torch.float32).reshape(
         -1, 1
     )
+
+
+def shard_tensors(dataset: Dataset, rank: int, world_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rank `rank`'s contiguous shard of a Dataset(x, y) as tensors (shard_rows)."""
+    return shard_rows(dataset_tensors(dataset), rank, world_size)
 
 
 def iterate_batches(
@@ -174,7 +184,7 @@ def iterate_sample_stream(
     """Endless GLOBAL batches from one stream of samples: epoch e is a seeded permutation of all rows,
     epochs follow each other, and batch i holds samples start_sample + i*B ... + B - 1 of that stream
     (a batch may straddle two epochs). Each data-parallel rank then takes its rows of every batch
-    (common/text.shard_rows). A position is a number of samples, so a run resumed at another world size (another
+    (shard_rows). A position is a number of samples, so a run resumed at another world size (another
     global batch B) continues exactly where the checkpoint left the data, mid-epoch or not; the
     one-process reference takes the whole batches."""
     if len(x) < global_batch_size:

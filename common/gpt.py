@@ -26,12 +26,18 @@ from torch import nn
 
 @dataclass
 class GPTConfig:
+    """The model, and the defaults of everything that trains it (train_gpt's flags, benchmarks/mfu.py,
+    benchmarks/bare_gpt.py): 1,063,168 parameters with the BPE of 2,048 tokens."""
+
     vocab_size: int = 2048
-    block_size: int = 128  # context length in tokens
+    block_size: int = 64  # context length in tokens
     n_layer: int = 4
     n_head: int = 4
     d_model: int = 128
     tie_weights: bool = True  # head shares the token embedding (nanoGPT, GPT-2)
+
+
+PER_RANK_BATCH_SIZE = 4  # blocks per rank per micro-batch, by default (train_gpt, mfu, bare_gpt)
 
 
 class CausalSelfAttention(nn.Module):
@@ -110,6 +116,16 @@ class GPT(nn.Module):
             return logits, None
         return logits, F.cross_entropy(logits.float().flatten(0, 1), targets.flatten())
 
+    def configure_optimizers(self, lr: float, weight_decay: float) -> torch.optim.AdamW:
+        """AdamW as nanoGPT sets it up: weight decay on matrices and embeddings (dim >= 2), none on biases
+        and norms. Works on a distributed model too (DDP, FSDP2, DTensor parameters): grouped by shape."""
+        params = {id(p): p for p in self.parameters()}.values()  # a tied weight once
+        groups = [
+            {"params": [p for p in params if p.dim() >= 2], "weight_decay": weight_decay},
+            {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0},
+        ]
+        return torch.optim.AdamW(groups, lr=lr, betas=(0.9, 0.95), eps=1e-8)
+
     @torch.no_grad()
     def generate(
         self,
@@ -131,9 +147,11 @@ class GPT(nn.Module):
 
 
 def build_gpt(cfg: GPTConfig, seed: int) -> GPT:
-    """The same initial weights on every rank and in the reference: seeded, on the CPU."""
-    torch.manual_seed(seed)
-    return GPT(cfg)
+    """The same initial weights on every rank and in the reference: seeded, on the CPU. The process's
+    own random state is left as it was (fork_rng)."""
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        return GPT(cfg)
 
 
 def parameter_count(cfg: GPTConfig) -> int:
@@ -156,6 +174,19 @@ def training_bytes(cfg: GPTConfig, batch_size: int) -> int:
     activations = tokens * (20 * cfg.d_model * cfg.n_layer + 3 * cfg.vocab_size)
     activations += batch_size * cfg.n_head * cfg.block_size**2 * cfg.n_layer * 2
     return 4 * (8 * parameter_count(cfg) + activations)
+
+
+def require_trainable(cfg: GPTConfig, batch_size: int, flags: str) -> None:
+    """Refuse, in one line naming `flags`, a model that the processes of this machine (LOCAL_WORLD_SIZE, each
+    training its own copy or piece) cannot train in the memory it has free: before anything starts, not a
+    MemoryError halfway."""
+    import os
+
+    from common.data import require_memory
+
+    local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    what = f"{local_ranks} process(es) training a {parameter_count(cfg):,}-parameter model"
+    require_memory(flags.removeprefix("--"), local_ranks * training_bytes(cfg, batch_size), what=what)
 
 
 def count_parameters(model: nn.Module) -> int:

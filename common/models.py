@@ -8,9 +8,10 @@ from torch import nn
 
 def build_linear(in_features: int = 10, seed: int = 0) -> nn.Linear:
     """The DDP tutorial's `nn.Linear(10, 1)` regression (docs/tutorials.md), initialised from `seed` so every
-    rank and the reference agree."""
-    torch.manual_seed(seed)
-    return nn.Linear(in_features, 1)
+    rank and the reference agree (the process's own random state is left as it was)."""
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        return nn.Linear(in_features, 1)
 
 
 class MLP(nn.Module):
@@ -41,5 +42,7 @@ class MLP(nn.Module):
 def build_mlp(
     in_features: int = 10, hidden_features: int = 50, out_features: int = 1, seed: int = 0, n_layers: int = 2
 ) -> MLP:
-    torch.manual_seed(seed)
-    return MLP(in_features, hidden_features, out_features, n_layers)
+    """Initialised from `seed`, the process's own random state left as it was."""
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        return MLP(in_features, hidden_features, out_features, n_layers)

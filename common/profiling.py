@@ -145,27 +145,63 @@ def median_step(rows: list[dict]) -> dict:
     return sorted(rows, key=lambda row: row["step_ms"])[(len(rows) - 1) // 2]
 
 
-def plot_timeline(labelled_steps: list[tuple[str, dict]], title: str, path: str) -> None:
-    """One row pair per (label, step row): compute bars above communication bars, on one time axis."""
-    import matplotlib
+def plot_timeline(rows: list[tuple[str, dict]], kinds: dict[str, str], title: str, path: str,
+                  xlabel: str = "ms from the step's start") -> None:  # fmt: skip
+    """One lane per row and kind: rows are (label, {kind: [(start_ms, end_ms), ...]}), `kinds` maps each
+    kind to its colour, drawn top to bottom in that order. A profiled step is {"compute": ...,
+    "communication": ...} (step_lanes); a pipeline stage is {"forward": ..., "backward": ...}."""
+    from matplotlib.figure import Figure  # no pyplot: no global backend or figure registry to leave behind
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    figure, axis = plt.subplots(figsize=(12, 1.2 + 0.9 * len(labelled_steps)))
-    for index, (_, step) in enumerate(labelled_steps):
-        y = 2 * (len(labelled_steps) - 1 - index)
-        axis.broken_barh([(s, e - s) for s, e in step["compute_intervals"]], (y + 0.5, 0.8), color="tab:blue")
-        axis.broken_barh(
-            [(s, e - s) for s, e in step["communication_intervals"]], (y - 0.4, 0.8), color="tab:orange"
-        )
-    axis.set_yticks([2 * (len(labelled_steps) - 1 - i) + 0.5 for i in range(len(labelled_steps))],
-                    [label for label, _ in labelled_steps])  # fmt: skip
-    axis.set_xlabel("ms from the step's start: blue compute, orange communication")
+    lanes = len(kinds)
+    figure = Figure(figsize=(12, 1.2 + 0.45 * lanes * len(rows)))
+    axis = figure.subplots()
+    for index, (_, intervals) in enumerate(rows):
+        top = (lanes + 1) * (len(rows) - 1 - index)
+        for lane, (kind, colour) in enumerate(kinds.items()):
+            bars = [(start, end - start) for start, end in intervals.get(kind, [])]
+            axis.broken_barh(
+                bars, (top + lanes - 1 - lane, 0.8), color=colour, label=kind if index == 0 else None
+            )
+    axis.set_yticks(
+        [(lanes + 1) * (len(rows) - 1 - i) + lanes / 2 for i in range(len(rows))],
+        [label for label, _ in rows],
+    )
+    axis.set_xlabel(xlabel)
     axis.set_title(title)
+    axis.legend(loc="upper right", fontsize=8)
     figure.tight_layout()
     figure.savefig(path, dpi=100)
-    plt.close(figure)
+
+
+STEP_KINDS = {"compute": "tab:blue", "communication": "tab:orange"}
+
+
+def step_lanes(step: dict) -> dict:
+    """A profiled step (step_breakdown's row) as plot_timeline's lanes."""
+    return {"compute": step["compute_intervals"], "communication": step["communication_intervals"]}
+
+
+def report_profile(session, rows: list[dict], title: str, nothing_profiled: str) -> None:
+    """Every rank's profiled steps (a collective): the mean breakdown per rank into the metrics, each rank's
+    median step into <output_dir>/profile/timeline.png, one console line. `nothing_profiled` is said when
+    a rank has no rows (a resumed run may train fewer steps than profiling starts after)."""
+    every_rank = session.accelerator.gather_for_metrics([rows], use_gather_object=True)
+    if not all(every_rank):
+        session.print(nothing_profiled)
+        return
+    if not session.is_main:
+        return
+    means = [mean_breakdown(rows) for rows in every_rank]
+    session.metrics["step_breakdown_ms"] = means
+    timeline = os.path.join(session.output_dir, "profile", "timeline.png")
+    lanes = [(f"rank {rank}", step_lanes(median_step(rows))) for rank, rows in enumerate(every_rank)]
+    plot_timeline(lanes, STEP_KINDS, title, timeline)
+    session.log_table("step_breakdown", [{"rank": r, **m} for r, m in enumerate(means)], timeline)
+    session.print(
+        f"profiled steps, rank 0, mean of {len(every_rank[0])} (ms): "
+        + ", ".join(f"{k[:-3]} {v:.1f}" for k, v in means[0].items())
+        + f"; traces and timeline.png in {os.path.dirname(timeline)}"
+    )
 
 
 class StepProfiler:

@@ -1,51 +1,74 @@
-"""The single-process reference that distributed runs are compared with.
+"""The single-process reference that distributed runs are compared with, and the comparison.
 
 One step = the micro-batches of every rank for that step, concatenated (rank order), one mean loss over
-all of those rows, one optimizer step. When every rank's shard has the same size, that is exactly
-what DDP's averaged gradients compute, so parameters must agree up to float rounding.
+all of those rows, one optimizer step. When every rank's shard has the same size, that is exactly what
+data parallelism's averaged gradients compute, so parameters must agree up to float rounding. Every
+experiment that proves itself against one process uses this one: ddp_linear, manual_data_parallel,
+train_gpt (AdamW, clipping, a schedule, bf16), loss_normalization (padded tokens), pipeline_parallel.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable, Mapping
 from contextlib import nullcontext
 
 import torch
 import torch.nn.functional as F
 
 
+def mean_squared_error(model, inputs, target):
+    return F.mse_loss(model(inputs).float(), target)
+
+
 def train_single_process(
     model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
     global_batches,
     steps: int,
-    micro_batches_per_step: int,
-    device,
-    make_optimizer,
-    loss_fn=F.mse_loss,
+    micro_batches_per_step: int = 1,
+    loss_fn: Callable = mean_squared_error,
+    device=None,
     autocast=nullcontext,
-) -> torch.nn.Module:
-    """Train `model` in place: each step concatenates `micro_batches_per_step` global batches (tuples of
-    tensors: inputs first, target last) into ONE batch, one loss over all of it, one optimizer step.
-    `make_optimizer(parameters)` builds the optimizer the distributed run uses (SGD, AdamW, ...);
-    `loss_fn(output, target)` must be a mean over the batch, as the distributed run's is."""
-    model.to(device)
-    optimizer = make_optimizer(model.parameters())
-    for _ in range(steps):
+    before_update: Callable[[int], float] | None = None,
+) -> dict:
+    """Train `model` in place for `steps` steps: each concatenates `micro_batches_per_step` global batches
+    (tuples of tensors: inputs first, target last) into ONE batch, one loss over all of it
+    (`loss_fn(model, *inputs, target)`, a mean over the batch as the distributed run's is), one optimizer
+    step. `before_update(i)` (i = 1, 2, ...) runs between backward and the step (clipping, the learning
+    rate) and returns a figure (the gradient norm). `autocast`: the context the distributed model runs
+    its forward under, if any. Returns each step's loss and figure, and step 1's gradients by name."""
+    if device is not None:
+        model.to(device)
+    losses, figures, first_gradients = [], [], {}
+    for step in range(1, steps + 1):
         micro_batches = [next(global_batches) for _ in range(micro_batches_per_step)]
-        *inputs, target = (torch.cat(parts).to(device) for parts in zip(*micro_batches, strict=True))
+        *inputs, target = (torch.cat(parts).to(device or "cpu") for parts in zip(*micro_batches, strict=True))
         optimizer.zero_grad()
-        with autocast():  # the same autocast the distributed model runs under, if any
-            loss = loss_fn(model(*inputs).float(), target)
+        with autocast():
+            loss = loss_fn(model, *inputs, target)
         loss.backward()
+        if step == 1:
+            first_gradients = {
+                n: p.grad.detach().cpu().clone() for n, p in model.named_parameters() if p.grad is not None
+            }
+        figures.append(before_update(step) if before_update else None)
         optimizer.step()
-    return model
+        losses.append(loss.item())
+    optimizer.zero_grad()
+    return {"losses": losses, "figures": figures, "first_gradients": first_gradients}
 
 
-def max_abs_difference(model_a: torch.nn.Module, model_b: torch.nn.Module) -> float:
-    """Largest |a - b| over all parameters, compared on the CPU in float32 (inf if either diverged)."""
-    for param in (*model_a.parameters(), *model_b.parameters()):
-        if not torch.isfinite(param).all():
-            return float("inf")  # NaN would compare as "not <= tolerance" too, but inf says what happened
-    return max(
-        (a.detach().float().cpu() - b.detach().float().cpu()).abs().max().item()
-        for a, b in zip(model_a.parameters(), model_b.parameters(), strict=True)
-    )
+def named_tensors(source) -> dict:
+    """A module's parameters by name, or a mapping of name -> tensor as it is."""
+    return dict(source.named_parameters()) if isinstance(source, torch.nn.Module) else dict(source)
+
+
+def max_abs_difference(a: torch.nn.Module | Mapping, b: torch.nn.Module | Mapping) -> float:
+    """Largest |a - b| over the tensors (parameters) of `b`, by name, compared on the CPU in float32; inf
+    if either side holds a non-finite value (NaN would compare as "not <= tolerance" too, but inf says
+    what happened)."""
+    a, b = named_tensors(a), named_tensors(b)
+    for tensor in (*a.values(), *b.values()):
+        if not torch.isfinite(tensor.detach().float()).all():
+            return float("inf")
+    return max((a[n].detach().float().cpu() - b[n].detach().float().cpu()).abs().max().item() for n in b)

@@ -1,4 +1,4 @@
-"""The life of one run, owned in one place: `with start_run(cfg, "ddp_linear") as run:`.
+"""The life of one run, owned in one place: `with start_run(cfg, "ddp_linear") as session:`.
 
 On entry, in this order. Each step can refuse with one line and exit status 2, and none of them
 writes anything before the steps that could refuse have passed:
@@ -16,8 +16,8 @@ writes anything before the steps that could refuse have passed:
 7. the `distributed` check: the ranks Accelerate sees are the ranks that were launched. If not, the
    run ends right here (summary.json says why, exit 1): training on a broken launch proves nothing.
 
-In the `with` body the experiment does its idea, adding `run.metrics`, `run.check(...)`,
-`run.parity_check(...)` and `run.log(...)`. On a normal exit: summary.json, the verdict broadcast so
+In the `with` body the experiment does its idea, adding `session.metrics`, `session.check(...)`,
+`session.parity_check(...)` and `session.log(...)`. On a normal exit: summary.json, the verdict broadcast so
 every rank exits with the same code (`run.exit_code`: 0 passed, 1 a check failed), then the shutdown
 in the order gloo needs. On an exception: trackers closed, lock released, and a timed-out collective
 re-raised naming the rank that is behind.
@@ -330,7 +330,7 @@ class Run:
 
 
 def start_run(cfg: RunArgs, experiment: str, **options) -> Run:
-    """`with start_run(cfg, "name", gradient_accumulation_steps=..., mixed_precision=...) as run:`.
+    """`with start_run(cfg, "name", gradient_accumulation_steps=..., mixed_precision=...) as session:`.
     Options: needs_process_group (a 1-rank gloo group in one process), backend, data_identity (content
     hashes of the training data, checked on resume), and Accelerator kwargs."""
     return Run(cfg, experiment, **options)

@@ -212,9 +212,11 @@ def read_token_cache(path: str, data_sha256: str, say_why: bool = False) -> dict
         return None
     try:
         cached = torch.load(path, weights_only=True)
+        if "ids_sha256" not in cached:
+            return None  # written before the ids carried their digest: rebuilt, nothing to say
         if tensor_sha256(cached["ids"]) != cached["ids_sha256"]:
             raise ValueError("token ids changed since they were cached")
-    except Exception as error:  # a truncated file, an old format without ids_sha256, flipped bits
+    except Exception as error:  # a truncated file, flipped bits
         if say_why:
             print(
                 f"token cache {path} is unusable ({type(error).__name__}: {error}); rebuilding it",
@@ -260,11 +262,3 @@ def load_corpus(
         "vocab_size": tokenizer.get_vocab_size(),
         "identity": corpus["identity"],
     }
-
-
-def shard_rows(tensors: tuple[torch.Tensor, ...], rank: int, world_size: int) -> tuple[torch.Tensor, ...]:
-    """Rank `rank`'s contiguous share of the rows, every share the same size (the remainder dropped):
-    equal shards make the mean of per-rank means the global mean, and every rank run the same number
-    of collectives."""
-    per_rank = len(tensors[0]) // world_size
-    return tuple(t[rank * per_rank : (rank + 1) * per_rank] for t in tensors)

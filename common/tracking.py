@@ -107,10 +107,11 @@ def resolve_trackers(report_to: str, output_dir: str, continuing: bool = False) 
             )
     plan = TrackerPlan(names)
     if "wandb" in names:
-        if not os.environ.get("WANDB_MODE") and not wandb_has_credentials():
-            os.environ["WANDB_MODE"] = "offline"  # no key: log locally, `wandb sync` later
-        plan.notes["wandb"] = {"mode": os.environ.get("WANDB_MODE", "online")}
-        plan.init_kwargs["wandb"] = {"dir": output_dir}
+        # WANDB_MODE is always respected; without it and without a key, this run's wandb.init goes offline
+        # (log locally, `wandb sync` later) through its own settings, not the process's environment
+        mode = os.environ.get("WANDB_MODE") or ("online" if wandb_has_credentials() else "offline")
+        plan.notes["wandb"] = {"mode": mode}
+        plan.init_kwargs["wandb"] = {"dir": output_dir, "mode": mode}
         id_file = os.path.join(output_dir, WANDB_ID_FILE)
         if (
             continuing and os.path.exists(id_file) and not os.environ.get("WANDB_RUN_ID")

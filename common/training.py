@@ -1,7 +1,7 @@
 """Everything a training loop does besides its idea, behind one object (as torchtitan's trainer keeps
 checkpointing, metrics and fault handling out of its step):
 
-    loop = TrainLoop(run, model, optimizer, samples_per_micro_batch=64)
+    loop = TrainLoop(session, model, optimizer, samples_per_micro_batch=64)
     for x, y in loop.micro_batches(batches):
         with accelerator.accumulate(model):
             ...the idea: forward, backward, step...
@@ -33,7 +33,7 @@ from common.reliability import Heartbeat, inject_fault
 class TrainLoop:
     def __init__(
         self,
-        run,
+        session,
         model,
         optimizer,
         samples_per_micro_batch: int,
@@ -43,26 +43,26 @@ class TrainLoop:
         """`samples_per_micro_batch`: over every rank (the global micro-batch). `tokens_per_sample`: report
         throughput as tokens/s (a language model's sample is a block of tokens) instead of samples/s.
         `checkpointer`: common/checkpoint.ShardedCheckpointer for sharded models (default: Accelerate's)."""
-        self.run, self.cfg, self.accelerator = run, run.cfg, run.accelerator
+        self.session, self.cfg, self.accelerator = session, session.cfg, session.accelerator
         self.model, self.optimizer = model, optimizer
         self.samples_per_micro_batch, self.tokens_per_sample = samples_per_micro_batch, tokens_per_sample
         self.unit = "tokens" if tokens_per_sample else "samples"
         self.checkpointer = checkpointer or AccelerateCheckpointer(self.accelerator, model, optimizer)
-        self.step = self.start_step = run.start_step
+        self.step = self.start_step = session.start_step
         # where in the data the run is, in samples (not steps: a resume at another world size has
         # another global batch)
-        self.samples_seen = run.samples_seen
+        self.samples_seen = session.samples_seen
         self.state_digests: dict[int, str] = {}
         self.resumed_full_state = None  # the full state right after loading (main process), if resumed
-        if run.checkpoint:
-            same_layout = run.checkpoint_meta["world_size"] == self.accelerator.num_processes
-            self.checkpointer.load(run.checkpoint, same_layout)
+        if session.checkpoint:
+            same_layout = session.checkpoint_meta["world_size"] == self.accelerator.num_processes
+            self.checkpointer.load(session.checkpoint, same_layout)
             self._check_restored_state()
-        run.heartbeat = self.heartbeat = Heartbeat(
-            run.output_dir, self.accelerator.process_index, self.accelerator.num_processes
+        session.heartbeat = self.heartbeat = Heartbeat(
+            session.output_dir, self.accelerator.process_index, self.accelerator.num_processes
         )
-        run.progress_bar = self.progress = tqdm(
-            total=self.cfg.max_steps, initial=self.step, desc=run.experiment, disable=not run.is_main
+        session.progress_bar = self.progress = tqdm(
+            total=self.cfg.max_steps, initial=self.step, desc=session.experiment, disable=not session.is_main
         )
         self.window_loss = torch.zeros((), device=self.accelerator.device)
         self.window_micro_batches, self.in_step = 0, False
@@ -76,22 +76,22 @@ class TrainLoop:
         If it is not, nothing trained from here would mean anything: the run ends now (exit 1)."""
         from accelerate.utils import broadcast_object_list
 
-        saved = self.run.checkpoint_meta.get("state_digest")
+        saved = self.session.checkpoint_meta.get("state_digest")
         self.resumed_full_state = self.checkpointer.full_state()
         loaded = self.resumed_state_digest = self.checkpointer.digest(self.resumed_full_state)
         verdict = [loaded == saved]
         if self.accelerator.num_processes > 1:
             broadcast_object_list(verdict, from_process=0)  # the digest exists on the main process only
-        if self.run.is_main:
-            self.run.check(
+        if self.session.is_main:
+            self.session.check(
                 "resume_restored_state",
                 verdict[0],
-                f"state digest after loading {self.run.checkpoint}: {loaded[:16]}..., saved with it: {str(saved)[:16]}...",
+                f"state digest after loading {self.session.checkpoint}: {loaded[:16]}..., saved with it: {str(saved)[:16]}...",
             )
-            self.run.print(f"resumed from {self.run.checkpoint} at step {self.step}")
+            self.session.print(f"resumed from {self.session.checkpoint} at step {self.step}")
         if not verdict[0]:
-            self.run.metrics.update(resumed_from_step=self.start_step, resumed_state_digest=loaded)
-            self.run.end_now()
+            self.session.metrics.update(resumed_from_step=self.start_step, resumed_state_digest=loaded)
+            self.session.end_now()
 
     def micro_batches(self, batches):
         """Micro-batches from `batches` until --max_steps optimizer steps are done."""
@@ -134,12 +134,12 @@ class TrainLoop:
                     "world_size": self.accelerator.num_processes,
                     "layout": {name: getattr(self.cfg, name) for name in self.cfg.layout_flags},
                     "trajectory": self.cfg.trajectory(self.accelerator.num_processes),
-                    "data": self.run.data_identity,
+                    "data": self.session.data_identity,
                     "state_digest": self.state_digests[self.step],
                 }
                 save_checkpoint(
                     self.accelerator,
-                    self.run.output_dir,
+                    self.session.output_dir,
                     self.step,
                     self.cfg.keep_checkpoints,
                     meta,
@@ -156,7 +156,7 @@ class TrainLoop:
         throughput = self._per_second(self.window_micro_batches, time.perf_counter() - self.window_start)
         self.last_interval = {"loss": mean_loss, f"{self.unit}_per_s": throughput, **self.latest}
         if self.step < self.cfg.max_steps:  # the last interval goes out with the experiment's final figures
-            self.run.log(self.step, self.last_interval)
+            self.session.log(self.step, self.last_interval)
         self.window_loss.zero_()
         self.window_micro_batches, self.window_start = 0, time.perf_counter()
 

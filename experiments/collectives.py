@@ -219,9 +219,9 @@ def first_line(error: Exception) -> str:
     return (str(error).strip().splitlines() or [type(error).__name__])[0][:200]
 
 
-def verify_every_op(cfg: Config, run) -> None:
-    """Each op x reduction x dtype on every rank; one check per op; the table of results in run.metrics."""
-    rank, n, device = dist.get_rank(), dist.get_world_size(), run.accelerator.device
+def verify_every_op(cfg: Config, session) -> None:
+    """Each op x reduction x dtype on every rank; one check per op; the table of results in session.metrics."""
+    rank, n, device = dist.get_rank(), dist.get_world_size(), session.accelerator.device
     results = []
     for op in cfg.op_list():
         if op == "send_recv" and n < 2:
@@ -247,30 +247,30 @@ def verify_every_op(cfg: Config, run) -> None:
         results += op_results
         verified = [r for r in op_results if r["status"] == "ok"]
         wrong = [r for r in op_results if r["status"] == "wrong"]
-        run.check(
+        session.check(
             op,
             bool(verified) and not wrong,  # unsupported combinations are listed, never counted as passes
             f"{len(verified)} verified, {len(wrong)} wrong, {len(op_results) - len(verified) - len(wrong)} unsupported"
             + "".join(f"; {r['op']}/{r['dtype']} WRONG: {r['detail']}" for r in wrong[:3]),
         )
     for row in results:
-        run.print(f"{row['op']:<24} {row['dtype']:<9} {row['status']:<12} {row['detail']}")
+        session.print(f"{row['op']:<24} {row['dtype']:<9} {row['status']:<12} {row['detail']}")
     unsupported = {f"{r['op']}/{r['dtype']}": r["detail"] for r in results if r["status"] == "unsupported"}
-    run.metrics.update(
+    session.metrics.update(
         results=results, unsupported=unsupported, verified=sum(r["status"] == "ok" for r in results)
     )
 
 
 def run(cfg: Config) -> int:
     # needs_process_group: in one process, a 1-rank gloo group, so every call still runs
-    with start_run(cfg, EXPERIMENT, needs_process_group=True, backend=cfg.backend or None) as run:
+    with start_run(cfg, EXPERIMENT, needs_process_group=True, backend=cfg.backend or None) as session:
         require(
             not cfg.backend or dist.get_backend() == cfg.backend,
             f"--backend {cfg.backend}: the process group uses {dist.get_backend()}",
         )
-        verify_every_op(cfg, run)
-        run.metrics["backend"] = dist.get_backend()
-    return run.exit_code
+        verify_every_op(cfg, session)
+        session.metrics["backend"] = dist.get_backend()
+    return session.exit_code
 
 
 def main(argv: list[str] | None = None) -> int:

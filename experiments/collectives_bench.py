@@ -29,14 +29,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import torch.distributed as dist
 
-from common.collective_bench import (
-    BENCH_OPS,
-    bus_factor,
-    make_bench_call,
-    memcpy_gbps,
-    plot_busbw,
-    time_per_call_s,
-)
+from common.collective_bench import BENCH_OPS, make_bench_call, memcpy_gbps, plot_busbw, time_per_call_s
+from common.comm_counter import bus_factor
 from common.config import RunArgs, flag, parse_config, require, require_positive, run_cli
 from common.run import start_run
 
@@ -91,17 +85,17 @@ class Config(RunArgs):
 
 
 def run(cfg: Config) -> int:
-    with start_run(cfg, EXPERIMENT, needs_process_group=True, backend=cfg.backend or None) as run:
+    with start_run(cfg, EXPERIMENT, needs_process_group=True, backend=cfg.backend or None) as session:
         require(
             not cfg.backend or dist.get_backend() == cfg.backend,
             f"--backend {cfg.backend}: the process group uses {dist.get_backend()}",
         )
-        n, device = dist.get_world_size(), run.accelerator.device
+        n, device = dist.get_world_size(), session.accelerator.device
         copy_gbps = memcpy_gbps(cfg.memcpy_bytes, device)
         sizes = [2**k for k in range(int(math.log2(cfg.min_bytes)), int(math.log2(cfg.max_bytes)) + 1)]
         rows = []
-        run.print(f"memcpy bandwidth: {copy_gbps:.2f} GB/s ({n} ranks copying at once)")
-        run.print(
+        session.print(f"memcpy bandwidth: {copy_gbps:.2f} GB/s ({n} ranks copying at once)")
+        session.print(
             f"{'op':<24}{'bytes':>12}{'time_us':>12}{'spread_us':>11}{'algbw_GB/s':>12}{'busbw_GB/s':>12}{'%memcpy':>9}"
         )
         for op in cfg.op_list():
@@ -122,14 +116,14 @@ def run(cfg: Config) -> int:
                         "busbw_pct_of_memcpy": 100 * busbw / copy_gbps,
                     }
                 )
-                run.print(
+                session.print(
                     f"{op:<24}{message_bytes:>12,}{median * 1e6:>12.1f}{rows[-1]['spread_us']:>11.1f}"
                     f"{algbw:>12.3f}{busbw:>12.3f}{rows[-1]['busbw_pct_of_memcpy']:>8.1f}%"
                 )
-        plot_path = plot_busbw(rows, copy_gbps, n, run.output_dir) if run.is_main else None
-        run.log_table("bench", rows, plot_path)
+        plot_path = plot_busbw(rows, copy_gbps, n, session.output_dir) if session.is_main else None
+        session.log_table("bench", rows, plot_path)
         timed = [(r["op"], r["bytes"]) for r in rows if math.isfinite(r["time_us"]) and r["time_us"] > 0]
-        run.check(
+        session.check(
             "every_row_timed",
             len(timed) == len(sizes) * len(cfg.op_list()),
             f"{len(timed)} of {len(sizes) * len(cfg.op_list())} rows ({len(cfg.op_list())} ops x {len(sizes)} sizes) "
@@ -138,14 +132,14 @@ def run(cfg: Config) -> int:
         too_fast = [
             f"{r['op']}@{r['bytes']}" for r in rows if r["busbw_gbps"] > cfg.max_memcpy_multiple * copy_gbps
         ]
-        run.check(
+        session.check(
             "below_memory_ceiling",
             not too_fast or device.type != "cpu",
             f"busbw at most {cfg.max_memcpy_multiple}x memcpy ({copy_gbps:.2f} GB/s) on one host; "
             f"over it: {too_fast or 'none'}",
         )
-        run.metrics.update(rows=rows, memcpy_gbps=copy_gbps, plot=plot_path, backend=dist.get_backend())
-    return run.exit_code
+        session.metrics.update(rows=rows, memcpy_gbps=copy_gbps, plot=plot_path, backend=dist.get_backend())
+    return session.exit_code
 
 
 def main(argv: list[str] | None = None) -> int:

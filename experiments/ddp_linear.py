@@ -139,15 +139,10 @@ def replay_single_process(
     model = build_linear(initial_state["weight"].shape[1], seed=cfg.seed)
     model.load_state_dict(initial_state)
     global_batches = iterate_global_batches(dataset, world_size, cfg.per_rank_batch_size, cfg.seed)
-    return train_single_process(
-        model,
-        global_batches,
-        cfg.max_steps,
-        cfg.gradient_accumulation_steps,
-        accelerator.device,
-        make_optimizer=lambda params: torch.optim.SGD(params, lr=cfg.lr),
-        autocast=accelerator.autocast,
-    )
+    optimizer = torch.optim.SGD(model.parameters(), lr=cfg.lr)
+    train_single_process(model, optimizer, global_batches, cfg.max_steps, cfg.gradient_accumulation_steps,
+                         device=accelerator.device, autocast=accelerator.autocast)  # fmt: skip
+    return model
 
 
 def data_identity(cfg: Config) -> dict:
@@ -171,8 +166,8 @@ def run(cfg: Config) -> int:
         data_identity=data_identity(cfg),
         gradient_accumulation_steps=cfg.gradient_accumulation_steps,
         mixed_precision=cfg.mixed_precision,
-    ) as run:
-        accelerator = run.accelerator
+    ) as session:
+        accelerator = session.accelerator
         with accelerator.main_process_first():  # datasets' cache: one rank writes it, the others read it
             dataset, truth = load_data(cfg)
         rank, world_size = accelerator.process_index, accelerator.num_processes
@@ -184,7 +179,7 @@ def run(cfg: Config) -> int:
             shard_y,
             cfg.per_rank_batch_size,
             cfg.seed,
-            start_batch=run.samples_seen // samples_per_micro_batch,
+            start_batch=session.samples_seen // samples_per_micro_batch,
         )
 
         # same seed on every rank, and DDP broadcasts rank 0's anyway
@@ -196,7 +191,7 @@ def run(cfg: Config) -> int:
 
         # The idea: each rank trains on its own shard; DDP averages the gradients in backward.
         # TrainLoop (common/training.py): resume, logging, progress, heartbeat, checkpoints, NaN stop
-        loop = TrainLoop(run, model, optimizer, samples_per_micro_batch=samples_per_micro_batch)
+        loop = TrainLoop(session, model, optimizer, samples_per_micro_batch=samples_per_micro_batch)
         for x, y in loop.micro_batches(batches):
             with accelerator.accumulate(model):  # no all-reduce until the last micro-batch of a step
                 loss = F.mse_loss(model(x), y)
@@ -212,7 +207,7 @@ def run(cfg: Config) -> int:
         weight_error = (weight - torch.tensor(truth["weight"])).abs().max().item()
         bias_error = abs(bias.item() - truth["bias"])
         global_batch_size = cfg.per_rank_batch_size * world_size * cfg.gradient_accumulation_steps
-        run.metrics.update(
+        session.metrics.update(
             loop.metrics(),
             weight=weight.tolist(),
             bias=bias.item(),
@@ -224,11 +219,11 @@ def run(cfg: Config) -> int:
             final_mse=final_mse,
             global_batch_size=global_batch_size,
         )
-        run.check(
+        session.check(
             "loss_decreased", final_mse < initial_mse, f"full-data MSE {initial_mse:.5f} -> {final_mse:.5f}"
         )
-        if run.is_main:
-            run.check(
+        if session.is_main:
+            session.check(
                 "recovers_truth",
                 max(weight_error, bias_error) <= cfg.truth_tolerance,
                 f"max |w - w_true| = {weight_error:.4f}, "
@@ -236,15 +231,15 @@ def run(cfg: Config) -> int:
                 f"tolerance {cfg.truth_tolerance}",
             )
             reference = replay_single_process(cfg, dataset, world_size, initial_state, accelerator)
-            run.metrics["parity_max_abs_diff"] = max_abs_difference(trained, reference)
-            run.parity_check(
+            session.metrics["parity_max_abs_diff"] = max_abs_difference(trained, reference)
+            session.parity_check(
                 "matches_single_process",
-                run.metrics["parity_max_abs_diff"],
+                session.metrics["parity_max_abs_diff"],
                 cfg.parity_atol if accelerator.mixed_precision == "no" else cfg.parity_atol_mixed_precision,
                 "max |DDP - one process| over all parameters, "
                 f"{cfg.max_steps} steps of global batch {global_batch_size}",
             )
-        run.log(
+        session.log(
             loop.step,
             {
                 **loop.last_interval,
@@ -253,7 +248,7 @@ def run(cfg: Config) -> int:
                 "bias_error": bias_error,
             },
         )
-    return run.exit_code
+    return session.exit_code
 
 
 def main(argv: list[str] | None = None) -> int:

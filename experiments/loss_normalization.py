@@ -46,12 +46,15 @@ import torch.nn.functional as F
 from torch.distributed.tensor import DTensor
 
 from common.config import RunArgs, flag, parse_config, require, require_positive, run_cli
-from common.data import concatenate_rank_batches, iterate_batches
+from common.data import concatenate_rank_batches, iterate_batches, shard_rows
 from common.gpt import GPTConfig, build_gpt
+from common.reference import max_abs_difference, train_single_process
 from common.run import start_run
 from common.runtime import launched_world_size
-from common.sharding import shard_gpt, sync_gradients_this_micro_batch
-from common.text import load_corpus, shard_rows
+from common.text import load_corpus
+from strategies import fsdp
+from strategies.fsdp import set_gradient_sync
+from strategies.layout import Layout
 
 EXPERIMENT = "loss_normalization"
 PAD = -100  # F.cross_entropy's ignore_index
@@ -117,9 +120,13 @@ def token_losses(model, x: torch.Tensor, y: torch.Tensor, reduction: str) -> tor
 def train(cfg: Config, variant: str, gpt_cfg: GPTConfig, batches, accelerator) -> tuple[dict, dict]:
     """--max_steps SGD steps of `variant`; returns (step-1 gradients, final parameters), both in full."""
     model = build_gpt(gpt_cfg, cfg.seed)
-    model = (
-        shard_gpt(model, accelerator, zero3=True) if cfg.strategy == "fsdp" else accelerator.prepare(model)
-    )
+    if cfg.strategy == "fsdp":  # ZeRO-3 over every rank (strategies/fsdp.py); ddp: Accelerate's prepare
+        mesh = Layout(accelerator.num_processes, accelerator.num_processes).mesh(accelerator.device.type)[
+            "dp"
+        ]
+        model = fsdp.shard(model.to(accelerator.device), mesh, zero3=True, bf16=False, wrap_root=True)
+    else:
+        model = accelerator.prepare(model)
     optimizer = accelerator.prepare(torch.optim.SGD(model.parameters(), lr=cfg.lr))
     world, k = accelerator.num_processes, cfg.gradient_accumulation_steps
     first_gradients = {}
@@ -130,7 +137,7 @@ def train(cfg: Config, variant: str, gpt_cfg: GPTConfig, batches, accelerator) -
         global_tokens = accelerator.reduce(local_tokens, "sum")
         for x, y in micro_batches:
             with accelerator.accumulate(model):  # / k on the loss, DDP's no_sync on all but the last
-                sync_gradients_this_micro_batch(model, accelerator.sync_gradients)  # FSDP2's no_sync
+                set_gradient_sync(model, accelerator.sync_gradients)  # FSDP2's no_sync
                 if variant == "naive":
                     loss = token_losses(model, x, y, "mean")  # the mean over THIS micro-batch's tokens
                 else:  # sum / global count, times what the framework divides by (world_size, then k)
@@ -158,31 +165,22 @@ def full_tensors(tensors: dict) -> dict:
 
 
 def train_reference(cfg: Config, gpt_cfg: GPTConfig, global_batches, device) -> tuple[dict, dict]:
-    """One process: each step ONE batch of every rank's k micro-batches, the mean over all real tokens."""
-    model = build_gpt(gpt_cfg, cfg.seed).to(device)
+    """One process (common/reference.py): each step ONE batch of every rank's k micro-batches, the mean over
+    all its real tokens."""
+    model = build_gpt(gpt_cfg, cfg.seed)
     optimizer = torch.optim.SGD(model.parameters(), lr=cfg.lr)
-    first_gradients = {}
-    for step in range(cfg.max_steps):
-        micro_batches = [next(global_batches) for _ in range(cfg.gradient_accumulation_steps)]
-        x, y = (torch.cat(parts).to(device) for parts in zip(*micro_batches, strict=True))
-        token_losses(model, x, y, "mean").backward()
-        if step == 0:
-            first_gradients = {n: p.grad.detach().cpu().clone() for n, p in model.named_parameters()}
-        optimizer.step()
-        optimizer.zero_grad()
-    return first_gradients, {n: p.detach().cpu().clone() for n, p in model.named_parameters()}
-
-
-def max_difference(a: dict, b: dict) -> float:
-    return max((a[name] - b[name]).abs().max().item() for name in b)
+    reference = train_single_process(model, optimizer, global_batches, cfg.max_steps, cfg.gradient_accumulation_steps,
+                                     loss_fn=lambda m, x, y: token_losses(m, x, y, "mean"), device=device)  # fmt: skip
+    return reference["first_gradients"], dict(model.named_parameters())
 
 
 def run(cfg: Config) -> int:
-    with start_run(cfg, EXPERIMENT, gradient_accumulation_steps=cfg.gradient_accumulation_steps) as run:
-        accelerator = run.accelerator
+    corpus = load_corpus(
+        "", cfg.vocab_size, cfg.block_size, 0.1, cfg.dist_timeout_s
+    )  # built once, under a lock
+    with start_run(cfg, EXPERIMENT, gradient_accumulation_steps=cfg.gradient_accumulation_steps) as session:
+        accelerator = session.accelerator
         rank, world = accelerator.process_index, accelerator.num_processes
-        with accelerator.main_process_first():
-            corpus = load_corpus("", cfg.vocab_size, cfg.block_size, 0.1)
         gpt_cfg = GPTConfig(corpus["vocab_size"], cfg.block_size, cfg.n_layer, cfg.n_head, cfg.d_model)
         blocks = pad_randomly(*corpus["train"], cfg.min_length, cfg.seed)
         shards = [shard_rows(blocks, r, world) for r in range(world)]
@@ -195,25 +193,25 @@ def run(cfg: Config) -> int:
             next(iterate_batches(*shard, cfg.per_rank_batch_size, cfg.seed)) for shard in shards
         ]
         tokens = [int((y != PAD).sum()) for _, y in first_micro_batches]
-        if run.is_main:
+        if session.is_main:
             global_batches = concatenate_rank_batches(shards, cfg.per_rank_batch_size, cfg.seed)
             reference = train_reference(cfg, gpt_cfg, global_batches, accelerator.device)
-            figures = {variant: {"step1_gradient_max_abs_diff": max_difference(grads, reference[0]),
-                                 "parameter_max_abs_diff": max_difference(params, reference[1])}
+            figures = {variant: {"step1_gradient_max_abs_diff": max_abs_difference(grads, reference[0]),
+                                 "parameter_max_abs_diff": max_abs_difference(params, reference[1])}
                        for variant, (grads, params) in results.items()}  # fmt: skip
-            run.metrics.update(figures, real_tokens_in_first_micro_batch_per_rank=tokens)
+            session.metrics.update(figures, real_tokens_in_first_micro_batch_per_rank=tokens)
             weighted = figures["token_weighted"]
-            run.parity_check("token_weighted_matches_one_process", max(weighted.values()), cfg.parity_atol,
+            session.parity_check("token_weighted_matches_one_process", max(weighted.values()), cfg.parity_atol,
                              f"{cfg.strategy}, {world} ranks x {cfg.gradient_accumulation_steps} micro-batches: "
                              "max |token_weighted - one process| over step-1 gradients and final parameters")  # fmt: skip
             naive = figures["naive"]["step1_gradient_max_abs_diff"]
-            run.check("naive_differs_from_one_process", naive > cfg.naive_margin,
+            session.check("naive_differs_from_one_process", naive > cfg.naive_margin,
                       f"max |naive - one process| step-1 gradient = {naive:.2e}, must exceed {cfg.naive_margin:.0e} "
                       f"(real tokens in the first micro-batch per rank: {tokens})")  # fmt: skip
             for variant, figure in figures.items():
-                run.print(f"{variant:<15} step-1 gradient {figure['step1_gradient_max_abs_diff']:.2e}, parameters after "
+                session.print(f"{variant:<15} step-1 gradient {figure['step1_gradient_max_abs_diff']:.2e}, parameters after "
                           f"{cfg.max_steps} steps {figure['parameter_max_abs_diff']:.2e} from one process")  # fmt: skip
-    return run.exit_code
+    return session.exit_code
 
 
 def main(argv: list[str] | None = None) -> int:

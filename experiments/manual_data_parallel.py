@@ -235,8 +235,8 @@ def run(cfg: Config) -> int:
     # needs_process_group: in one process, a 1-rank gloo group, so the hand-rolled collectives still run
     with start_run(
         cfg, EXPERIMENT, needs_process_group=True, gradient_accumulation_steps=cfg.gradient_accumulation_steps
-    ) as run:
-        accelerator = run.accelerator
+    ) as session:
+        accelerator = session.accelerator
         dataset, _ = make_regression_dataset(cfg.n_samples, cfg.n_features, cfg.noise_std, cfg.seed)
         rank, world_size = accelerator.process_index, accelerator.num_processes
         shard_x, shard_y = (t.to(accelerator.device) for t in shard_tensors(dataset, rank, world_size))
@@ -249,37 +249,32 @@ def run(cfg: Config) -> int:
                 trained[strategy], stats[strategy] = train_with_ddp(cfg, batches, accelerator)
             else:
                 trained[strategy], stats[strategy] = train_by_hand(cfg, strategy, batches, accelerator)
-        run.log_table("strategies", [{"strategy": name, **figures} for name, figures in stats.items()])
-        if run.is_main:
-            compare_with_references(cfg, run, dataset, trained, stats)
-        run.metrics.update(strategies=stats, world_size=world_size)
-    return run.exit_code
+        session.log_table("strategies", [{"strategy": name, **figures} for name, figures in stats.items()])
+        if session.is_main:
+            compare_with_references(cfg, session, dataset, trained, stats)
+        session.metrics.update(strategies=stats, world_size=world_size)
+    return session.exit_code
 
 
-def compare_with_references(cfg: Config, run, dataset, trained: dict, stats: dict) -> None:
+def compare_with_references(cfg: Config, session, dataset, trained: dict, stats: dict) -> None:
     """Each strategy against a one-process replay of the global batches, and against DDP."""
-    world_size = run.accelerator.num_processes
+    world_size = session.accelerator.num_processes
     reference = build_model(cfg, seed=cfg.seed)
     global_batches = iterate_global_batches(dataset, world_size, cfg.per_rank_batch_size, cfg.seed)
-    train_single_process(
-        reference,
-        global_batches,
-        cfg.max_steps,
-        cfg.gradient_accumulation_steps,
-        run.accelerator.device,
-        make_optimizer=lambda params: torch.optim.SGD(params, lr=cfg.lr),
-    )
-    run.print(
+    optimizer = torch.optim.SGD(reference.parameters(), lr=cfg.lr)
+    train_single_process(reference, optimizer, global_batches, cfg.max_steps, cfg.gradient_accumulation_steps,
+                         device=session.accelerator.device)  # fmt: skip
+    session.print(
         f"{'strategy':<12}{'median ms/step':>15}{'all_reduces/step':>18}{'bytes/step':>12}{'max|Δ| vs 1 proc':>19}"
     )
     for strategy, model in trained.items():
         s = stats[strategy]
         s["diff_vs_single_process"] = max_abs_difference(model, reference)
-        run.print(
+        session.print(
             f"{strategy:<12}{s['median_step_ms']:>15.3f}{s['collectives_per_step']:>18.1f}{s['bytes_per_step']:>12,.0f}"
             f"{s['diff_vs_single_process']:>19.2e}"
         )
-        run.parity_check(
+        session.parity_check(
             f"{strategy}_matches_single_process",
             s["diff_vs_single_process"],
             cfg.parity_atol,
@@ -287,18 +282,18 @@ def compare_with_references(cfg: Config, run, dataset, trained: dict, stats: dic
         )
         if "ddp" in trained and strategy != "ddp":
             s["diff_vs_ddp"] = max_abs_difference(model, trained["ddp"])
-            run.parity_check(
+            session.parity_check(
                 f"{strategy}_matches_ddp", s["diff_vs_ddp"], cfg.parity_atol, f"max |{strategy} - ddp|"
             )
         if strategy == "ddp" and world_size > 1:
-            run.check(
+            session.check(
                 "ddp_no_sync_skips_all_reduce",
                 s["all_reduces_inside_no_sync"] == 0 and s["collectives_per_step"] > 0,
                 f"{s['all_reduces_inside_no_sync']} all_reduces on non-final micro-batches, "
                 f"{s['collectives_per_step']:.1f} per step in all",
             )
         if "expected_collectives_per_step" in s:  # only the last micro-batch of a step may communicate
-            run.check(
+            session.check(
                 f"{strategy}_syncs_once_per_step",
                 s["collectives_per_step"] == s["expected_collectives_per_step"],
                 f"{s['collectives_per_step']:.1f} all_reduces per step, expected {s['expected_collectives_per_step']} "

@@ -149,7 +149,7 @@ def plan_device_map(cfg: Config, model: torch.nn.Module) -> tuple[dict, dict | N
     return plan, None
 
 
-def to_real_device(planned, run) -> torch.device:
+def to_real_device(planned, session) -> torch.device:
     """A planned device this machine lacks falls back to the CPU, with a notice."""
     if planned in ("disk", "meta"):
         raise UsageError(
@@ -159,7 +159,7 @@ def to_real_device(planned, run) -> torch.device:
         accelerator = torch.accelerator.current_accelerator() if torch.accelerator.is_available() else None
         if accelerator is not None and planned < torch.accelerator.device_count():
             return torch.device(accelerator.type, planned)
-        run.print(
+        session.print(
             f"notice: device {planned} does not exist here ({torch.accelerator.device_count()} accelerators); using cpu"
         )
         return torch.device("cpu")
@@ -182,23 +182,23 @@ def place(
 
 
 def run(cfg: Config) -> int:
-    with start_run(cfg, EXPERIMENT) as run:
+    with start_run(cfg, EXPERIMENT) as session:
         reference = build_mlp(cfg.n_features, cfg.hidden_features, 1, seed=cfg.seed, n_layers=cfg.n_layers)
         plan, budget = plan_device_map(cfg, reference)
         module_bytes = compute_module_sizes(reference)
         # one notice each
-        real_device = {planned: to_real_device(planned, run) for planned in dict.fromkeys(plan.values())}
+        real_device = {planned: to_real_device(planned, session) for planned in dict.fromkeys(plan.values())}
         placement = {name: real_device[planned] for name, planned in plan.items()}
-        run.print(f"{'module':<10}{'planned':>10}{'placed on':>12}{'bytes':>12}")
+        session.print(f"{'module':<10}{'planned':>10}{'placed on':>12}{'bytes':>12}")
         for name in plan:
-            run.print(f"{name:<10}{plan[name]!s:>10}{placement[name]!s:>12}{module_bytes[name]:>12,}")
+            session.print(f"{name:<10}{plan[name]!s:>10}{placement[name]!s:>12}{module_bytes[name]:>12,}")
         if budget is not None:
             used = {
                 device: sum(module_bytes[n] for n, d in plan.items() if d == device)
                 for device in set(plan.values())
             }
             over = {d: (used[d], budget.get(d, 0)) for d in used if used[d] > budget.get(d, 0)}
-            run.check(
+            session.check(
                 "plan_respects_max_memory",
                 not over,
                 ", ".join(f"{d}: {used[d]:,} of {budget.get(d, 0):,} bytes" for d in used)
@@ -218,7 +218,7 @@ def run(cfg: Config) -> int:
                 .max()
                 .item()
             )
-        run.parity_check(
+        session.parity_check(
             "outputs_match_unsplit", output_diff, cfg.parity_atol, "max |split - unsplit| on 256 rows"
         )
 
@@ -237,15 +237,15 @@ def run(cfg: Config) -> int:
                 optimizer.step()
                 losses.append(loss.item())
             if step % cfg.log_every == 0 or step == cfg.max_steps:
-                run.log(step, {"loss": losses[0], "reference_loss": losses[1]})
+                session.log(step, {"loss": losses[0], "reference_loss": losses[1]})
         parameter_diff = max_abs_difference(split_model, reference)
-        run.parity_check(
+        session.parity_check(
             "trains_like_one_device",
             parameter_diff,
             cfg.parity_atol,
             f"after {cfg.max_steps} steps max |split - one device|",
         )
-        run.metrics.update(
+        session.metrics.update(
             plan={k: str(v) for k, v in plan.items()},
             placement={k: str(v) for k, v in placement.items()},
             module_bytes={n: module_bytes[n] for n in plan},
@@ -253,7 +253,7 @@ def run(cfg: Config) -> int:
             parameter_max_abs_diff=parameter_diff,
             final_loss=losses[0],
         )
-    return run.exit_code
+    return session.exit_code
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -13,9 +13,10 @@ gradients by m (scale_grads), so a step equals one full-batch step.
 
 Checks: the pipeline's loss at every step equals the single-process full model's on the same batch,
 and the gradients of step 1 and the parameters after --max_steps equal the full model's (each rank
-compares its own stage with the same layers of a full model it trains itself; float32,
---parity_atol). Then, for each m in --bubble_microbatches, it times each stage's forward and backward
-blocks and reports the measured bubble beside GPipe's theory; timeline.png draws stage x time.
+replays the same batches through the whole model in one process, common/reference.py, and compares the
+layers of its own stage; float32, --parity_atol). Then, for each m in --bubble_microbatches, it times each
+stage's forward and backward blocks and reports the measured bubble beside GPipe's theory; timeline.png
+draws stage x time.
 --skip_gradient_scaling reproduces a classic mistake (summing micro-batch gradients) the checks catch.
 
 Run it (>= 2 ranks, one stage each; p = world size):
@@ -46,15 +47,12 @@ from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGP
 from common.config import TrainArgs, UsageError, flag, parse_config, require, require_positive, run_cli
 from common.data import iterate_batches, make_regression_dataset, shard_tensors
 from common.models import build_mlp
+from common.profiling import plot_timeline
+from common.reference import max_abs_difference, train_single_process
 from common.run import start_run
 from common.runtime import launched_world_size
 
 EXPERIMENT = "pipeline_parallel"
-# Stage 0's input needs no gradient, so torch warns that its backward hook fires on outputs: expected here.
-warnings.filterwarnings(
-    "ignore",
-    message="Full backward hook is firing when gradients are computed with respect to module outputs",
-)
 SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}
 
 
@@ -191,21 +189,19 @@ def reduce_max(value: float, device) -> float:
 
 
 def run(cfg: Config) -> int:
-    with start_run(cfg, EXPERIMENT) as run:
+    # Stage 0's input needs no gradient, so torch warns that its backward hook fires on outputs: expected here.
+    with start_run(cfg, EXPERIMENT) as session, warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="Full backward hook is firing when gradients are computed")
         rank, n_stages, device = (
-            run.accelerator.process_index,
-            run.accelerator.num_processes,
-            run.accelerator.device,
+            session.accelerator.process_index,
+            session.accelerator.num_processes,
+            session.accelerator.device,
         )
-        full_model = build_mlp(
-            cfg.n_features, cfg.hidden_features, 1, seed=cfg.seed, n_layers=cfg.n_layers
-        ).to(device)
         pipeline_model = build_mlp(
             cfg.n_features, cfg.hidden_features, 1, seed=cfg.seed, n_layers=cfg.n_layers
         ).to(device)
-        # same init as full_model: same seed
         stage_module, my_layers = cut_stage(pipeline_model, rank, n_stages)
-        run.print(
+        session.print(
             f"{n_stages} stages of {cfg.n_layers} layers; "
             f"rank 0 holds {my_layers}; {cfg.schedule}, m = {cfg.n_microbatches}"
         )
@@ -221,57 +217,63 @@ def run(cfg: Config) -> int:
         x_all, y_all = (t.to(device) for t in shard_tensors(dataset, 0, 1))
         batches = iterate_batches(x_all, y_all, cfg.batch_size, cfg.seed)
         schedule = make_schedule(cfg.n_microbatches)
-        optimizers = [torch.optim.SGD(m.parameters(), lr=cfg.lr) for m in (stage_module, full_model)]
-        loss_diff, grad_diff = 0.0, 0.0
+        optimizer = torch.optim.SGD(stage_module.parameters(), lr=cfg.lr)
+        pipeline_losses, first_gradients = [], {}
         for step in range(1, cfg.max_steps + 1):
-            x, y = next(batches)
-            pipeline_loss = run_step(schedule, rank, n_stages, x, y)
-            full_loss = F.mse_loss(full_model(x), y)  # the reference: whole model, whole batch, one process
-            full_loss.backward()
+            pipeline_loss = run_step(schedule, rank, n_stages, *next(batches))
+            pipeline_losses.append(pipeline_loss)  # None except on the last stage
             if step == 1:
-                grad_diff = max(
-                    (getattr(pipeline_model, n).weight.grad - getattr(full_model, n).weight.grad)
-                    .abs()
-                    .max()
-                    .item()
-                    for n in my_layers
-                )
-            if pipeline_loss is not None:
-                loss_diff = max(loss_diff, abs(pipeline_loss - full_loss.item()))
-            for optimizer in optimizers:
-                optimizer.step()
-                optimizer.zero_grad()
+                first_gradients = {n: getattr(pipeline_model, n).weight.grad.clone() for n in my_layers}
+            optimizer.step()
+            optimizer.zero_grad()
             if step % cfg.log_every == 0 or step == cfg.max_steps:
-                run.log(step, {"full_model_loss": full_loss.item()})
-        param_diff = max(
-            (p - q).abs().max().item()
-            for n in my_layers
-            for p, q in zip(
-                getattr(pipeline_model, n).parameters(), getattr(full_model, n).parameters(), strict=True
-            )
+                session.log(step, {"pipeline_loss": pipeline_loss} if pipeline_loss is not None else {})
+
+        # The reference (common/reference.py): the whole model, the same batches, one process; each rank
+        # trains its own copy and compares the layers of its stage.
+        full_model = build_mlp(cfg.n_features, cfg.hidden_features, 1, seed=cfg.seed, n_layers=cfg.n_layers)
+        reference = train_single_process(
+            full_model,
+            torch.optim.SGD(full_model.parameters(), lr=cfg.lr),
+            iterate_batches(x_all, y_all, cfg.batch_size, cfg.seed),
+            cfg.max_steps,
+            device=device,
+        )
+        loss_diff = max(
+            (abs(a - b) for a, b in zip(pipeline_losses, reference["losses"], strict=True) if a is not None),
+            default=0.0,
+        )
+        grad_diff = max_abs_difference(
+            first_gradients, {n: reference["first_gradients"][f"{n}.weight"] for n in my_layers}
+        )
+        mine = {f"{n}.{p}": t for n in my_layers for p, t in getattr(pipeline_model, n).named_parameters()}
+        param_diff = max_abs_difference(
+            mine, {name: dict(full_model.named_parameters())[name] for name in mine}
         )
         loss_diff, grad_diff, param_diff = (reduce_max(v, device) for v in (loss_diff, grad_diff, param_diff))
-        run.parity_check(
+        session.parity_check(
             "loss_matches_full_model",
             loss_diff,
             cfg.parity_atol,
             "max |pipeline - full model| loss at every step",
         )
-        run.parity_check(
+        session.parity_check(
             "gradients_match_full_model",
             grad_diff,
             cfg.parity_atol,
             "max |pipeline - full model| weight gradients of step 1",
         )
-        run.parity_check(
+        session.parity_check(
             "parameters_match_full_model",
             param_diff,
             cfg.parity_atol,
             f"max |pipeline - full model| parameters after {cfg.max_steps} steps",
         )
 
-        bubbles, timeline = measure_bubbles(cfg, make_schedule, stage_module, batches, rank, n_stages, run)
-        run.metrics.update(
+        bubbles, timeline = measure_bubbles(
+            cfg, make_schedule, stage_module, batches, rank, n_stages, session
+        )
+        session.metrics.update(
             stages=n_stages,
             schedule=cfg.schedule,
             loss_max_abs_diff=loss_diff,
@@ -279,21 +281,21 @@ def run(cfg: Config) -> int:
             param_max_abs_diff=param_diff,
             bubbles=bubbles,
         )
-        if run.is_main and timeline:
-            run.metrics["timeline_png"] = draw_timeline(timeline, cfg, n_stages, run.output_dir)
-        run.log_table("bubble", bubbles, run.metrics.get("timeline_png"))
-    return run.exit_code
+        if session.is_main and timeline:
+            session.metrics["timeline_png"] = draw_timeline(timeline, cfg, n_stages, session.output_dir)
+        session.log_table("bubble", bubbles, session.metrics.get("timeline_png"))
+    return session.exit_code
 
 
-def measure_bubbles(cfg: Config, make_schedule, stage_module, batches, rank: int, n_stages: int, run):
+def measure_bubbles(cfg: Config, make_schedule, stage_module, batches, rank: int, n_stages: int, session):
     """For each m: warm up once, then time bubble_steps steps; bubble = 1 - mean stage busy time / makespan."""
     timer = BlockTimer(stage_module)
     rows, timeline = [], None
-    if run.is_main and cfg.bubble_values():
-        run.print(f"{'m':>4}{'measured bubble':>17}{'GPipe theory':>14}{'step ms':>10}")
+    if session.is_main and cfg.bubble_values():
+        session.print(f"{'m':>4}{'measured bubble':>17}{'GPipe theory':>14}{'step ms':>10}")
     for m in cfg.bubble_values():
         if cfg.schedule == "1f1b" and m < n_stages:
-            run.print(f"{m:>4}  skipped: 1f1b needs m >= {n_stages} stages")
+            session.print(f"{m:>4}  skipped: 1f1b needs m >= {n_stages} stages")
             continue
         schedule = make_schedule(m)
         run_step(schedule, rank, n_stages, *next(batches))  # warm-up: shape inference, buffers
@@ -326,37 +328,27 @@ def measure_bubbles(cfg: Config, make_schedule, stage_module, batches, rank: int
             "shortest_block_us": 1e6 * min(b[2] - b[1] for blocks in every_stage for b in blocks),
         }
         rows.append(row)
-        run.print(f"{m:>4}{row['measured_bubble']:>17.3f}{theory:>14.3f}{row['step_ms']:>10.1f}")
+        session.print(f"{m:>4}{row['measured_bubble']:>17.3f}{theory:>14.3f}{row['step_ms']:>10.1f}")
     return rows, timeline
 
 
 def draw_timeline(timeline, cfg: Config, n_stages: int, output_dir: str) -> str:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    figure, axes = plt.subplots(figsize=(10, 1 + 0.8 * n_stages))
-    colors = {"F": "tab:blue", "B": "tab:orange"}
-    for stage, blocks in enumerate(timeline):
-        for kind, start, end in blocks:
-            axes.broken_barh(
-                [(start * 1e3, (end - start) * 1e3)],
-                (stage - 0.4, 0.8),
-                color=colors[kind],
-                edgecolor="black",
-                linewidth=0.3,
-            )
-    axes.set(
-        yticks=range(n_stages),
-        yticklabels=[f"stage {s}" for s in range(n_stages)],
-        xlabel="time in step (ms)",
-        title=f"{cfg.schedule}: one step, m = {cfg.n_microbatches} micro-batches (blue forward, orange backward)",
-    )
-    axes.invert_yaxis()
+    """stage x time: each stage's forward and backward blocks of one step (common/profiling.plot_timeline)."""
+    lanes = [
+        (
+            f"stage {stage}",
+            {
+                kind: [(1e3 * s, 1e3 * e) for k, s, e in blocks if k == kind[0].upper()]
+                for kind in ("forward", "backward")
+            },
+        )
+        for stage, blocks in enumerate(timeline)
+    ]
     path = os.path.join(output_dir, "timeline.png")
-    figure.savefig(path, dpi=100, bbox_inches="tight")
-    plt.close(figure)
+    title = f"{cfg.schedule}: one step, m = {cfg.n_microbatches} micro-batches"
+    plot_timeline(
+        lanes, {"forward": "tab:blue", "backward": "tab:orange"}, title, path, xlabel="time in step (ms)"
+    )
     return path
 
 

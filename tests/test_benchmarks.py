@@ -1,5 +1,5 @@
 """The benchmarks in --quick mode: every figure is produced and well-formed (no speed is asserted:
-targets are met in the full run, whose table is in the README)."""
+targets are met in the full run, whose table is in docs/performance.md)."""
 
 from __future__ import annotations
 
@@ -23,7 +23,10 @@ def test_run_all_quick_writes_every_figure_and_shows_a_slowed_loop_where_it_was_
     code: 10 ms of busy work added to the `accelerate` loop's step must appear as accumulate()'s share
     (accelerate minus accelerate_no_accumulate) and drop the ratio, while the parts measured between
     other loops stay far below it. Swapped or mislabelled loops fail this."""
-    tracked = {path: path.read_bytes() for path in (REPO / "README.md", REPO / "benchmarks" / "results.json")}
+    tracked = {
+        path: path.read_bytes()
+        for path in (REPO / "docs" / "performance.md", REPO / "benchmarks" / "results.json")
+    }
     command = [
         sys.executable,
         "-m",

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from common.collective_bench import bus_factor
+from common.comm_counter import bus_factor
 from helpers import clean_env, launch, wandb_history
 
 QUIET = ["--report_to", "none"]

@@ -7,8 +7,9 @@ import math
 
 import torch
 
+from common.data import shard_rows
 from common.gpt import GPTConfig, build_gpt, count_parameters
-from common.text import load_corpus, make_blocks, shard_rows
+from common.text import load_corpus, make_blocks
 
 SMALL = GPTConfig(vocab_size=64, block_size=16, n_layer=2, n_head=2, d_model=16)
 

@@ -4,6 +4,7 @@ failing tracker."""
 from __future__ import annotations
 
 import json
+import os
 from dataclasses import dataclass
 
 import pytest
@@ -45,7 +46,9 @@ def test_wandb_without_credentials_goes_offline(tmp_path, monkeypatch):
     assert not wandb_has_credentials()
     plan = resolve_trackers("wandb,tensorboard", str(tmp_path))
     assert plan.log_with == ["wandb", "tensorboard"]
-    assert plan.notes["wandb"]["mode"] == "offline" and plan.init_kwargs["wandb"] == {"dir": str(tmp_path)}
+    assert plan.notes["wandb"]["mode"] == "offline"
+    assert plan.init_kwargs["wandb"] == {"dir": str(tmp_path), "mode": "offline"}
+    assert "WANDB_MODE" not in os.environ  # this run's settings, not the process's environment
 
 
 def test_a_resumed_run_continues_its_wandb_run(tmp_path, monkeypatch):
@@ -54,6 +57,7 @@ def test_a_resumed_run_continues_its_wandb_run(tmp_path, monkeypatch):
     (tmp_path / "wandb_run_id").write_text("abc123")
     assert resolve_trackers("wandb", str(tmp_path), continuing=True).init_kwargs["wandb"] == {
         "dir": str(tmp_path),
+        "mode": "offline",
         "id": "abc123",
         "resume": "allow",
     }

@@ -240,6 +240,22 @@ def refuse_value(path: str, config_cls, name: str, value) -> None:
         ) from None
 
 
+def seeded(seed: int, propose):
+    """propose() with Python's and numpy's global generators seeded (the sweep engine draws from them),
+    and both restored after: the same sweep proposes the same values, and the process's generators are
+    left as they were."""
+    import numpy
+
+    saved = random.getstate(), numpy.random.get_state()
+    random.seed(seed)
+    numpy.random.seed(seed)
+    try:
+        return propose()
+    finally:
+        random.setstate(saved[0])
+        numpy.random.set_state(saved[1])
+
+
 def expand_command(sweep: Sweep, values: dict, args_json_path: str) -> list[str]:
     """The agent's expansion of `command:` (wandb/wandb_agent.py `_command_run`), with wandb's helpers."""
     from wandb.sdk.launch.sweeps.utils import create_sweep_command, create_sweep_command_args
@@ -289,11 +305,7 @@ def run_sweep(sweep: Sweep, count: int, output_dir: str, trial_timeout_s: float,
     for trial in range(1, count + 1):
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            import numpy
-
-            random.seed(seed * 1000 + trial)  # the engine draws from numpy's and Python's global generators
-            numpy.random.seed(seed * 1000 + trial)
-            proposal = sweeps.next_run(sweep.config, runs)
+            proposal = seeded(seed * 1000 + trial, lambda: sweeps.next_run(sweep.config, runs))
         if proposal is None:
             print(f"sweep: the {sweep.config['method']} search is exhausted after {trial - 1} trials")
             break
@@ -383,13 +395,11 @@ def format_cell(value) -> str:
 
 
 def plot_leaderboard(sweep: Sweep, rows: list[dict], swept: list[str], output_dir: str) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    from matplotlib.figure import Figure  # no pyplot: no global backend or figure registry to leave behind
 
     shown = swept or list(sweep.config["parameters"])[:1]
-    figure, axes = plt.subplots(1, max(len(shown), 1), figsize=(4.5 * max(len(shown), 1), 3.5), squeeze=False)
+    figure = Figure(figsize=(4.5 * max(len(shown), 1), 3.5))
+    axes = figure.subplots(1, max(len(shown), 1), squeeze=False)
     for axis, param in zip(axes[0], shown, strict=False):
         points = [
             (r[param], r[sweep.metric])
@@ -405,7 +415,6 @@ def plot_leaderboard(sweep: Sweep, rows: list[dict], swept: list[str], output_di
     figure.suptitle(f"{os.path.basename(sweep.path)}: {sweep.metric} ({sweep.goal}) per trial")
     figure.tight_layout()
     figure.savefig(os.path.join(output_dir, "leaderboard.png"), dpi=100)
-    plt.close(figure)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -1,0 +1,57 @@
+"""The optimizer step's pieces that train_gpt, its one-process reference and benchmarks/bare_gpt.py share:
+the learning-rate schedule and clipping by the GLOBAL gradient norm, for any layout of the gradients.
+(The AdamW groups live on the model: GPT.configure_optimizers, as in nanoGPT.)"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.distributed as dist
+from torch.distributed.tensor import DTensor
+
+
+def cosine_lr(step: int, lr: float, warmup_steps: int, decay_steps: int, min_lr_ratio: float) -> float:
+    """Linear warm-up to `lr` over warmup_steps, then cosine down to lr x min_lr_ratio at decay_steps, then
+    flat (nanoGPT's get_lr; step counts from 1)."""
+    if step <= warmup_steps:
+        return lr * step / warmup_steps
+    progress = min(1.0, (step - warmup_steps) / max(1, decay_steps - warmup_steps))
+    return lr * (min_lr_ratio + (1 - min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress)))
+
+
+def set_lr(optimizer, lr: float) -> None:
+    for group in optimizer.param_groups:
+        group["lr"] = lr
+
+
+def clip_by_global_norm(model: torch.nn.Module, max_norm: float, local_only: bool = False) -> float:
+    """Clip to the norm of the WHOLE gradient; return that norm. A DTensor gradient's squared sum is
+    summed over the mesh dimensions it is split on (Shard) and counted once over those it is copied on
+    (Replicate): under fsdp_tp a LayerNorm's gradient is split across "dp" but the same on every "tp"
+    rank. Gradients are grouped by (mesh, which dimensions are split) so that each group costs one
+    all-reduce per split dimension, not one per tensor. Plain tensors (DDP, one process) are the same
+    on every rank and count once. `local_only` is the classic mistake: each rank clips by the norm of
+    its own shard."""
+    grads = [p.grad for p in model.parameters() if p.grad is not None]
+    device = (grads[0].to_local() if isinstance(grads[0], DTensor) else grads[0]).device
+    squared_sums: dict = {}  # (mesh, split dims) -> this rank's sum of squares
+    for grad in grads:
+        # not is_replicate(), not is_shard(): FSDP2 over TP splits with _StridedShard, for which is_shard() is False
+        split = tuple(not p.is_replicate() for p in grad.placements) if isinstance(grad, DTensor) else ()
+        key = (grad.device_mesh, split) if isinstance(grad, DTensor) else None
+        local = grad.to_local() if isinstance(grad, DTensor) else grad
+        squared_sums[key] = squared_sums.get(key, torch.zeros((), device=device)) + local.float().pow(2).sum()
+    total = torch.zeros((), device=device)
+    for key, squared_sum in squared_sums.items():
+        if key is not None and not local_only:
+            mesh, split = key
+            for dim in (dim for dim, is_split in enumerate(split) if is_split):
+                dist.all_reduce(squared_sum, group=mesh.get_group(dim))
+        total += squared_sum
+    norm = total.sqrt()
+    if max_norm > 0:
+        scale = torch.clamp(max_norm / (norm + 1e-6), max=1.0)  # torch.nn.utils.clip_grad_norm_'s formula
+        for grad in grads:
+            (grad.to_local() if isinstance(grad, DTensor) else grad).mul_(scale)
+    return norm.item()

@@ -1,0 +1,169 @@
+"""tp: tensor parallelism, Megatron-style, with DTensor's `parallelize_module` (as PyTorch's TP tutorial
+plans it, without its sequence parallelism). Each rank holds 1/N of every block's heads and MLP units
+and of the vocabulary, and every rank reads the SAME data:
+  q/k/v and fc_in column-parallel  weight split by output rows: each rank computes its own heads /
+                                   hidden units from the full (replicated) input, no communication;
+  o_proj and fc_out row-parallel   weight split by input columns: each rank's product is a partial sum
+                                   of the output, all-reduced (Megatron's "g") to the full one;
+  attention / MLP input            marked Replicate once per sub-layer (PrepareModuleInput), so that in
+                                   backward the partial input gradients of q, k and v add up first and
+                                   are all-reduced ONCE (Megatron's "f"), not three times;
+  tok_emb row-parallel, head column-parallel  the vocabulary split across ranks: each rank looks up its
+                                   own rows (the output all-reduced) and computes its own logits
+                                   (all-gathered). Both weights are split on dim 0, so the tied weight
+                                   stays one tensor (re-tied after parallelizing).
+LayerNorms and the position embedding are replicated: every rank computes them on the same data, and
+their gradients come out equal everywhere. The sharded weights come from rank 0 of the mesh
+(distribute_tensor's src_data_rank); the replicated ones are whatever each rank built, so every rank
+must build the same model (seed_per_rank shows what happens otherwise).
+
+Why PyTorch's API: Accelerate's TP path needs a transformers model (FIELD_NOTES). Refused: heads that do
+not divide the TP degree (each rank must hold whole heads), bf16 (not built for TP here).
+
+Theory per step, batch B x context T x width d, k micro-batches: all-reduce the activations (B T d x 4
+bytes) 4 x n_layer + 2 times per micro-batch (the embedding's output, 2 per block in forward and 2 in
+backward, the head's input gradient), and all-gather the logits (B T x vocabulary padded to a multiple
+of N, x 4 bytes) once per micro-batch.
+"""
+
+from __future__ import annotations
+
+import math
+
+from torch.distributed.tensor import Partial, Replicate
+from torch.distributed.tensor.parallel import (
+    ColwiseParallel,
+    PrepareModuleInput,
+    RowwiseParallel,
+    parallelize_module,
+)
+
+from common.config import require
+from strategies.layout import (
+    Layout,
+    communication,
+    held,
+    piece_shape,
+    require_ranks,
+    unique_parameters,
+)
+
+NAME = "tp"
+SUMMARY = "tensor parallelism (Megatron-style, DTensor): 1/N of every matrix and of the vocabulary per rank"
+RANKS = 2
+AUTOCAST = False
+WRONG_VARIANTS = (
+    "local_grad_norm",
+    "seed_per_rank",
+    "row_parallel_without_all_reduce",
+    "resume_without_optimizer_state",
+    "resume_without_data_position",
+)
+OWN_WRONG_VARIANTS = {
+    "row_parallel_without_all_reduce": "the row-parallel layers' partial sums used as if they were the output",
+}
+
+# Which dimension the plan splits, by parameter name (None: replicated), for the theory of bytes held.
+SPLIT_DIM = {
+    "attn.q_proj.weight": 0,
+    "attn.q_proj.bias": 0,
+    "attn.k_proj.weight": 0,
+    "attn.v_proj.weight": 0,
+    "attn.v_proj.bias": 0,
+    "attn.o_proj.weight": 1,
+    "mlp.fc_in.weight": 0,
+    "mlp.fc_in.bias": 0,
+    "mlp.fc_out.weight": 1,
+    "tok_emb.weight": 0,
+    "head.weight": 0,
+}
+
+
+def split_dim(name: str) -> int | None:
+    return next((dim for suffix, dim in SPLIT_DIM.items() if name.endswith(suffix)), None)
+
+
+def layout(world_size: int, dp_size: int = 0, tp_size: int = 0) -> Layout:
+    require_ranks(NAME, world_size)
+    require(
+        dp_size in (0, 1),
+        f"--strategy tp puts all {world_size} ranks in one tensor-parallel group, got --dp_size {dp_size}; "
+        "for data parallelism across groups use --strategy fsdp_tp",
+    )
+    return Layout(world_size, 1, tp_size or world_size)
+
+
+def refuse(cfg, layout: Layout) -> None:
+    require(
+        cfg.n_head % layout.tp == 0,
+        f"--n_head {cfg.n_head} is not divisible by the tensor-parallel degree {layout.tp}: each rank must hold whole heads",
+    )
+    require(
+        cfg.mixed_precision == "no",
+        f"--mixed_precision {cfg.mixed_precision} with --strategy {cfg.strategy}: not built; use no",
+    )
+
+
+def apply(model, layout: Layout, accelerator, cfg):
+    mesh = layout.mesh(accelerator.device.type)
+    return parallelize(
+        model.to(accelerator.device), mesh["tp"], cfg.wrong_variant != "row_parallel_without_all_reduce"
+    )
+
+
+def parallelize(model, tp_mesh, row_all_reduce: bool = True):
+    """The plan above on `tp_mesh`. row_all_reduce=False leaves the row-parallel outputs as partial sums:
+    the classic missing all-reduce (`row_parallel_without_all_reduce`)."""
+    row_output = Replicate() if row_all_reduce else Partial()
+    replicated_input = PrepareModuleInput(
+        input_layouts=(Replicate(),), desired_input_layouts=(Replicate(),), use_local_output=False
+    )
+    for block in model.blocks:
+        parallelize_module(
+            block,
+            tp_mesh,
+            {
+                "attn": replicated_input,
+                "attn.q_proj": ColwiseParallel(),
+                "attn.k_proj": ColwiseParallel(),
+                "attn.v_proj": ColwiseParallel(),
+                "attn.o_proj": RowwiseParallel(output_layouts=row_output),
+                "mlp": replicated_input,
+                "mlp.fc_in": ColwiseParallel(),
+                "mlp.fc_out": RowwiseParallel(output_layouts=row_output),
+            },
+        )
+    parallelize_module(
+        model,
+        tp_mesh,
+        {
+            "tok_emb": RowwiseParallel(input_layouts=Replicate(), output_layouts=Replicate()),
+            "head": ColwiseParallel(output_layouts=Replicate()),
+        },
+    )
+    if model.cfg.tie_weights:
+        model.head.weight = model.tok_emb.weight
+    return model
+
+
+def held_bytes(model, layout: Layout, rank: int, cfg) -> dict:
+    parameters = unique_parameters(model)
+    params = sum(
+        math.prod(piece_shape(p.shape, layout, rank, split_dim(name), dp_sharded=False)) * p.element_size()
+        for name, p in parameters
+    )
+    return held(params, len(parameters))
+
+
+def activation_traffic(model, layout: Layout, cfg) -> dict:
+    """The tensor-parallel group's bytes per step (see the module docstring)."""
+    k, tokens = cfg.gradient_accumulation_steps, cfg.per_rank_batch_size * cfg.block_size
+    padded_vocab = math.ceil(model.cfg.vocab_size / layout.tp) * layout.tp
+    return {
+        "all_reduce": k * (4 * cfg.n_layer + 2) * tokens * cfg.d_model * 4,
+        "all_gather": k * tokens * padded_vocab * 4,
+    }
+
+
+def sent_bytes(model, layout: Layout, cfg) -> dict:
+    return communication({}, activation_traffic(model, layout, cfg), layout)

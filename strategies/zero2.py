@@ -1,0 +1,38 @@
+"""zero2: ZeRO-2 with FSDP2, `fully_shard(reshard_after_forward=False)`. As fsdp, gradients are
+reduce-scattered and the optimizer state and parameters are sharded at rest, but each block's gathered
+parameters are kept from its forward to its backward (ZeRO-2's memory: full parameters while computing,
+sharded gradients and optimizer state), so each is all-gathered once per micro-batch, not twice.
+The code is fsdp's (strategies/fsdp.py) with zero3=False.
+"""
+
+from __future__ import annotations
+
+from strategies import fsdp
+from strategies.layout import Layout, communication, data_parallel_only
+
+NAME = "zero2"
+SUMMARY = (
+    "ZeRO-2 (FSDP2, no reshard after forward): gradients and optimizer state 1/N; parameters gathered once"
+)
+RANKS = 2
+AUTOCAST = False
+WRONG_VARIANTS = fsdp.WRONG_VARIANTS
+refuse = fsdp.refuse
+
+
+def layout(world_size: int, dp_size: int = 0, tp_size: int = 0) -> Layout:
+    return data_parallel_only(NAME, world_size, dp_size, tp_size)
+
+
+def apply(model, layout: Layout, accelerator, cfg):
+    return fsdp.shard(
+        model.to(accelerator.device), layout.mesh(accelerator.device.type)["dp"], zero3=False, cfg=cfg
+    )
+
+
+def held_bytes(model, layout: Layout, rank: int, cfg) -> dict:
+    return fsdp.sharded_held_bytes(model, layout, rank, cfg, zero3=False)
+
+
+def sent_bytes(model, layout: Layout, cfg) -> dict:
+    return communication(fsdp.sharded_sent_bytes(model, layout, cfg, zero3=False), {}, layout)
