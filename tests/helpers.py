@@ -159,10 +159,10 @@ def _main_in_process(main, argv: list[str], capsys) -> tuple[int, str, str]:
 
     from common.config import UsageError
 
-    AcceleratorState._reset_state(
-        True
-    )  # each call starts from a fresh Accelerate state, as a new process would
-    capsys.readouterr()
+    # each call starts from a fresh Accelerate state, as a new process would
+    AcceleratorState._reset_state(True)
+    if capsys is not None:  # None: a module fixture's run, whose output nobody reads
+        capsys.readouterr()
     try:
         code = main(argv)
     except SystemExit as stop:  # the parser's exit 2, or a run that ended early (RunEnded)
@@ -174,6 +174,8 @@ def _main_in_process(main, argv: list[str], capsys) -> tuple[int, str, str]:
         if dist.is_initialized():  # a run that failed mid-way: what run_cli does at the end of a real process
             dist.destroy_process_group()
         AcceleratorState._reset_state(True)
+    if capsys is None:
+        return code, "", ""
     captured = capsys.readouterr()
     return code, captured.out, captured.err
 

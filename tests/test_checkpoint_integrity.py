@@ -40,8 +40,7 @@ def interrupted(tmp_path_factory, text) -> dict:
     """A one-process run of 12 steps with checkpoints at 3, 6 and 9, whose summary.json is then removed:
     as if it had been killed at step 10. Tests copy it. Also its clean end state, for comparison."""
     out = tmp_path_factory.mktemp("interrupted") / "run"
-    capsys = _NoCapture()
-    finished = run_in_process(train_gpt, [*CHECKPOINTED, "--text_files", str(text)], out, capsys)
+    finished = run_in_process(train_gpt, [*CHECKPOINTED, "--text_files", str(text)], out, capsys=None)
     assert finished.returncode == 0, finished.stderr[-2000:]
     clean = finished.summary["metrics"]
     (out / "summary.json").unlink()
@@ -50,13 +49,6 @@ def interrupted(tmp_path_factory, text) -> dict:
         "final_state_digest": clean["final_state_digest"],
         "val_loss_before": clean["val_loss_before"],
     }
-
-
-class _NoCapture:
-    """run_in_process wants capsys; a module fixture has none."""
-
-    def readouterr(self):
-        return type("Captured", (), {"out": "", "err": ""})()
 
 
 def copy_run(interrupted: dict, tmp_path: Path) -> Path:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 import time
@@ -158,6 +159,19 @@ def test_a_second_run_into_a_busy_folder_is_refused_naming_the_holder(tmp_path, 
     assert ddp_linear([], tmp_path / "run", capsys).returncode == 0  # free again once the holder is gone
 
 
+@pytest.fixture(scope="module")
+def killed_after_step_20(tmp_path_factory) -> Path:
+    """A 30-step ddp_linear run with a checkpoint at step 20, its summary removed: as if killed after it."""
+    from experiments.ddp_linear import main
+
+    out = tmp_path_factory.mktemp("killed") / "run"
+    finished = run_main_in_process(main, [*QUICK, "--checkpoint_every", "20", "--max_steps", "30", "--output_dir", str(out)],
+                                   capsys=None)  # fmt: skip
+    assert finished[0] == 0
+    (out / "summary.json").unlink()
+    return out
+
+
 @pytest.mark.parametrize(
     ("argv", "message"),
     [
@@ -174,10 +188,9 @@ def test_a_second_run_into_a_busy_folder_is_refused_naming_the_holder(tmp_path, 
         (["--max_steps", "60", "--expected_world_size", "2"], "world_size: 1 in the checkpoint, 2 now"),
     ],
 )
-def test_a_resume_whose_settings_differ_is_refused(tmp_path, argv, message, capsys):
+def test_a_resume_whose_settings_differ_is_refused(killed_after_step_20, tmp_path, argv, message, capsys):
     out = tmp_path / "run"
-    assert ddp_linear(["--checkpoint_every", "20", "--max_steps", "30"], out, capsys).returncode == 0
-    (out / "summary.json").unlink()  # as if killed after the step-20 checkpoint
+    shutil.copytree(killed_after_step_20, out)
     refused = ddp_linear(
         ["--checkpoint_every", "20", "--resume_from_checkpoint", "latest", *argv], out, capsys
     )
