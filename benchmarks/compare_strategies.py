@@ -81,8 +81,11 @@ def launch_command(strategy: str, run_dir: Path, args: argparse.Namespace) -> li
     flags += QUICK if args.quick else []
     flags += ["--max_steps", str(args.max_steps)] if args.max_steps else []
     flags += ["--profile_steps", str(args.profile_steps)] if args.profile_steps else []
-    if RANKS[strategy] > 1:
-        return accelerate_launch("experiments/train_gpt.py", flags, num_processes=RANKS[strategy])
+    if RANKS[strategy] > 1:  # a DeepSpeed stage is chosen by its accelerate config
+        config = getattr(STRATEGIES[strategy], "LAUNCH_CONFIG", "")
+        return accelerate_launch(
+            "experiments/train_gpt.py", flags, num_processes=RANKS[strategy], config=config
+        )
     return [sys.executable, str(REPO / "experiments" / "train_gpt.py"), *flags]
 
 

@@ -32,9 +32,10 @@ def dated_folder(output_dir: str, program: str):
     return folder
 
 
-def accelerate_launch(script: str, flags: list[str], num_processes: int = 2) -> list[str]:
-    """`accelerate launch` of a repo script with the CPU config (its --num_processes overridden)."""
-    config = os.path.join(REPO, "accelerate_configs", "cpu_ddp.yaml")
+def accelerate_launch(script: str, flags: list[str], num_processes: int = 2, config: str = "") -> list[str]:
+    """`accelerate launch` of a repo script with an accelerate config (default the 2-rank CPU one; its
+    --num_processes overridden)."""
+    config = os.path.join(REPO, config or os.path.join("accelerate_configs", "cpu_ddp.yaml"))
     return [sys.executable, "-m", "accelerate.commands.launch", "--config_file", config,
             "--num_processes", str(num_processes), "--main_process_port", str(free_port()),
             os.path.join(REPO, script), *flags]  # fmt: skip

@@ -305,6 +305,8 @@ def refuse_incompatible(cfg, path: str, meta: dict, world_size: int, data_identi
         raise UsageError(
             f"cannot resume {path}: {difference}{hint}; resume with the checkpoint's settings or start a new --output_dir"
         )
+    if hasattr(cfg, "refuse_resume"):
+        cfg.refuse_resume(meta, world_size)
     saved_data = meta.get("data", {})
     changed = [
         key

@@ -9,6 +9,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 from datetime import timedelta
 
@@ -34,21 +35,28 @@ def make_accelerator(
       rank 0 (measured). With cpu=True the same launch becomes MULTI_CPU over gloo. On a GPU machine
       this is False and Accelerate picks NCCL as usual.
     - a process-group timeout, so a dead or stuck rank ends the job instead of hanging it.
+    Under a DeepSpeed accelerate config (which Accelerate CAN run on CPU), see deepspeed_on_cpu.
     """
     refuse_plugins_dropped_on_cpu(accelerator_kwargs)
     if accelerator_kwargs.get("mixed_precision") == "":
         accelerator_kwargs["mixed_precision"] = None  # "": whatever `accelerate launch` / its config says
+    on_cpu = not torch.accelerator.is_available()
+    deepspeed_cpu = on_cpu and deepspeed_stage() is not None
     try:
-        accelerator = Accelerator(
-            cpu=not torch.accelerator.is_available(),
-            log_with=log_with or None,  # [] would warn that no tracker is installed
-            project_dir=output_dir,
-            kwargs_handlers=[
-                InitProcessGroupKwargs(backend=backend, timeout=timedelta(seconds=cfg.dist_timeout_s)),
-                *extra_handlers,
-            ],
-            **accelerator_kwargs,
-        )
+        with deepspeed_on_cpu() if deepspeed_cpu else contextlib.nullcontext():
+            accelerator = Accelerator(
+                cpu=on_cpu and not deepspeed_cpu,  # cpu=True would turn DeepSpeed off
+                log_with=log_with or None,  # [] would warn that no tracker is installed
+                project_dir=output_dir,
+                kwargs_handlers=[
+                    InitProcessGroupKwargs(
+                        backend=backend or ("gloo" if deepspeed_cpu else None),
+                        timeout=timedelta(seconds=cfg.dist_timeout_s),
+                    ),
+                    *extra_handlers,
+                ],
+                **accelerator_kwargs,
+            )
     except ValueError as error:  # e.g. "Your assigned backend mpi is not available, please use gloo"
         raise UsageError(f"cannot start the run: {error}") from None
     if accelerator.mixed_precision == "fp16" and accelerator.device.type == "cpu":
@@ -58,26 +66,52 @@ def make_accelerator(
 
 
 def refuse_plugins_dropped_on_cpu(accelerator_kwargs: dict) -> None:
-    """Accelerate 1.16 on CPU drops FSDP and DeepSpeed silently: `Accelerator(cpu=True, fsdp_plugin=...)`
-    under a 2-rank launch is MULTI_CPU with a plain DDP model (measured; tests/test_runtime.py records
-    it), and an FSDP launch config gives N independent DistributedType.NO processes. Refuse instead."""
+    """Accelerate 1.16 on CPU drops FSDP silently: `Accelerator(cpu=True, fsdp_plugin=...)` under a 2-rank
+    launch is MULTI_CPU with a plain DDP model (measured; tests/test_runtime.py records it), and an FSDP
+    launch config gives N independent DistributedType.NO processes. Refuse instead. (DeepSpeed does run
+    on CPU: deepspeed_on_cpu.)"""
     if torch.accelerator.is_available():
         return
-    asked = [
-        name
-        for name in ("fsdp_plugin", "deepspeed_plugin", "parallelism_config")
-        if accelerator_kwargs.get(name)
-    ]
-    asked += [
-        name
-        for name in ("ACCELERATE_USE_FSDP", "ACCELERATE_USE_DEEPSPEED")
-        if os.environ.get(name, "false").lower() in ("1", "true", "yes")
-    ]
+    asked = [name for name in ("fsdp_plugin", "parallelism_config") if accelerator_kwargs.get(name)]
+    if os.environ.get("ACCELERATE_USE_FSDP", "false").lower() in ("1", "true", "yes"):
+        asked.append("ACCELERATE_USE_FSDP")
     if asked:
         raise UsageError(
-            f"{', '.join(asked)}: Accelerate cannot shard on CPU and would silently run DDP instead; "
-            "for sharded data parallelism on CPU use experiments/train_gpt.py --strategy fsdp (PyTorch's fully_shard)"
+            f"{', '.join(asked)}: Accelerate cannot run FSDP on CPU and would silently run DDP instead; on CPU "
+            "use experiments/train_gpt.py --strategy fsdp (PyTorch's fully_shard), or a DeepSpeed config "
+            "(accelerate_configs/deepspeed_zero3.yaml)"
         )
+
+
+def deepspeed_stage() -> int | None:
+    """The ZeRO stage when `accelerate launch` runs a DeepSpeed config (it sets ACCELERATE_USE_DEEPSPEED and
+    ACCELERATE_DEEPSPEED_ZERO_STAGE in every rank's environment), else None."""
+    if os.environ.get("ACCELERATE_USE_DEEPSPEED", "false").lower() not in ("1", "true", "yes"):
+        return None
+    return int(os.environ.get("ACCELERATE_DEEPSPEED_ZERO_STAGE", "2"))
+
+
+@contextlib.contextmanager
+def deepspeed_on_cpu():
+    """The two settings Accelerate 1.16 + DeepSpeed 0.19 need to run a DeepSpeed config on CPU, in one place
+    (each recorded upstream by tests/test_deepspeed.py, so we learn when it changes):
+    - the process-group backend named (gloo, passed by make_accelerator): on CPU Accelerate leaves it None,
+      and its state falls back to "no distributed" (num_processes 1 on every rank) while DeepSpeed's own
+      group has all of them; prepare() then dies on DeepSpeed's batch-size assertion (FIELD_NOTES);
+    - DeepSpeed's shared-memory all-reduce op is not built: DeepSpeed JIT-compiles it with g++ when its
+      communication backend starts (40 s here, and a failure on a machine without a compiler), and it
+      serves inference all-reduces only; training's collectives go through torch.distributed (gloo).
+      DeepSpeed keeps the ops it may build in deepspeed.ops.__compatible_ops__; the op is marked not
+      compatible while the Accelerator starts its backend, and the mark is undone after."""
+    import deepspeed.ops
+
+    compatible = deepspeed.ops.__compatible_ops__
+    before = compatible.get("deepspeed_shm_comm", False)
+    compatible["deepspeed_shm_comm"] = False
+    try:
+        yield
+    finally:
+        compatible["deepspeed_shm_comm"] = before
 
 
 def launched_world_size(cfg: RunArgs) -> int:

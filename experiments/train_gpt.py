@@ -5,7 +5,8 @@ The model is common/gpt.py (nanoGPT-style, 4 blocks of width 128, ~1M parameters
 own reference prose (pydoc topics) or --text_files, tokenized by a BPE trained here (common/text.py).
 AdamW, warm-up + cosine learning rate, clipping by the GLOBAL gradient norm, optional bf16.
 --strategy picks one module of strategies/ (how it is applied, what each rank holds and sends by theory,
-its mistakes): none, ddp, zero2, fsdp, tp, fsdp_tp. This file is the same for all of them.
+its mistakes): none, ddp, zero2, fsdp, tp, fsdp_tp, or DeepSpeed's ZeRO-1/2/3, which the accelerate config
+chooses (deepspeed_zero1/2/3; --strategy auto). This file is the same for all of them.
 
 Checks (each has a --wrong_variant that fails it; strategies/checks.py):
 - matches_single_process  the loss at every one of the first --parity_steps steps and every parameter
@@ -25,6 +26,7 @@ of any strategy on N ranks continues under any strategy on M. At the end: a shor
 Run it (2 CPU ranks; the same commands on GPUs with accelerate_configs/multi_gpu_ddp.yaml):
     python experiments/train_gpt.py                                     # --strategy none, 1 process
     accelerate launch --config_file accelerate_configs/cpu_ddp.yaml experiments/train_gpt.py --strategy fsdp
+    accelerate launch --config_file accelerate_configs/deepspeed_zero3.yaml experiments/train_gpt.py   # DeepSpeed
     torchrun --nproc_per_node 3 experiments/train_gpt.py --strategy fsdp --d_model 96   # 3 uneven shards
     accelerate launch --config_file accelerate_configs/cpu_ddp.yaml --num_processes 4 experiments/train_gpt.py \\
         --strategy fsdp_tp --dp_size 2 --tp_size 2      # 4 ranks on 2 cores: slow, but every check runs
@@ -34,7 +36,6 @@ Every strategy side by side: python -m benchmarks.compare_strategies. Where a st
 
 from __future__ import annotations
 
-import contextlib
 import copy
 import os
 import sys
@@ -44,7 +45,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import torch
 
-from common.checkpoint import ResumableArgs, ShardedCheckpointer
+from common.checkpoint import ResumableArgs
 from common.config import flag, parse_config, require, require_positive, run_cli
 from common.data import iterate_sample_stream, shard_rows
 from common.gpt import (
@@ -54,10 +55,10 @@ from common.gpt import (
     count_parameters,
     require_trainable,
 )
-from common.optim import clip_by_global_norm, cosine_lr, set_lr
+from common.optim import cosine_lr, set_lr
 from common.profiling import StepProfiler, report_profile
 from common.run import start_run
-from common.runtime import launched_world_size
+from common.runtime import deepspeed_stage, launched_world_size
 from common.text import load_corpus
 from common.training import TrainLoop
 from strategies import STRATEGIES, WRONG_VARIANTS, strategies_with
@@ -88,7 +89,9 @@ class Config(ResumableArgs):
     result_neutral = (*ResumableArgs.result_neutral, *tolerances, "parity_steps", "parity_steps_bf16", "min_loss_drop",
                       "sample_tokens", "profile_steps", "text_files")  # fmt: skip
 
-    strategy: str = flag("none", "one of strategies/: " + ", ".join(STRATEGIES), choices=tuple(STRATEGIES))
+    strategy: str = flag("auto", "one of strategies/: " + ", ".join(STRATEGIES) + "; auto: the DeepSpeed stage of a "
+                         "DeepSpeed accelerate config, else none for one process, ddp for several",
+                         choices=("auto", *STRATEGIES))  # fmt: skip
     dp_size: int = flag(0, "fsdp_tp: data-parallel groups (0: world size / --tp_size)")
     tp_size: int = flag(0, "tp, fsdp_tp: ranks per tensor-parallel group (0: tp every rank, fsdp_tp 2)")
     text_files: str = flag("", "comma-separated text files to train on (default: CPython's pydoc topics)")
@@ -155,7 +158,9 @@ class Config(ResumableArgs):
         require(
             self.vocab_size >= 260, f"--vocab_size must be >= 260 (256 bytes + merges), got {self.vocab_size}"
         )
-        layout = self.layout(launched_world_size(self))  # the strategy's refusals of the job's shape
+        world_size = launched_world_size(self)
+        self.strategy = resolve_strategy(self.strategy, world_size)  # config.json records what really ran
+        layout = self.layout(world_size)  # the strategy's refusals of the job's shape
         STRATEGIES[self.strategy].refuse(self, layout)
         require(
             not self.wrong_variant.startswith("resume_") or self.resume_from_checkpoint,
@@ -197,6 +202,23 @@ class Config(ResumableArgs):
         trajectory["lr_decay_steps"] = self.lr_decay_steps or self.max_steps
         return trajectory
 
+    def refuse_resume(self, meta: dict, world_size: int) -> None:
+        """A checkpoint in a strategy's own format (DeepSpeed's) resumes only under that strategy at the same
+        world size; DCP checkpoints resume under any DCP strategy at any world size."""
+        saved = meta["layout"].get("strategy")
+        owner = next(
+            (
+                s
+                for s in (saved, self.strategy)
+                if getattr(STRATEGIES.get(s), "CHECKPOINT_FORMAT", "dcp") != "dcp"
+            ),
+            None,
+        )
+        require(owner is None or (saved == self.strategy and meta["world_size"] == world_size),
+                f"the checkpoint was written by {saved} on {meta['world_size']} rank(s), not {self.strategy} on {world_size}: "
+                f"{owner}'s checkpoints are its own format, resumed only by {owner} on as many ranks (a converter to "
+                "PyTorch's distributed checkpoint: not built)")  # fmt: skip
+
     def resume_hint(self, difference: str) -> str:
         """Said after a refused resume's difference, where the fix is not obvious."""
         if difference.startswith("--lr_decay_steps"):
@@ -217,6 +239,17 @@ class Config(ResumableArgs):
         return {name: getattr(self, f"{flag_name}{suffix}") for name, flag_name in names}
 
 
+def resolve_strategy(asked: str, world_size: int) -> str:
+    """--strategy auto, and the one refusal an accelerate config makes: a DeepSpeed config means DeepSpeed."""
+    stage = deepspeed_stage()
+    if asked == "auto":
+        return f"deepspeed_zero{stage}" if stage else ("none" if world_size == 1 else "ddp")
+    require(stage is None or asked == f"deepspeed_zero{stage}",
+            f"--strategy {asked}: this launch's accelerate config is DeepSpeed ZeRO-{stage}, which runs "
+            f"deepspeed_zero{stage}; pass --strategy auto or deepspeed_zero{stage}, or launch with another config")  # fmt: skip
+    return asked
+
+
 def lr_at(step: int, cfg: Config) -> float:
     return cosine_lr(step, cfg.lr, cfg.warmup_steps, cfg.lr_decay_steps or cfg.max_steps, cfg.min_lr_ratio)
 
@@ -228,11 +261,10 @@ def run(cfg: Config) -> int:
     corpus = load_corpus(cfg.text_files, cfg.vocab_size, cfg.block_size, cfg.val_fraction, cfg.dist_timeout_s)
     autocast = cfg.mixed_precision if strategy.AUTOCAST else "no"  # or the strategy's own (FSDP2's policy)
     accumulation = cfg.gradient_accumulation_steps
-    quiet = getattr(strategy, "quiet", contextlib.nullcontext)  # what the strategy says that is expected
     with (
         start_run(cfg, EXPERIMENT, data_identity=corpus["identity"], gradient_accumulation_steps=accumulation,
                   mixed_precision=autocast) as session,
-        quiet(),
+        strategy.quiet(),  # what the strategy says that is expected
     ):  # fmt: skip
         accelerator = session.accelerator
         rank, layout = accelerator.process_index, cfg.layout(accelerator.num_processes)
@@ -253,11 +285,8 @@ def run(cfg: Config) -> int:
         # the strategy decides who holds what, and AdamW steps on whatever each rank holds.
         model = build_gpt(gpt_cfg, cfg.seed + rank * (cfg.wrong_variant == "seed_per_rank"))
         initial_state, n_parameters = copy.deepcopy(model.state_dict()), count_parameters(model)
-        model = strategy.apply(model, layout, accelerator, cfg)
-        optimizer = accelerator.unwrap_model(model).configure_optimizers(cfg.lr, cfg.weight_decay)
-        optimizer = accelerator.prepare(optimizer)  # steps only on a step's last micro-batch
-        restore_optimizer = cfg.wrong_variant != "resume_without_optimizer_state"
-        checkpointer = ShardedCheckpointer(model, optimizer, restore_optimizer)
+        model, optimizer = strategy.apply(model, layout, accelerator, cfg)  # AdamW on what each rank holds
+        checkpointer = strategy.checkpointer(model, optimizer, accelerator, cfg)
         loop = TrainLoop(
             session, model, optimizer, global_rows, checkpointer, tokens_per_sample=cfg.block_size
         )
@@ -269,7 +298,7 @@ def run(cfg: Config) -> int:
 
         # The loop. The probe keeps what the checks need: bytes held, each step's loss and gradient norm, the
         # state at --parity_steps, the collectives of one steady step (strategies/checks.py)
-        probe = Probe(accelerator, checkpointer, cfg, session.start_step)
+        probe = Probe(accelerator, strategy, checkpointer, cfg, session.start_step)
         profile = os.path.join(session.output_dir, "profile")
         profiler = StepProfiler(
             cfg.profile_steps, profile, rank, accelerator.device.type, cfg.steps_before_profiling()
@@ -280,6 +309,7 @@ def run(cfg: Config) -> int:
                 # Accelerate's accumulate(): DDP's no_sync and loss / k on all but a step's last micro-batch
                 with accelerator.accumulate(model):
                     set_gradient_sync(model, accelerator.sync_gradients)  # FSDP2's no_sync
+                    set_lr(optimizer, lr_at(step, cfg))  # before backward: DeepSpeed steps inside it
                     with probe.watch("forward", step):
                         _, loss = model(x, y)
                     probe.after_forward(model)
@@ -287,9 +317,7 @@ def run(cfg: Config) -> int:
                         accelerator.backward(loss)
                     with probe.watch("optimizer", step):
                         if accelerator.sync_gradients:
-                            local_only = cfg.wrong_variant == "local_grad_norm"
-                            probe.grad_norms.append(clip_by_global_norm(model, cfg.grad_clip, local_only))
-                            set_lr(optimizer, lr_at(step, cfg))
+                            probe.grad_norms.append(strategy.clip(model, cfg))  # by the GLOBAL norm
                         optimizer.step()
                     probe.after_micro_batch(model, optimizer, loss, step)
                     optimizer.zero_grad()

@@ -5,17 +5,25 @@ by theory (closed forms the checks compare with what the ranks really hold and s
 its wrong variants and its refusals. Every module has:
 
     NAME, SUMMARY        its flag value and one line of what it does
-    RANKS                the ranks benchmarks/compare_strategies.py launches it on
+    RANKS                the ranks benchmarks/compare_strategies.py launches it on (LAUNCH_CONFIG: the
+                         accelerate config it needs, if not accelerate_configs/cpu_ddp.yaml)
     AUTOCAST             True: bf16 through Accelerate's autocast; False: the strategy's own (FSDP2's
                          MixedPrecisionPolicy) or none
+    CHECKPOINT_FORMAT    "dcp" (any strategy resumes it) or the strategy's own (only it resumes it)
+    STEADY_STEP          the first step free of one-time work: the one communication_volume counts
     WRONG_VARIANTS       the mistakes (--wrong_variant) that are mistakes under this strategy
     layout(world_size, dp_size, tp_size) -> Layout    how it arranges the ranks (strategies/layout.py)
     refuse(cfg, layout)  one line (UsageError) for what it cannot do, before anything starts
-    apply(model, layout, accelerator, cfg) -> model
+    apply(model, layout, accelerator, cfg) -> (model, optimizer)
+    clip(model, cfg) -> float      the step's global gradient norm, clipped to --grad_clip
+    checkpointer(model, optimizer, accelerator, cfg)    save / load / full_state / digest
     held_bytes(model, layout, rank, cfg) -> {"params", "grads", "optimizer",
-                                             "params_between_forward_and_backward"}
+                                             "params_between_forward_and_backward"}   (the theory)
     sent_bytes(model, layout, cfg) -> {"by_kind", "data_parallel", "tensor_parallel", "wire_bytes"}
-    quiet()              (optional) a context that silences what the strategy says that is expected
+    measure_held(model, optimizer) -> {"params", "grads", "optimizer"}; measure_window(model) -> bytes
+                                   what a rank really holds, at rest and between forward and backward
+    quiet()              a context that silences what the strategy says that is expected
+(strategies/defaults.py holds the parts most strategies share: clip, checkpointer, measure_*, quiet.)
 
 `cfg` is train_gpt's Config (the flags: per_rank_batch_size, block_size, mixed_precision, ...); `model`
 in the theory is the undistributed GPT (common/gpt.py), so the closed forms run without any process
@@ -24,9 +32,12 @@ group (tests/test_strategies.py). Adding a strategy = one module here + its test
 
 from __future__ import annotations
 
-from strategies import ddp, fsdp, fsdp_tp, none, tp, zero2
+from strategies import ddp, deepspeed, fsdp, fsdp_tp, none, tp, zero2
 
-STRATEGIES = {module.NAME: module for module in (none, ddp, zero2, fsdp, tp, fsdp_tp)}
+STRATEGIES = {
+    module.NAME: module
+    for module in (none, ddp, zero2, fsdp, tp, fsdp_tp, deepspeed.ZERO1, deepspeed.ZERO2, deepspeed.ZERO3)
+}
 
 # The mistakes every strategy can make (the ones a single strategy can make live in its module), and the
 # check that must catch each (README "Each check with the mistake it exists for").
@@ -39,11 +50,9 @@ COMMON_WRONG_VARIANTS = {
 }
 WRONG_VARIANTS = {
     **COMMON_WRONG_VARIANTS,
-    **{
-        name: text
-        for module in STRATEGIES.values()
-        for name, text in getattr(module, "OWN_WRONG_VARIANTS", {}).items()
-    },
+    **fsdp.OWN_WRONG_VARIANTS,
+    **tp.OWN_WRONG_VARIANTS,
+    **deepspeed.OWN_WRONG_VARIANTS,
 }
 
 

@@ -21,32 +21,12 @@ import statistics
 import time
 
 import torch
-from torch.distributed.tensor import DTensor
 
 from common.checkpoint import load_full_optimizer_state
 from common.comm_counter import CollectiveCounter
 from common.gpt import GPT, build_gpt
 from common.optim import clip_by_global_norm, set_lr
 from common.reference import max_abs_difference, train_single_process
-
-
-def bytes_held(model: torch.nn.Module, optimizer=None) -> dict:
-    """Bytes this rank really holds (a DTensor's local shard, not its global size)."""
-
-    def local(tensor) -> int:
-        tensor = tensor.to_local() if isinstance(tensor, DTensor) else tensor
-        return tensor.numel() * tensor.element_size()
-
-    unique = {id(p): p for p in model.parameters()}.values()
-    held = {
-        "params": sum(local(p) for p in unique),
-        "grads": sum(local(p.grad) for p in unique if p.grad is not None),
-    }
-    if optimizer is not None:
-        held["optimizer"] = sum(
-            local(v) for state in optimizer.state.values() for v in state.values() if torch.is_tensor(v)
-        )
-    return held
 
 
 def peak_rss_bytes() -> int:
@@ -60,15 +40,14 @@ class Probe:
     spent in forward / backward / optimizer per step, and the collectives of step `count_step`'s
     forwards and backwards."""
 
-    def __init__(self, accelerator, checkpointer, cfg, start_step: int):
-        self.accelerator, self.checkpointer = accelerator, checkpointer
+    def __init__(self, accelerator, strategy, checkpointer, cfg, start_step: int):
+        self.accelerator, self.strategy, self.checkpointer = accelerator, strategy, checkpointer
         self.accumulation = cfg.gradient_accumulation_steps
         # a resumed run may have fewer steps left than --parity_steps
         self.parity_steps = min(cfg.parity()["steps"], cfg.max_steps - start_step)
         self.parity_step = start_step + self.parity_steps
-        # the third step is steady: the first follows the evaluation, whose forward leaves FSDP2's root
-        # gathered; in the second, DDP rebuilds its buckets (a 144-byte broadcast of rank 0's order)
-        self.count_step = min(start_step + 3, cfg.max_steps)
+        # the first step free of one-time work (strategies/defaults.py STEADY_STEP)
+        self.count_step = min(start_step + strategy.STEADY_STEP, cfg.max_steps)
         self.held: dict = {}
         self.step_losses, self.grad_norms, self.at_parity_step = [], [], None
         self.step_loss = torch.zeros((), device=accelerator.device)
@@ -91,7 +70,7 @@ class Probe:
 
     def after_forward(self, model) -> None:
         if not self.held:
-            self.held["params_between_forward_and_backward"] = bytes_held(model)["params"]
+            self.held["params_between_forward_and_backward"] = self.strategy.measure_window(model)
 
     def after_micro_batch(self, model, optimizer, loss: torch.Tensor, step: int) -> None:
         """After each micro-batch's update; once per optimizer step (the last micro-batch) it also closes
@@ -100,7 +79,7 @@ class Probe:
         if not self.accelerator.sync_gradients:
             return
         if "params" not in self.held:
-            self.held.update(bytes_held(model, optimizer))
+            self.held.update(self.strategy.measure_held(model, optimizer))
         self.step_losses.append(self.step_loss.clone())
         self.step_loss.zero_()
         self.step_times.append(self.phase_s)
@@ -128,7 +107,7 @@ def check_memory(session, strategy, layout, cfg, reference: GPT, every_rank: lis
     """Each rank's held bytes against strategy.held_bytes, within rtol."""
     theories = [strategy.held_bytes(reference, layout, rank, cfg) for rank in range(len(every_rank))]
     worst = max(
-        abs(held[kind] - theory[kind]) / theory[kind]
+        abs(held[kind] - theory[kind]) / max(theory[kind], 1)  # a theory of 0 bytes: exact
         for held, theory in zip(every_rank, theories, strict=True)
         for kind in theory
     )

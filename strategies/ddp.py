@@ -12,11 +12,21 @@ accumulation, of which each rank puts 2(N-1)/N on the wire (ring all-reduce).
 
 from __future__ import annotations
 
+from strategies.defaults import (  # noqa: F401 (the interface)
+    STEADY_STEP,
+    checkpointer,
+    clip,
+    measure_held,
+    measure_window,
+    quiet,
+    with_optimizer,
+)
 from strategies.layout import Layout, communication, data_parallel_only, held, unique_parameters
 
 NAME = "ddp"
 SUMMARY = "every rank holds everything; gradients all-reduced (averaged) once per step"
 RANKS = 2
+CHECKPOINT_FORMAT = "dcp"  # PyTorch's distributed checkpoint: any layout reads it
 AUTOCAST = True
 # seed_per_rank is harmless here, so not a mistake: prepare() broadcasts rank 0's weights to every rank
 WRONG_VARIANTS = (
@@ -36,7 +46,7 @@ def refuse(cfg, layout: Layout) -> None:
 
 
 def apply(model, layout: Layout, accelerator, cfg):
-    return accelerator.prepare(model)
+    return with_optimizer(accelerator.prepare(model), accelerator, cfg)
 
 
 def held_bytes(model, layout: Layout, rank: int, cfg) -> dict:

@@ -23,6 +23,15 @@ import math
 import torch
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 
+from strategies.defaults import (  # noqa: F401 (the interface)
+    STEADY_STEP,
+    checkpointer,
+    clip,
+    measure_held,
+    measure_window,
+    quiet,
+    with_optimizer,
+)
 from strategies.layout import (
     Layout,
     communication,
@@ -36,6 +45,7 @@ from strategies.layout import (
 NAME = "fsdp"
 SUMMARY = "ZeRO-3 (FSDP2): parameters, gradients, optimizer state 1/N per rank; blocks gathered per use"
 RANKS = 2
+CHECKPOINT_FORMAT = "dcp"  # PyTorch's distributed checkpoint: any layout reads it
 AUTOCAST = (
     False  # bf16: FSDP2's MixedPrecisionPolicy (parameters gathered as bf16, gradients reduced in float32)
 )
@@ -61,9 +71,8 @@ def refuse(cfg, layout: Layout) -> None:
 
 
 def apply(model, layout: Layout, accelerator, cfg):
-    return shard(
-        model.to(accelerator.device), layout.mesh(accelerator.device.type)["dp"], zero3=True, cfg=cfg
-    )
+    mesh = layout.mesh(accelerator.device.type)["dp"]
+    return with_optimizer(shard(model.to(accelerator.device), mesh, zero3=True, cfg=cfg), accelerator, cfg)
 
 
 def shard(model, mesh, zero3: bool, cfg=None, bf16: bool | None = None, wrap_root: bool | None = None):

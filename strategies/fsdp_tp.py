@@ -16,11 +16,13 @@ import warnings
 
 from common.config import require
 from strategies import fsdp, tp
+from strategies.defaults import STEADY_STEP, checkpointer, clip, measure_held, measure_window, with_optimizer  # noqa: F401 (the interface)
 from strategies.layout import Layout, communication, require_ranks
 
 NAME = "fsdp_tp"
 SUMMARY = "2-D: TP inside each group, FSDP2 (ZeRO-3) across groups"
 RANKS = 4
+CHECKPOINT_FORMAT = "dcp"  # PyTorch's distributed checkpoint: any layout reads it
 AUTOCAST = False
 WRONG_VARIANTS = (
     "same_data_on_every_rank",
@@ -53,7 +55,7 @@ def apply(model, layout: Layout, accelerator, cfg):
     model = tp.parallelize(
         model.to(accelerator.device), mesh["tp"], cfg.wrong_variant != "row_parallel_without_all_reduce"
     )
-    return fsdp.shard(model, mesh["dp"], zero3=True, cfg=cfg)
+    return with_optimizer(fsdp.shard(model, mesh["dp"], zero3=True, cfg=cfg), accelerator, cfg)
 
 
 @contextlib.contextmanager

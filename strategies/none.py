@@ -5,11 +5,21 @@ from __future__ import annotations
 
 from common.config import require
 from strategies import ddp
+from strategies.defaults import (  # noqa: F401 (the interface)
+    STEADY_STEP,
+    checkpointer,
+    clip,
+    measure_held,
+    measure_window,
+    quiet,
+    with_optimizer,
+)
 from strategies.layout import Layout, require_ranks
 
 NAME = "none"
 SUMMARY = "one process: the reference"
 RANKS = 1
+CHECKPOINT_FORMAT = "dcp"  # PyTorch's distributed checkpoint: any layout reads it
 AUTOCAST = True
 WRONG_VARIANTS = ("resume_without_optimizer_state", "resume_without_data_position")
 
@@ -25,7 +35,7 @@ def refuse(cfg, layout: Layout) -> None:
 
 
 def apply(model, layout: Layout, accelerator, cfg):
-    return model.to(accelerator.device)
+    return with_optimizer(model.to(accelerator.device), accelerator, cfg)
 
 
 # One process holds and computes what a DDP rank does; it sends nothing.

@@ -39,6 +39,15 @@ from torch.distributed.tensor.parallel import (
 )
 
 from common.config import require
+from strategies.defaults import (  # noqa: F401 (the interface)
+    STEADY_STEP,
+    checkpointer,
+    clip,
+    measure_held,
+    measure_window,
+    quiet,
+    with_optimizer,
+)
 from strategies.layout import (
     Layout,
     communication,
@@ -51,6 +60,7 @@ from strategies.layout import (
 NAME = "tp"
 SUMMARY = "tensor parallelism (Megatron-style, DTensor): 1/N of every matrix and of the vocabulary per rank"
 RANKS = 2
+CHECKPOINT_FORMAT = "dcp"  # PyTorch's distributed checkpoint: any layout reads it
 AUTOCAST = False
 WRONG_VARIANTS = (
     "local_grad_norm",
@@ -106,8 +116,9 @@ def refuse(cfg, layout: Layout) -> None:
 
 def apply(model, layout: Layout, accelerator, cfg):
     mesh = layout.mesh(accelerator.device.type)
-    return parallelize(
-        model.to(accelerator.device), mesh["tp"], cfg.wrong_variant != "row_parallel_without_all_reduce"
+    row_all_reduce = cfg.wrong_variant != "row_parallel_without_all_reduce"
+    return with_optimizer(
+        parallelize(model.to(accelerator.device), mesh["tp"], row_all_reduce), accelerator, cfg
     )
 
 

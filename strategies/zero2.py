@@ -8,6 +8,15 @@ The code is fsdp's (strategies/fsdp.py) with zero3=False.
 from __future__ import annotations
 
 from strategies import fsdp
+from strategies.defaults import (  # noqa: F401 (the interface)
+    STEADY_STEP,
+    checkpointer,
+    clip,
+    measure_held,
+    measure_window,
+    quiet,
+    with_optimizer,
+)
 from strategies.layout import Layout, communication, data_parallel_only
 
 NAME = "zero2"
@@ -15,6 +24,7 @@ SUMMARY = (
     "ZeRO-2 (FSDP2, no reshard after forward): gradients and optimizer state 1/N; parameters gathered once"
 )
 RANKS = 2
+CHECKPOINT_FORMAT = "dcp"  # PyTorch's distributed checkpoint: any layout reads it
 AUTOCAST = False
 WRONG_VARIANTS = fsdp.WRONG_VARIANTS
 refuse = fsdp.refuse
@@ -25,8 +35,9 @@ def layout(world_size: int, dp_size: int = 0, tp_size: int = 0) -> Layout:
 
 
 def apply(model, layout: Layout, accelerator, cfg):
-    return fsdp.shard(
-        model.to(accelerator.device), layout.mesh(accelerator.device.type)["dp"], zero3=False, cfg=cfg
+    mesh = layout.mesh(accelerator.device.type)["dp"]
+    return with_optimizer(
+        fsdp.shard(model.to(accelerator.device), mesh, zero3=False, cfg=cfg), accelerator, cfg
     )
 
 

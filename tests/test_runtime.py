@@ -41,7 +41,7 @@ def test_plugins_accelerate_would_drop_are_refused(monkeypatch):
 
     monkeypatch.setattr(torch.accelerator, "is_available", lambda: False)
     with pytest.raises(
-        UsageError, match="fsdp_plugin: Accelerate cannot shard on CPU and would silently run DDP"
+        UsageError, match="fsdp_plugin: Accelerate cannot run FSDP on CPU and would silently run DDP"
     ):
         refuse_plugins_dropped_on_cpu({"fsdp_plugin": object()})
     monkeypatch.setenv("ACCELERATE_USE_FSDP", "true")  # what an FSDP launch config sets
@@ -49,6 +49,10 @@ def test_plugins_accelerate_would_drop_are_refused(monkeypatch):
         refuse_plugins_dropped_on_cpu({})
     monkeypatch.delenv("ACCELERATE_USE_FSDP")
     refuse_plugins_dropped_on_cpu({"mixed_precision": "bf16"})  # nothing to refuse
+    monkeypatch.setenv(
+        "ACCELERATE_USE_DEEPSPEED", "true"
+    )  # DeepSpeed does run on CPU (tests/test_deepspeed.py)
+    refuse_plugins_dropped_on_cpu({})
 
 
 def test_a_launch_that_asked_for_ranks_but_started_one_is_refused(monkeypatch):

@@ -1,0 +1,39 @@
+"""Launched by tests/test_deepspeed.py under accelerate_configs/deepspeed_zero2.yaml: records, as JSON on
+stdout (rank 0), two behaviours of Accelerate 1.16 + DeepSpeed 0.19.8 on CPU that common/runtime.py and
+strategies/deepspeed.py work around, so that a test fails when they change upstream."""
+
+import json
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+
+import torch
+from accelerate import Accelerator
+from accelerate.state import AcceleratorState
+
+from common.gpt import GPTConfig, build_gpt
+from common.runtime import deepspeed_on_cpu
+from strategies.deepspeed import unmapped_parameters
+
+with deepspeed_on_cpu():
+    plain = Accelerator()  # what a user writes: Accelerate's backend stays None on CPU
+seen_by_plain = plain.num_processes
+AcceleratorState._reset_state(True)
+
+with deepspeed_on_cpu():
+    from accelerate.utils import InitProcessGroupKwargs
+
+    accelerator = Accelerator(kwargs_handlers=[InitProcessGroupKwargs(backend="gloo")])
+model = build_gpt(GPTConfig(512, 32, 2, 2, 32), 0)
+optimizer = model.configure_optimizers(1e-3, 0.1)  # two parameter groups
+config = accelerator.state.deepspeed_plugin.deepspeed_config
+config.update(train_micro_batch_size_per_gpu=2, zero_allow_untested_optimizer=True, gradient_clipping=1.0)
+model, optimizer = accelerator.prepare(model, optimizer)
+x = torch.randint(0, 512, (2, 32))
+_, loss = model(x, x)
+accelerator.backward(loss)
+if accelerator.is_main_process:
+    print(json.dumps({"num_processes_plain_accelerator": seen_by_plain, "num_processes_with_gloo": accelerator.num_processes,
+                      "unmapped_after_first_step": unmapped_parameters(model.optimizer)}))  # fmt: skip
+accelerator.end_training()
