@@ -12,7 +12,7 @@ accumulation, of which each rank puts 2(N-1)/N on the wire (ring all-reduce).
 
 from __future__ import annotations
 
-from strategies.defaults import (  # noqa: F401 (the interface)
+from strategies.defaults import (  # noqa: F401  # fmt: skip (the interface)
     STEADY_STEP,
     checkpointer,
     clip,

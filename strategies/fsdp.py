@@ -23,7 +23,7 @@ import math
 import torch
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 
-from strategies.defaults import (  # noqa: F401 (the interface)
+from strategies.defaults import (  # noqa: F401  # fmt: skip (the interface)
     STEADY_STEP,
     checkpointer,
     clip,

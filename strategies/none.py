@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from common.config import require
 from strategies import ddp
-from strategies.defaults import (  # noqa: F401 (the interface)
+from strategies.defaults import (  # noqa: F401  # fmt: skip (the interface)
     STEADY_STEP,
     checkpointer,
     clip,

@@ -39,7 +39,7 @@ from torch.distributed.tensor.parallel import (
 )
 
 from common.config import require
-from strategies.defaults import (  # noqa: F401 (the interface)
+from strategies.defaults import (  # noqa: F401  # fmt: skip (the interface)
     STEADY_STEP,
     checkpointer,
     clip,

@@ -8,7 +8,7 @@ The code is fsdp's (strategies/fsdp.py) with zero3=False.
 from __future__ import annotations
 
 from strategies import fsdp
-from strategies.defaults import (  # noqa: F401 (the interface)
+from strategies.defaults import (  # noqa: F401  # fmt: skip (the interface)
     STEADY_STEP,
     checkpointer,
     clip,
