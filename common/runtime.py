@@ -13,6 +13,7 @@ import contextlib
 import os
 from datetime import timedelta
 
+import psutil
 import torch
 from accelerate import Accelerator
 from accelerate.utils import InitProcessGroupKwargs
@@ -59,6 +60,8 @@ def make_accelerator(
             )
     except ValueError as error:  # e.g. "Your assigned backend mpi is not available, please use gloo"
         raise UsageError(f"cannot start the run: {error}") from None
+    if deepspeed_cpu:
+        threads_as_for_multi_cpu()
     if accelerator.mixed_precision == "fp16" and accelerator.device.type == "cpu":
         # Accelerate 1.16 accepts fp16 on CPU and silently trains in float32 (measured): refuse instead.
         raise UsageError("--mixed_precision fp16 needs a GPU; on CPU use bf16 or no")
@@ -102,16 +105,44 @@ def deepspeed_on_cpu():
       communication backend starts (40 s here, and a failure on a machine without a compiler), and it
       serves inference all-reduces only; training's collectives go through torch.distributed (gloo).
       DeepSpeed keeps the ops it may build in deepspeed.ops.__compatible_ops__; the op is marked not
-      compatible while the Accelerator starts its backend, and the mark is undone after."""
+      compatible while the Accelerator starts its backend, and the mark is undone after.
+    (And a third, after the Accelerator exists: threads_as_for_multi_cpu.)
+    DeepSpeed fills that dict by compiling a test program per op; the one for async I/O fails to link
+    without libaio and the linker's two error lines would land in every rank's output (they mean only
+    "no NVMe offload"), so the probe runs with file descriptor 2 silenced."""
     import deepspeed.ops
 
-    compatible = deepspeed.ops.__compatible_ops__
+    with _file_descriptor_silenced(2):  # the compiler is a child process: sys.stderr alone is not enough
+        compatible = deepspeed.ops.__compatible_ops__
     before = compatible.get("deepspeed_shm_comm", False)
     compatible["deepspeed_shm_comm"] = False
     try:
         yield
     finally:
         compatible["deepspeed_shm_comm"] = before
+
+
+def threads_as_for_multi_cpu() -> None:
+    """For MULTI_CPU Accelerate sets torch's threads to physical cores / local ranks when OMP_NUM_THREADS is
+    unset; for DEEPSPEED on CPU it does not (tests/test_deepspeed.py records it), and every rank takes every
+    core: 2 ranks x 2 threads on 2 cores ran a tiny ZeRO-2 run in 8-37 s instead of 4.5 s (measured).
+    Set here as Accelerate sets it for MULTI_CPU, at the run's start (as Accelerate does)."""
+    if os.environ.get("OMP_NUM_THREADS"):
+        return
+    local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    torch.set_num_threads(max(1, (psutil.cpu_count(logical=False) or 1) // local_ranks))
+
+
+@contextlib.contextmanager
+def _file_descriptor_silenced(fd: int):
+    saved = os.dup(fd)
+    try:
+        with open(os.devnull, "w") as devnull:
+            os.dup2(devnull.fileno(), fd)
+        yield
+    finally:
+        os.dup2(saved, fd)
+        os.close(saved)
 
 
 def launched_world_size(cfg: RunArgs) -> int:

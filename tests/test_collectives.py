@@ -7,7 +7,7 @@ import pytest
 
 from experiments.collectives import VERIFY_OPS, main
 from experiments.collectives_bench import main as bench_main
-from helpers import launch, run_in_process, run_main_in_process
+from helpers import fork_launch, launch, run_in_process, run_main_in_process
 
 QUIET = ["--report_to", "none"]
 
@@ -37,11 +37,8 @@ def test_one_process_runs_the_api_on_a_one_rank_group(tmp_path, capsys):
 @pytest.mark.launch
 def test_strided_inputs_are_caught_as_wrong(tmp_path):
     """FIELD_NOTES' trap: gloo all_reduce on a non-contiguous view returns wrong values, silently."""
-    finished = launch(
-        "collectives.py",
-        [*QUIET, "--ops", "all_reduce", "--noncontiguous", "--dist_timeout_s", "30"],
-        tmp_path / "run",
-        launcher="torchrun",
+    finished = fork_launch(
+        main, [*QUIET, "--ops", "all_reduce", "--noncontiguous", "--dist_timeout_s", "30"], tmp_path / "run"
     )
     assert finished.returncode != 0
     check = finished.summary["checks"]["all_reduce"]

@@ -6,7 +6,8 @@ from __future__ import annotations
 import pytest
 
 from common.comm_counter import bus_factor
-from helpers import clean_env, launch, wandb_history
+from experiments.collectives_bench import main as bench_main
+from helpers import clean_env, fork_launch, launch, wandb_history
 
 QUIET = ["--report_to", "none"]
 
@@ -75,7 +76,7 @@ def test_a_row_faster_than_memory_fails_the_bench(tmp_path):
         "--max_memcpy_multiple",
         "1e-12",
     ]
-    finished = launch("collectives_bench.py", args, tmp_path / "run")
+    finished = fork_launch(bench_main, args, tmp_path / "run")
     assert finished.returncode == 1
     check = finished.summary["checks"]["below_memory_ceiling"]
     assert check["passed"] is False and "all_reduce@1024" in check["detail"]

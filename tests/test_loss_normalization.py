@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 
 from experiments.loss_normalization import main
-from helpers import launch, run_in_process, run_main_in_process
+from helpers import fork_launch, launch, run_in_process, run_main_in_process
 
 QUIET = ["--report_to", "none", "--max_steps", "3"]
 
@@ -31,9 +31,7 @@ def test_ddp_two_ranks_token_weighted_is_exact_and_naive_is_not(tmp_path):
 @pytest.mark.launch
 def test_fsdp_three_ranks_four_micro_batches(tmp_path):
     args = [*QUIET, "--strategy", "fsdp", "--gradient_accumulation_steps", "4"]
-    metrics = figures(
-        launch("loss_normalization.py", args, tmp_path / "run", launcher="torchrun", num_processes=3)
-    )
+    metrics = figures(fork_launch(main, args, tmp_path / "run", num_processes=3))
     assert metrics["token_weighted"]["parameter_max_abs_diff"] < 1e-6
     assert metrics["naive"]["parameter_max_abs_diff"] > 1e-3
 

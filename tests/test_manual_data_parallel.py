@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from experiments.manual_data_parallel import main
-from helpers import launch, run_in_process
+from helpers import fork_launch, launch, run_in_process
 
 QUIET = ["--report_to", "none", "--max_steps", "60"]
 
@@ -44,8 +44,8 @@ def test_accumulation_syncs_on_the_last_micro_batch_only(tmp_path):
         "--bucket_mb",
         "0.0003",
     ]
-    finished = launch("manual_data_parallel.py", args, tmp_path / "run")
-    assert finished.returncode == 0, finished.stderr[-3000:]
+    finished = fork_launch(main, args, tmp_path / "run")
+    assert finished.returncode == 0
     summary = finished.summary
     assert summary["passed"]
     stats = summary["metrics"]["strategies"]
@@ -61,7 +61,7 @@ def test_accumulation_syncs_on_the_last_micro_batch_only(tmp_path):
 def test_summing_without_averaging_is_caught(tmp_path):
     """The tutorial's bug: all_reduce(SUM) without / world_size doubles every step on 2 ranks."""
     args = [*QUIET, "--strategy", "per_param", "--average_gradients", "false"]
-    finished = launch("manual_data_parallel.py", args, tmp_path / "run", launcher="torchrun")
+    finished = fork_launch(main, args, tmp_path / "run")
     assert finished.returncode != 0
     check = finished.summary["checks"]["per_param_matches_single_process"]
     assert check["passed"] is False and "tolerance 1e-05" in check["detail"]

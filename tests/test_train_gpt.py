@@ -16,6 +16,7 @@ from helpers import (
     GPT_TINY,
     assert_data_parallel_facts,
     assert_gpt_passed,
+    fork_launch,
     launch,
     run_in_process,
     run_main_in_process,
@@ -71,12 +72,9 @@ def test_zero2_on_two_ranks_matches_one_process_and_is_profiled(tmp_path):
 )
 def test_each_wrong_variant_is_caught(tmp_path, variant, failing):
     # clipping must bite for local_grad_norm to matter: a small --grad_clip
-    finished = launch(
-        "train_gpt.py",
-        [*GPT_TINY, "--strategy", "fsdp", "--wrong_variant", variant, "--grad_clip", "0.1"],
-        tmp_path / "run",
-    )
-    assert finished.returncode == 1, finished.stderr[-3000:]
+    args = [*GPT_TINY, "--strategy", "fsdp", "--wrong_variant", variant, "--grad_clip", "0.1"]
+    finished = fork_launch(main, args, tmp_path / "run")
+    assert finished.returncode == 1
     checks = finished.summary["checks"]
     assert {name for name, check in checks.items() if not check["passed"]} == failing
 

@@ -17,6 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from experiments.train_gpt import main
 from helpers import (
     CPU_DDP,
     GPT_DISTRIBUTED_CHECKS,
@@ -25,8 +26,10 @@ from helpers import (
     assert_data_parallel_facts,
     assert_gpt_passed,
     clean_env,
+    fork_launch,
     free_port,
     launch,
+    run_in_process,
     start_and_kill_every_process,
 )
 
@@ -56,9 +59,9 @@ def small_text(tmp_path_factory) -> str:
 
 @pytest.fixture(scope="module")
 def uninterrupted(tmp_path_factory, small_text):
-    """fsdp on 2 ranks, 12 steps, a checkpoint (and its state digest) every 3 steps."""
+    """fsdp on 2 (forked) ranks, 12 steps, a checkpoint (and its state digest) every 3 steps."""
     out = tmp_path_factory.mktemp("uninterrupted") / "run"
-    finished = launch("train_gpt.py", [*CHECKPOINTED, "--text_files", small_text, "--strategy", "fsdp"], out)
+    finished = fork_launch(main, [*CHECKPOINTED, "--text_files", small_text, "--strategy", "fsdp"], out)
     assert finished.returncode == 0, finished.stderr[-3000:]
     return finished
 
@@ -126,13 +129,10 @@ def test_resharding_chain_loads_bitwise_and_matches_one_process(uninterrupted, s
         out = tmp_path / f"link{index}_{strategy}{ranks}"
         args = [*CHECKPOINTED, "--text_files", small_text, "--strategy", strategy, "--max_steps", str(max_steps),
                 "--resume_from_checkpoint", checkpoint(source, step)]  # fmt: skip
-        finished = launch(
-            "train_gpt.py",
-            args,
-            out,
-            launcher="torchrun" if ranks > 1 else "python",
-            num_processes=ranks,
-        )
+        if ranks > 1:
+            finished = fork_launch(main, args, out, num_processes=ranks)
+        else:
+            finished = run_in_process(main, args, out, capsys=None)
         assert finished.returncode == 0, f"{strategy} on {ranks}: " + finished.stderr[-3000:]
         checks = finished.summary["checks"]
         assert checks["resume_restored_state"]["passed"]  # full parameters + AdamW state bitwise the saved
@@ -163,8 +163,10 @@ def test_resharding_chain_loads_bitwise_and_matches_one_process(uninterrupted, s
 def test_half_resumes_fail_their_check(uninterrupted, small_text, tmp_path, variant, strategy, failing):
     args = [*CHECKPOINTED, "--text_files", small_text, "--strategy", strategy, "--wrong_variant", variant,
             "--resume_from_checkpoint", checkpoint(Path(uninterrupted.output_dir), 6)]  # fmt: skip
-    one_process = {"launcher": "python", "num_processes": 1} if strategy == "none" else {}
-    finished = launch("train_gpt.py", args, tmp_path / "run", **one_process)
+    if strategy == "none":
+        finished = run_in_process(main, args, tmp_path / "run", capsys=None)
+    else:
+        finished = fork_launch(main, args, tmp_path / "run")
     assert finished.returncode == 1, finished.stderr[-3000:]
     failed = {name for name, check in finished.summary["checks"].items() if not check["passed"]}
     assert failing in failed

@@ -7,7 +7,8 @@ from __future__ import annotations
 
 import pytest
 
-from helpers import GPT_DISTRIBUTED_CHECKS, GPT_TINY, assert_gpt_passed, launch
+from experiments.train_gpt import main
+from helpers import GPT_DISTRIBUTED_CHECKS, GPT_TINY, assert_gpt_passed, fork_launch
 
 
 @pytest.mark.launch
@@ -26,7 +27,7 @@ def test_fsdp_times_tp_on_four_ranks(tmp_path):
         "--parity_steps",
         "4",
     ]
-    summary = assert_gpt_passed(launch("train_gpt.py", args, tmp_path / "run", num_processes=4), 4)
+    summary = assert_gpt_passed(fork_launch(main, args, tmp_path / "run", num_processes=4), 4)
     assert set(summary["checks"]) == GPT_DISTRIBUTED_CHECKS
     metrics = summary["metrics"]
     held, full = metrics["bytes_per_rank"], 4 * metrics["parameters"]
@@ -50,12 +51,8 @@ def test_fsdp_times_tp_on_four_ranks(tmp_path):
     ],
 )
 def test_tensor_parallel_mistakes_are_caught(tmp_path, strategy, variant, num_processes, failing):
-    finished = launch(
-        "train_gpt.py",
-        [*GPT_TINY, "--strategy", strategy, "--wrong_variant", variant],
-        tmp_path / "run",
-        num_processes=num_processes,
-    )
-    assert finished.returncode == 1, finished.stderr[-3000:]
+    finished = fork_launch(main, [*GPT_TINY, "--strategy", strategy, "--wrong_variant", variant], tmp_path / "run",
+                           num_processes=num_processes)  # fmt: skip
+    assert finished.returncode == 1
     checks = finished.summary["checks"]
     assert {name for name, check in checks.items() if not check["passed"]} == failing

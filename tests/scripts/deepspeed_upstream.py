@@ -1,5 +1,5 @@
 """Launched by tests/test_deepspeed.py under accelerate_configs/deepspeed_zero2.yaml: records, as JSON on
-stdout (rank 0), two behaviours of Accelerate 1.16 + DeepSpeed 0.19.8 on CPU that common/runtime.py and
+stdout (rank 0), three behaviours of Accelerate 1.16 + DeepSpeed 0.19.8 on CPU that common/runtime.py and
 strategies/deepspeed.py work around, so that a test fails when they change upstream."""
 
 import json
@@ -21,10 +21,12 @@ with deepspeed_on_cpu():
 seen_by_plain = plain.num_processes
 AcceleratorState._reset_state(True)
 
+threads_at_start = torch.get_num_threads()
 with deepspeed_on_cpu():
     from accelerate.utils import InitProcessGroupKwargs
 
     accelerator = Accelerator(kwargs_handlers=[InitProcessGroupKwargs(backend="gloo")])
+threads_left_at_start = torch.get_num_threads() == threads_at_start  # MULTI_CPU would have set cores / ranks
 model = build_gpt(GPTConfig(512, 32, 2, 2, 32), 0)
 optimizer = model.configure_optimizers(1e-3, 0.1)  # two parameter groups
 config = accelerator.state.deepspeed_plugin.deepspeed_config
@@ -35,5 +37,6 @@ _, loss = model(x, x)
 accelerator.backward(loss)
 if accelerator.is_main_process:
     print(json.dumps({"num_processes_plain_accelerator": seen_by_plain, "num_processes_with_gloo": accelerator.num_processes,
+                      "threads_left_as_torch_set_them": threads_left_at_start,
                       "unmapped_after_first_step": unmapped_parameters(model.optimizer)}))  # fmt: skip
 accelerator.end_training()
