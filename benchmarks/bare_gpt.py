@@ -4,6 +4,7 @@ AdamW groups, learning-rate schedule, global-norm clipping and steps as `train_g
 and the same throughput figure (training tokens / seconds in the training loop).
 
     torchrun --nproc_per_node 2 benchmarks/bare_gpt.py --strategy ddp --max_steps 100 --output out.json
+    (--vocab_size, --block_size, --n_layer, --n_head, --d_model: another model, as train_gpt takes them)
 
 Torch's own pieces only: DistributedDataParallel, or fully_shard on each block then the root (ZeRO-3);
 torch.nn.utils.clip_grad_norm_ (which takes the global norm of FSDP2's DTensor gradients).
@@ -12,7 +13,6 @@ torch.nn.utils.clip_grad_norm_ (which takes the global norm of FSDP2's DTensor g
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import datetime
 import json
 import os
@@ -39,15 +39,19 @@ def main() -> int:
     )
     parser.add_argument("--max_steps", type=int, default=100, help="optimizer steps")
     parser.add_argument("--output", required=True, help="JSON file for the figures (rank 0 writes it)")
+    defaults = GPTConfig()
+    for name in ("vocab_size", "block_size", "n_layer", "n_head", "d_model"):  # train_gpt's model flags
+        parser.add_argument(
+            f"--{name}", type=int, default=getattr(defaults, name), help=f"as train_gpt's --{name}"
+        )
     args = parser.parse_args()
     if args.max_steps < 1:
         parser.error(f"--max_steps must be >= 1, got {args.max_steps}")
     dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=300))
     rank, world = dist.get_rank(), dist.get_world_size()
-    defaults = GPTConfig()
-    corpus = load_corpus("", defaults.vocab_size, defaults.block_size, 0.1)
+    corpus = load_corpus("", args.vocab_size, args.block_size, 0.1)
     x_all, y_all = corpus["train"]
-    config = dataclasses.replace(defaults, vocab_size=corpus["vocab_size"])
+    config = GPTConfig(corpus["vocab_size"], args.block_size, args.n_layer, args.n_head, args.d_model)
     model = build_gpt(config, SEED)
     if args.strategy == "ddp":
         model = torch.nn.parallel.DistributedDataParallel(model)
@@ -74,7 +78,7 @@ def main() -> int:
         optimizer.zero_grad()
     loss_value = loss.item()
     elapsed = time.perf_counter() - started
-    tokens = args.max_steps * global_batch * defaults.block_size
+    tokens = args.max_steps * global_batch * args.block_size
     if rank == 0:
         with open(args.output, "w") as handle:
             json.dump({"strategy": args.strategy, "steps": args.max_steps, "tokens_per_s": tokens / elapsed,

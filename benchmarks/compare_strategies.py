@@ -108,7 +108,10 @@ def row(summary: dict) -> dict:
     failed = [name for name, check in summary["checks"].items() if not check["passed"]]
     return {
         "strategy": config["strategy"],
-        "ranks": f"{metrics['dp_size']} x {metrics['tp_size']}" if config["strategy"] != "none" else "1",
+        "ranks": "1"
+        if config["strategy"] == "none"
+        else f"{metrics.get('pp_size', 1)} x " * (metrics.get("pp_size", 1) > 1)
+        + f"{metrics['dp_size']} x {metrics['tp_size']}",
         "checks": "all passed" if not failed else "FAILED: " + ", ".join(failed),
         "loss_diff": metrics.get("loss_max_abs_diff"),
         "param_diff": metrics.get("param_max_abs_diff"),
@@ -134,7 +137,7 @@ def markdown(rows: list[dict], command: str) -> str:
     lines = [
         f"`{command}`",
         "",
-        "| strategy | ranks (dp x tp) | checks | loss / param diff vs one process | bytes per rank: params / grads "
+        "| strategy | ranks ([pp x] dp x tp) | checks | loss / param diff vs one process | bytes per rank: params / grads "
         "/ AdamW | bytes per step, counted = theory (wire per rank) | tokens/s | step ms: fwd / bwd / opt |",
         "|---|---|---|---|---|---|---|---|",
     ]

@@ -162,8 +162,10 @@ def overhead(folder: Path, args) -> dict:
     """Median loop tokens/s of bare PyTorch, train_gpt and bare PyTorch again, taking turns."""
     folder.mkdir()
     steps = ["--max_steps", str(args.max_steps)]
+    # --quick: both sides on compare_strategies' tiny model
+    model = [f for k, v in _quick_model().items() for f in (f"--{k}", str(v))] if args.quick else []
     quick = (
-        ["--parity_steps", "6", "--warmup_steps", "2", "--sample_tokens", "5", "--min_loss_drop", "0"]
+        ["--parity_steps", "6", "--warmup_steps", "2", "--sample_tokens", "5", "--min_loss_drop", "0", *model]
         if args.quick
         else []
     )
@@ -192,7 +194,7 @@ def overhead(folder: Path, args) -> dict:
                 else:
                     command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
                                "--master_port", str(free_port()), str(REPO / "benchmarks" / "bare_gpt.py"),
-                               "--strategy", strategy, "--output", f"{name}.json", *steps]  # fmt: skip
+                               "--strategy", strategy, "--output", f"{name}.json", *steps, *model]  # fmt: skip
                     result = Path(f"{name}.json")
                 if not launch(command, Path(f"{name}.log"), args.timeout_s):
                     raise SystemExit(f"performance: {name.name} failed: see {name}.log")

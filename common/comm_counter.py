@@ -7,7 +7,9 @@ engine during backward), so one TorchDispatchMode sees every one of them. PyTorc
 in the nccl-tests convention, the size of the whole tensor being reduced or gathered:
   all_reduce      the tensor (every rank holds all of it before and after);
   all_gather      the gathered output (N shards);
-  reduce_scatter  the input (N shards, before reduction).
+  reduce_scatter  the input (N shards, before reduction);
+  send, recv      the tensor(s) sent or received, point to point (a pipeline's activations and their
+                  gradients between stages).
 Bytes each rank really puts on the wire are that times 2(N-1)/N for all_reduce and (N-1)/N for the
 other two (`bus_factor`, the nccl-tests factor; also what makes collectives_bench's busbw comparable),
 N the size of the group the call ran on.
@@ -39,6 +41,8 @@ KINDS = {
     "reduce_scatter_tensor_coalesced": "reduce_scatter",
     "broadcast_": "broadcast",
     "broadcast": "broadcast",
+    "send": "send",
+    "recv_": "recv",
 }
 # the torch.distributed call behind each kind, as collectives_bench names its rows
 KIND_OF_OP = {
@@ -56,7 +60,7 @@ def bus_factor(kind: str, n: int) -> float:
         return 2 * (n - 1) / n  # a ring reduce-scatter then a ring all-gather: 2(n-1)/n of the message each
     if kind in ("all_gather", "reduce_scatter", "all_to_all"):
         return (n - 1) / n  # every rank receives the n-1 chunks it does not own
-    return 1.0  # broadcast, reduce: the whole message crosses a link once
+    return 1.0  # broadcast, reduce, send, recv: the whole message crosses a link once
 
 
 def _nbytes(tree) -> int:
@@ -88,4 +92,4 @@ class CollectiveCounter(TorchDispatchMode):
             return _nbytes(args[0] if in_place else result)
         if kind == "reduce_scatter":
             return _nbytes(args[1] if in_place else args[0])
-        return _nbytes(args[0])  # all_reduce, broadcast: the tensor(s) themselves
+        return _nbytes(args[0])  # all_reduce, broadcast, send, recv: the tensor(s) themselves

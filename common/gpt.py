@@ -23,6 +23,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from common.activations import run_checkpointed
+
 
 @dataclass
 class GPTConfig:
@@ -76,8 +78,12 @@ class Block(nn.Module):
         super().__init__()
         self.ln_1, self.attn = nn.LayerNorm(cfg.d_model), CausalSelfAttention(cfg)
         self.ln_2, self.mlp = nn.LayerNorm(cfg.d_model), MLP(cfg)
+        self.activation_checkpointing = "none"  # or full, selective (common/activations.py)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return run_checkpointed(self._forward, x, self.activation_checkpointing)
+
+    def _forward(self, x: torch.Tensor) -> torch.Tensor:
         x = x + self.attn(self.ln_1(x))
         return x + self.mlp(self.ln_2(x))
 
@@ -115,6 +121,12 @@ class GPT(nn.Module):
         if targets is None:
             return logits, None
         return logits, F.cross_entropy(logits.float().flatten(0, 1), targets.flatten())
+
+    def set_activation_checkpointing(self, mode: str) -> None:
+        """Every block keeps only what it needs to run again (full) or that and its matmul and attention
+        outputs (selective), and recomputes the rest in backward; none: autograd keeps everything."""
+        for block in self.blocks:
+            block.activation_checkpointing = mode
 
     def configure_optimizers(self, lr: float, weight_decay: float) -> torch.optim.AdamW:
         """AdamW as nanoGPT sets it up: weight decay on matrices and embeddings (dim >= 2), none on biases

@@ -49,7 +49,11 @@ def clip_by_global_norm(model: torch.nn.Module, max_norm: float, local_only: boo
             for dim in (dim for dim, is_split in enumerate(split) if is_split):
                 dist.all_reduce(squared_sum, group=mesh.get_group(dim))
         total += squared_sum
-    norm = total.sqrt()
+    return clip_to(grads, total.sqrt(), max_norm)
+
+
+def clip_to(grads: list, norm: torch.Tensor, max_norm: float) -> float:
+    """Scale `grads` so that the gradient whose norm is `norm` has norm at most max_norm (0: off); the norm."""
     if max_norm > 0:
         scale = torch.clamp(max_norm / (norm + 1e-6), max=1.0)  # torch.nn.utils.clip_grad_norm_'s formula
         for grad in grads:

@@ -5,8 +5,10 @@ The model is common/gpt.py (nanoGPT-style, 4 blocks of width 128, ~1M parameters
 own reference prose (pydoc topics) or --text_files, tokenized by a BPE trained here (common/text.py).
 AdamW, warm-up + cosine learning rate, clipping by the GLOBAL gradient norm, optional bf16.
 --strategy picks one module of strategies/ (how it is applied, what each rank holds and sends by theory,
-its mistakes): none, ddp, zero2, fsdp, tp, fsdp_tp, or DeepSpeed's ZeRO-1/2/3, which the accelerate config
-chooses (deepspeed_zero1/2/3; --strategy auto). This file is the same for all of them.
+its mistakes): none, ddp, zero2, fsdp, tp, fsdp_tp, pp (pipeline stages, --pp_schedule, --pp_microbatches),
+or DeepSpeed's ZeRO-1/2/3, which the accelerate config chooses (deepspeed_zero1/2/3; --strategy auto). This
+file is the same for all of them. --activation_checkpointing full|selective trades kept activations for
+recompute under any of them (common/activations.py).
 
 Checks (each has a --wrong_variant that fails it; strategies/checks.py):
 - matches_single_process  the loss at every one of the first --parity_steps steps and every parameter
@@ -30,6 +32,8 @@ Run it (2 CPU ranks; the same commands on GPUs with accelerate_configs/multi_gpu
     torchrun --nproc_per_node 3 experiments/train_gpt.py --strategy fsdp --d_model 96   # 3 uneven shards
     accelerate launch --config_file accelerate_configs/cpu_ddp.yaml --num_processes 4 experiments/train_gpt.py \\
         --strategy fsdp_tp --dp_size 2 --tp_size 2      # 4 ranks on 2 cores: slow, but every check runs
+    accelerate launch --config_file accelerate_configs/cpu_ddp.yaml experiments/train_gpt.py --strategy pp \\
+        --pp_schedule zbv          # 2 stage-ranks, 2 stages each in a V; --dp_size 2 on 4 ranks: 2 pipelines
 Every strategy side by side: python -m benchmarks.compare_strategies. Where a step's time goes:
 --profile_steps 5 (torch.profiler traces per rank); against this machine's peak: python -m benchmarks.performance
 """
@@ -45,6 +49,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import torch
 
+from common.activations import MODES
 from common.checkpoint import ResumableArgs
 from common.config import flag, parse_config, require, require_positive, run_cli
 from common.data import iterate_sample_stream, shard_rows
@@ -61,7 +66,7 @@ from common.run import start_run
 from common.runtime import deepspeed_stage, launched_world_size
 from common.text import load_corpus
 from common.training import TrainLoop
-from strategies import STRATEGIES, WRONG_VARIANTS, strategies_with
+from strategies import STRATEGIES, WRONG_VARIANTS, pp, strategies_with
 from strategies.checks import (
     Probe,
     check_communication,
@@ -81,19 +86,23 @@ class Config(ResumableArgs):
     # Checkpoints are DCP (any strategy reads any other's) and the data position is in samples: a resume
     # may change the strategy and the world size.
     reshardable = True
-    layout_flags = ("strategy", "dp_size", "tp_size")
+    layout_flags = ("strategy", "dp_size", "tp_size", "pp_schedule", "pp_microbatches")
     # How close a check wants its figures; they change no result, so a resume may change them.
     tolerances = ("loss_atol", "param_atol", "grad_norm_rtol", "loss_atol_bf16", "param_atol_bf16", "grad_norm_rtol_bf16",
                   "memory_rtol")  # fmt: skip
     # --text_files is known by its content (the corpus's and its tokenizer's sha256, in every checkpoint)
     result_neutral = (*ResumableArgs.result_neutral, *tolerances, "parity_steps", "parity_steps_bf16", "min_loss_drop",
-                      "sample_tokens", "profile_steps", "text_files")  # fmt: skip
+                      "sample_tokens", "profile_steps", "text_files", "activation_checkpointing")  # fmt: skip
 
     strategy: str = flag("auto", "one of strategies/: " + ", ".join(STRATEGIES) + "; auto: the DeepSpeed stage of a "
                          "DeepSpeed accelerate config, else none for one process, ddp for several",
                          choices=("auto", *STRATEGIES))  # fmt: skip
-    dp_size: int = flag(0, "fsdp_tp: data-parallel groups (0: world size / --tp_size)")
+    dp_size: int = flag(0, "fsdp_tp: data-parallel groups (0: world size / --tp_size); pp: copies of the pipeline "
+                        "(0: 1, every rank a stage-rank)")  # fmt: skip
     tp_size: int = flag(0, "tp, fsdp_tp: ranks per tensor-parallel group (0: tp every rank, fsdp_tp 2)")
+    pp_schedule: str = flag("1f1b", "pp: the pipeline schedule (gpipe, 1f1b: one stage per rank; interleaved_*, zbv, "
+                            "dualpipev: two)", choices=tuple(pp.SCHEDULES))  # fmt: skip
+    pp_microbatches: int = flag(4, "pp: micro-batches per step, each --per_rank_batch_size / this blocks")
     text_files: str = flag("", "comma-separated text files to train on (default: CPython's pydoc topics)")
     vocab_size: int = flag(MODEL.vocab_size, "BPE vocabulary trained on the corpus")
     block_size: int = flag(MODEL.block_size, "context length in tokens")
@@ -101,6 +110,9 @@ class Config(ResumableArgs):
     n_head: int = flag(MODEL.n_head, "attention heads (must divide d_model)")
     d_model: int = flag(MODEL.d_model, "model width")
     tie_weights: bool = flag(MODEL.tie_weights, "share the token embedding with the output head")
+    activation_checkpointing: str = flag("none", "each block keeps only its input (full) or that and its matmul and "
+                                         "attention outputs (selective) for backward, and recomputes the rest "
+                                         "(common/activations.py)", choices=MODES)  # fmt: skip
     val_fraction: float = flag(0.1, "share of the token stream held out for validation")
     per_rank_batch_size: int = flag(PER_RANK_BATCH_SIZE, "blocks per data-parallel rank per micro-batch; "
                                     "global batch = this x data-parallel ranks x accumulation")  # fmt: skip
@@ -147,7 +159,7 @@ class Config(ResumableArgs):
     def validate(self) -> None:
         super().validate()
         require_positive(self, "vocab_size", "block_size", "n_layer", "n_head", "d_model", "per_rank_batch_size",
-                         "gradient_accumulation_steps", "lr", *self.tolerances)  # fmt: skip
+                         "pp_microbatches", "gradient_accumulation_steps", "lr", *self.tolerances)  # fmt: skip
         require(
             self.d_model % self.n_head == 0, f"--n_head {self.n_head} must divide --d_model {self.d_model}"
         )
@@ -284,6 +296,7 @@ def run(cfg: Config) -> int:
         # The model: the same initial weights on every rank and in the reference (unless seed_per_rank); then
         # the strategy decides who holds what, and AdamW steps on whatever each rank holds.
         model = build_gpt(gpt_cfg, cfg.seed + rank * (cfg.wrong_variant == "seed_per_rank"))
+        model.set_activation_checkpointing(cfg.activation_checkpointing)  # memory for recompute, any strategy
         initial_state, n_parameters = copy.deepcopy(model.state_dict()), count_parameters(model)
         model, optimizer = strategy.apply(model, layout, accelerator, cfg)  # AdamW on what each rank holds
         checkpointer = strategy.checkpointer(model, optimizer, accelerator, cfg)
@@ -293,7 +306,12 @@ def run(cfg: Config) -> int:
         val_loss_before = evaluate(model, val_shard, cfg.per_rank_batch_size, accelerator)  # after any resume
         session.print(
             f"{n_parameters:,} parameters, {corpus['tokens']:,} tokens of {corpus['name']}, {cfg.strategy} on "
-            f"{layout.dp} data-parallel x {layout.tp} tensor-parallel rank(s), validation loss {val_loss_before:.3f}"
+            + (
+                f"{layout.pp} pipeline stage-ranks ({cfg.pp_schedule}, m = {cfg.pp_microbatches}) x "
+                if layout.pp > 1
+                else ""
+            )
+            + f"{layout.dp} data-parallel x {layout.tp} tensor-parallel rank(s), validation loss {val_loss_before:.3f}"
         )
 
         # The loop. The probe keeps what the checks need: bytes held, each step's loss and gradient norm, the
@@ -311,10 +329,10 @@ def run(cfg: Config) -> int:
                     set_gradient_sync(model, accelerator.sync_gradients)  # FSDP2's no_sync
                     set_lr(optimizer, lr_at(step, cfg))  # before backward: DeepSpeed steps inside it
                     with probe.watch("forward", step):
-                        _, loss = model(x, y)
+                        loss = strategy.forward(model, x, y)
                     probe.after_forward(model)
                     with probe.watch("backward", step):
-                        accelerator.backward(loss)
+                        strategy.backward(model, loss, accelerator)
                     with probe.watch("optimizer", step):
                         if accelerator.sync_gradients:
                             probe.grad_norms.append(strategy.clip(model, cfg))  # by the GLOBAL norm
@@ -328,6 +346,7 @@ def run(cfg: Config) -> int:
             title = f"{cfg.strategy} on {layout.world_size} rank(s): each rank's median profiled step"
             skipped = f"--profile_steps {cfg.profile_steps}: nothing profiled; this run trained too few steps"
             report_profile(session, profiler.breakdown(), title, skipped)
+        strategy.report(session, model, cfg)  # what this strategy measures beyond the checks (pp: its bubble)
 
         # The checks
         val_loss = evaluate(model, val_shard, cfg.per_rank_batch_size, accelerator)
@@ -346,6 +365,7 @@ def run(cfg: Config) -> int:
             step_time_ms=probe.median_step_time_ms(),
             dp_size=layout.dp,
             tp_size=layout.tp,
+            pp_size=layout.pp,
             parameters=n_parameters,
             corpus={k: corpus[k] for k in corpus_facts},
         )

@@ -15,6 +15,8 @@ its wrong variants and its refusals. Every module has:
     layout(world_size, dp_size, tp_size) -> Layout    how it arranges the ranks (strategies/layout.py)
     refuse(cfg, layout)  one line (UsageError) for what it cannot do, before anything starts
     apply(model, layout, accelerator, cfg) -> (model, optimizer)
+    forward(model, x, y) -> loss   one micro-batch's forward (pp: the pipeline's whole step)
+    backward(model, loss, accelerator)     its backward (pp: the gradient all-reduces after the step)
     clip(model, cfg) -> float      the step's global gradient norm, clipped to --grad_clip
     checkpointer(model, optimizer, accelerator, cfg)    save / load / full_state / digest
     held_bytes(model, layout, rank, cfg) -> {"params", "grads", "optimizer",
@@ -23,7 +25,9 @@ its wrong variants and its refusals. Every module has:
     measure_held(model, optimizer) -> {"params", "grads", "optimizer"}; measure_window(model) -> bytes
                                    what a rank really holds, at rest and between forward and backward
     quiet()              a context that silences what the strategy says that is expected
-(strategies/defaults.py holds the parts most strategies share: clip, checkpointer, measure_*, quiet.)
+    report(session, model, cfg)    what it measures beyond the common checks, at the end (pp: the bubble)
+(strategies/defaults.py holds the parts most strategies share: forward, backward, clip, checkpointer,
+measure_*, quiet, report.)
 
 `cfg` is train_gpt's Config (the flags: per_rank_batch_size, block_size, mixed_precision, ...); `model`
 in the theory is the undistributed GPT (common/gpt.py), so the closed forms run without any process
@@ -32,11 +36,11 @@ group (tests/test_strategies.py). Adding a strategy = one module here + its test
 
 from __future__ import annotations
 
-from strategies import ddp, deepspeed, fsdp, fsdp_tp, none, tp, zero2
+from strategies import ddp, deepspeed, fsdp, fsdp_tp, none, pp, tp, zero2
 
 STRATEGIES = {
     module.NAME: module
-    for module in (none, ddp, zero2, fsdp, tp, fsdp_tp, deepspeed.ZERO1, deepspeed.ZERO2, deepspeed.ZERO3)
+    for module in (none, ddp, zero2, fsdp, tp, fsdp_tp, pp, deepspeed.ZERO1, deepspeed.ZERO2, deepspeed.ZERO3)
 }
 
 # The mistakes every strategy can make (the ones a single strategy can make live in its module), and the
@@ -52,6 +56,7 @@ WRONG_VARIANTS = {
     **COMMON_WRONG_VARIANTS,
     **fsdp.OWN_WRONG_VARIANTS,
     **tp.OWN_WRONG_VARIANTS,
+    **pp.OWN_WRONG_VARIANTS,
     **deepspeed.OWN_WRONG_VARIANTS,
 }
 

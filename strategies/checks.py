@@ -22,6 +22,7 @@ import time
 
 import torch
 
+from common.activations import SavedActivations
 from common.checkpoint import load_full_optimizer_state
 from common.comm_counter import CollectiveCounter
 from common.gpt import GPT, build_gpt
@@ -57,11 +58,23 @@ class Probe:
 
     @contextlib.contextmanager
     def watch(self, phase: str, step: int):
-        """Time a phase; in forward and backward of step count_step, also count its collectives."""
+        """Time a phase; in forward and backward of step count_step, also count its collectives, and in its
+        first forward the bytes autograd keeps for backward (not under pp: its forward phase is the whole
+        pipeline step, whose backwards free them as they go)."""
         counter = CollectiveCounter() if step == self.count_step and phase != "optimizer" else None
+        saved = None
+        if (
+            counter
+            and phase == "forward"
+            and "saved_activation_bytes" not in self.held
+            and self.strategy.NAME != "pp"
+        ):
+            saved = SavedActivations()
         started = time.perf_counter()
-        with counter or contextlib.nullcontext():
+        with counter or contextlib.nullcontext(), saved or contextlib.nullcontext():
             yield
+        if saved:
+            self.held["saved_activation_bytes"] = saved.bytes
         self.phase_s[phase] = self.phase_s.get(phase, 0.0) + time.perf_counter() - started
         if counter:
             for kind in counter.calls:

@@ -14,11 +14,14 @@ from __future__ import annotations
 
 from strategies.defaults import (  # noqa: F401  # fmt: skip (the interface)
     STEADY_STEP,
+    backward,
     checkpointer,
     clip,
+    forward,
     measure_held,
     measure_window,
     quiet,
+    report,
     with_optimizer,
 )
 from strategies.layout import Layout, communication, data_parallel_only, held, unique_parameters

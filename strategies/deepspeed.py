@@ -48,6 +48,7 @@ import torch
 from common.checkpoint import FullState
 from common.config import require
 from common.runtime import deepspeed_stage
+from strategies import defaults
 from strategies.layout import Layout, communication, data_parallel_only, unique_parameters
 
 PERSISTENCE_THRESHOLD = 100_000  # DeepSpeed's stage3_param_persistence_threshold (elements), its default
@@ -66,6 +67,10 @@ class ZeRO:
     RANKS = 2
     AUTOCAST = False
     CHECKPOINT_FORMAT = "deepspeed"
+    # the engine's own forward and backward (Accelerate's backward calls it), nothing more to report
+    forward, backward, report = (
+        staticmethod(f) for f in (defaults.forward, defaults.backward, defaults.report)
+    )
 
     def __init__(self, stage: int):
         self.stage = stage

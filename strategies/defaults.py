@@ -27,6 +27,20 @@ def with_optimizer(model, accelerator, cfg):
     return model, accelerator.prepare(optimizer)
 
 
+def forward(model, x, y):
+    """One micro-batch's forward: the mean loss over its tokens."""
+    return model(x, y)[1]
+
+
+def backward(model, loss, accelerator) -> None:
+    """Accelerate's backward: the loss divided by the accumulation steps; DeepSpeed's engine's own backward."""
+    accelerator.backward(loss)
+
+
+def report(session, model, cfg) -> None:
+    """What a strategy measures beyond the common checks, at the end (every rank calls it): nothing."""
+
+
 def clip(model, cfg) -> float:
     """Clip to --grad_clip by the global norm and return that norm; `local_grad_norm` is the mistake of
     each rank clipping by its own shard's norm."""

@@ -25,11 +25,14 @@ from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 
 from strategies.defaults import (  # noqa: F401  # fmt: skip (the interface)
     STEADY_STEP,
+    backward,
     checkpointer,
     clip,
+    forward,
     measure_held,
     measure_window,
     quiet,
+    report,
     with_optimizer,
 )
 from strategies.layout import (

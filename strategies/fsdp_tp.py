@@ -16,7 +16,17 @@ import warnings
 
 from common.config import require
 from strategies import fsdp, tp
-from strategies.defaults import STEADY_STEP, checkpointer, clip, measure_held, measure_window, with_optimizer  # noqa: F401 (the interface)
+from strategies.defaults import (  # noqa: F401  # fmt: skip (the interface)
+    STEADY_STEP,
+    backward,
+    checkpointer,
+    clip,
+    forward,
+    measure_held,
+    measure_window,
+    report,
+    with_optimizer,
+)
 from strategies.layout import Layout, communication, require_ranks
 
 NAME = "fsdp_tp"

@@ -7,11 +7,14 @@ from common.config import require
 from strategies import ddp
 from strategies.defaults import (  # noqa: F401  # fmt: skip (the interface)
     STEADY_STEP,
+    backward,
     checkpointer,
     clip,
+    forward,
     measure_held,
     measure_window,
     quiet,
+    report,
     with_optimizer,
 )
 from strategies.layout import Layout, require_ranks

@@ -41,11 +41,14 @@ from torch.distributed.tensor.parallel import (
 from common.config import require
 from strategies.defaults import (  # noqa: F401  # fmt: skip (the interface)
     STEADY_STEP,
+    backward,
     checkpointer,
     clip,
+    forward,
     measure_held,
     measure_window,
     quiet,
+    report,
     with_optimizer,
 )
 from strategies.layout import (
@@ -170,8 +173,11 @@ def activation_traffic(model, layout: Layout, cfg) -> dict:
     """The tensor-parallel group's bytes per step (see the module docstring)."""
     k, tokens = cfg.gradient_accumulation_steps, cfg.per_rank_batch_size * cfg.block_size
     padded_vocab = math.ceil(model.cfg.vocab_size / layout.tp) * layout.tp
+    # full activation checkpointing runs each block's forward again in backward, up to the attention output's
+    # all-reduce (the MLP's output is needed by nothing backward uses: the recompute stops before it)
+    recomputed = cfg.n_layer if cfg.activation_checkpointing == "full" else 0
     return {
-        "all_reduce": k * (4 * cfg.n_layer + 2) * tokens * cfg.d_model * 4,
+        "all_reduce": k * (4 * cfg.n_layer + 2 + recomputed) * tokens * cfg.d_model * 4,
         "all_gather": k * tokens * padded_vocab * 4,
     }
 

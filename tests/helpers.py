@@ -10,6 +10,7 @@ import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -136,9 +137,28 @@ def fork_launch(
     codes = output_dir.parent / f"{output_dir.name}.exit_codes"
     codes.mkdir(parents=True, exist_ok=True)
     AcceleratorState._reset_state(True)  # the launcher refuses to start if this process holds a state
-    with patch_environment(**(launch_environment(config) if config else {}), **(env or {})):
-        notebook_launcher(_rank, args=(main, ["--output_dir", str(output_dir), *args], str(codes)),
-                          num_processes=num_processes, use_port=str(free_port()))  # fmt: skip
+    # never a hang: past the timeout every forked rank is killed, and the test fails saying so
+    timed_out = threading.Event()
+
+    def kill_the_ranks():
+        timed_out.set()
+        for child in process_tree(os.getpid())[1:]:
+            kill_tree(child.pid)
+
+    timer = threading.Timer(LAUNCH_TIMEOUT_S, kill_the_ranks)
+    timer.daemon = True
+    timer.start()
+    try:
+        with patch_environment(**(launch_environment(config) if config else {}), **(env or {})):
+            notebook_launcher(_rank, args=(main, ["--output_dir", str(output_dir), *args], str(codes)),
+                              num_processes=num_processes, use_port=str(free_port()))  # fmt: skip
+    except Exception:
+        assert not timed_out.is_set(), (
+            f"forked ranks ran past {LAUNCH_TIMEOUT_S} s and were killed: {output_dir}"
+        )
+        raise
+    finally:
+        timer.cancel()
     returncode = max(int(path.read_text()) for path in codes.glob("rank*.code"))
     stderr = "".join(path.read_text(errors="replace") for path in sorted(codes.glob("rank*.stderr")))
     return Finished(returncode, "", stderr, output_dir)

@@ -26,6 +26,16 @@ INTERFACE = (
     "apply",
     "held_bytes",
     "sent_bytes",
+    "STEADY_STEP",
+    "CHECKPOINT_FORMAT",
+    "forward",
+    "backward",
+    "clip",
+    "checkpointer",
+    "measure_held",
+    "measure_window",
+    "quiet",
+    "report",
 )
 
 
@@ -61,6 +71,11 @@ THEORY = {
     ("deepspeed_zero3", 2): (HALF + FULL - EMBEDDING, HALF, 3 * HALF + 8,
                              {"reduce_scatter": FULL, "all_gather": 2 * EMBEDDING + FULL - EMBEDDING, "all_reduce": 16},
                              HALF + (2 * EMBEDDING + FULL - EMBEDDING) // 2 + 16),
+    # stage 0 of 2 (1f1b, m 4): the embeddings and blocks 0-1 (666,624 parameters in 32 tensors); 4 micro-batch
+    # activations of 1 x 64 x 128 floats each way, the loss, the tied embedding's gradient with stage 1
+    ("pp", 2): (2_666_496, 2_666_496, 2 * 2_666_496 + 4 * 32,
+                {"send": 4 * 32_768, "recv": 4 * 32_768, "broadcast": 4, "all_reduce": EMBEDDING},
+                4 * 32_768 + 4 + EMBEDDING),
     ("fsdp_tp", 4): (1_074_688, 1_074_688, 2_149_632,
                      {"all_gather": 5_837_824, "all_reduce": 2_359_296, "reduce_scatter": 2_149_376}, 6_352_896),
 }  # fmt: skip
@@ -116,6 +131,14 @@ def test_bf16_gathers_two_byte_copies_under_fsdp():
         ("tp", 4, 2, 0, "--strategy tp puts all 4 ranks in one tensor-parallel group"),
         ("fsdp_tp", 4, 3, 2, "--dp_size 3 x --tp_size 2 must equal the 4 ranks launched"),
         ("fsdp_tp", 2, 0, 0, "--strategy fsdp_tp needs --dp_size >= 2 and --tp_size >= 2, got 1 x 2"),
+        (
+            "pp",
+            4,
+            4,
+            0,
+            "--strategy pp needs >= 2 stage ranks per pipeline and no --tp_size: 4 ranks, --dp_size 4",
+        ),
+        ("pp", 4, 0, 2, "--strategy pp needs >= 2 stage ranks per pipeline and no --tp_size"),
     ],
 )
 def test_layouts_refuse_shapes_they_cannot_run(name, world, dp, tp, message):
@@ -135,3 +158,61 @@ def test_ranks_are_numbered_tp_major():
     assert [layout.dp_rank(r) for r in range(4)] == [0, 0, 1, 1] and [
         layout.tp_rank(r) for r in range(4)
     ] == [0, 1, 0, 1]
+
+
+def test_pipeline_stages_sit_looped_or_in_a_v_and_split_the_blocks_evenly():
+    from strategies.pp import block_bounds, holder, stages_of
+
+    assert [stages_of(r, 2, "1f1b") for r in range(2)] == [[0], [1]]
+    assert [stages_of(r, 2, "interleaved_1f1b") for r in range(2)] == [[0, 2], [1, 3]]  # looped
+    assert [stages_of(r, 3, "zbv") for r in range(3)] == [
+        [0, 5],
+        [1, 4],
+        [2, 3],
+    ]  # the V: rank 0 holds both ends
+    assert holder(3, 2, "dualpipev") == 0 and holder(3, 2, "interleaved_zero_bubble") == 1
+    assert block_bounds(4, 2) == [0, 2, 4] and block_bounds(6, 4) == [0, 2, 3, 4, 6]
+
+
+def test_pipeline_ranks_hold_the_model_between_them_and_the_tie_once_more():
+    pp, cfg = STRATEGIES["pp"], Config(strategy="pp")
+    for schedule, copies in (("1f1b", 1), ("zbv", 0)):  # a V holds both ends of the tie on rank 0
+        cfg.pp_schedule = schedule
+        held = [pp.held_bytes(MODEL, pp.layout(2), rank, cfg)["params"] for rank in range(2)]
+        assert sum(held) == FULL + copies * EMBEDDING, schedule
+    # 2 pipelines x 2 stages: rank 0 also all-reduces its stage's gradients with rank 1, its replica
+    layout = pp.layout(4, 2)
+    assert layout.pp_rank(2) == 1 and [layout.dp_rank(r) for r in range(4)] == [0, 1, 0, 1]
+    sent = pp.sent_bytes(MODEL, layout, Config(strategy="pp"))
+    assert sent["data_parallel"] == {"all_reduce": 2_666_496}
+
+
+def test_pipeline_bubble_theory_falls_with_micro_batches_and_interleaving():
+    from strategies.pp import bubble_theory
+
+    assert bubble_theory("gpipe", 2, 4) == bubble_theory("1f1b", 2, 4) == pytest.approx(1 / 5)
+    assert bubble_theory("interleaved_1f1b", 2, 4) == pytest.approx(1 / 9)  # (p - 1) / (v m + p - 1)
+    assert bubble_theory("zbv", 2, 4) == 0 and bubble_theory("zbv", 4, 4) is None  # zero only with m >= 2p
+    assert bubble_theory("dualpipev", 2, 4) is None
+
+
+@pytest.mark.parametrize(
+    ("flags", "message"),
+    [
+        ({"gradient_accumulation_steps": 2}, "the pipeline's micro-batches are its accumulation"),
+        ({"pp_microbatches": 3}, "--per_rank_batch_size 4 must split evenly into --pp_microbatches 3"),
+        (
+            {"pp_schedule": "interleaved_1f1b", "n_layer": 3},
+            "cuts the GPT into 4 stages: --n_layer 3 must be >= 4",
+        ),
+        (
+            {"pp_schedule": "1f1b", "pp_microbatches": 1},
+            "--pp_microbatches 1 with --pp_schedule 1f1b on 2 stage ranks",
+        ),
+        ({"pp_schedule": "dualpipev", "pp_microbatches": 2}, "it needs >= 4"),
+        ({"pp_schedule": "zbv", "activation_checkpointing": "selective"}, "torch's selective checkpoint allows one"),
+    ],
+)
+def test_pipeline_refuses_what_its_schedules_cannot_run(flags, message):
+    with pytest.raises(UsageError, match=message.replace("(", r"\(").replace(")", r"\)")):
+        STRATEGIES["pp"].refuse(Config(strategy="pp", **flags), Layout(2, 1, 1, 2))

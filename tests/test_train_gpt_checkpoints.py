@@ -1,7 +1,7 @@
 """train_gpt's sharded checkpoints (torch.distributed.checkpoint), for real on CPU ranks:
 - killed twice (-9, every process), resumed twice, mid-epoch: bitwise the uninterrupted run;
 - fsdp on 2 ranks (the uninterrupted run every other test resumes) passes every check;
-- resharding: a chain of resumes fsdp@2 -> fsdp@3 -> ddp@2 -> fsdp@2 -> none@1, each loading
+- resharding: a chain of resumes fsdp@2 -> fsdp@3 -> ddp@2 -> pp@2 -> fsdp@2 -> none@1, each loading
   the previous one's checkpoint bitwise (full-state digest) and then matching one process;
 - the two classic half-resumes (optimizer state or data position not restored) fail their checks;
 - the DCP <-> safetensors converter round-trips bitwise and refuses a checkpoint missing a shard.
@@ -121,8 +121,9 @@ def test_resharding_chain_loads_bitwise_and_matches_one_process(uninterrupted, s
     chain = [  # (strategy, ranks, max_steps): checkpoints every 3 steps
         ("fsdp", 3, 8),  # 2 -> 3 ranks
         ("ddp", 2, 11),  # 3 shards -> every rank whole
-        ("fsdp", 2, 14),  # ddp -> 2 shards
-        ("none", 1, 16),  # any -> one process
+        ("pp", 2, 14),  # whole -> a pipeline stage each (and the tied embedding's copy on the last)
+        ("fsdp", 2, 17),  # pipeline stages -> 2 shards
+        ("none", 1, 19),  # any -> one process
     ]
     source, step = Path(uninterrupted.output_dir), 3
     for index, (strategy, ranks, max_steps) in enumerate(chain):
