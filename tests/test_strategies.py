@@ -210,7 +210,10 @@ def test_pipeline_bubble_theory_falls_with_micro_batches_and_interleaving():
             "--pp_microbatches 1 with --pp_schedule 1f1b on 2 stage ranks",
         ),
         ({"pp_schedule": "dualpipev", "pp_microbatches": 2}, "it needs >= 4"),
-        ({"pp_schedule": "zbv", "activation_checkpointing": "selective"}, "torch's selective checkpoint allows one"),
+        (
+            {"pp_schedule": "zbv", "activation_checkpointing": "selective"},
+            "torch's selective checkpoint allows one",
+        ),
     ],
 )
 def test_pipeline_refuses_what_its_schedules_cannot_run(flags, message):
