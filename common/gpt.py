@@ -50,6 +50,7 @@ class CausalSelfAttention(nn.Module):
         self.k_proj = nn.Linear(cfg.d_model, cfg.d_model, bias=False)  # see the module docstring
         self.v_proj = nn.Linear(cfg.d_model, cfg.d_model)
         self.o_proj = nn.Linear(cfg.d_model, cfg.d_model)
+        self.attend = causal_attention  # context parallelism puts its own here (strategies/cp.py)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         batch, time, _ = x.shape
@@ -59,8 +60,13 @@ class CausalSelfAttention(nn.Module):
             proj(x).view(batch, time, -1, self.head_dim).transpose(1, 2)
             for proj in (self.q_proj, self.k_proj, self.v_proj)
         )
-        attended = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        attended = self.attend(q, k, v)
         return self.o_proj(attended.transpose(1, 2).reshape(batch, time, -1))
+
+
+def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """softmax(q k^T / sqrt(head_dim)) v, each query seeing itself and the keys before it."""
+    return F.scaled_dot_product_attention(q, k, v, is_causal=True)
 
 
 class MLP(nn.Module):

@@ -6,9 +6,10 @@ own reference prose (pydoc topics) or --text_files, tokenized by a BPE trained h
 AdamW, warm-up + cosine learning rate, clipping by the GLOBAL gradient norm, optional bf16.
 --strategy picks one module of strategies/ (how it is applied, what each rank holds and sends by theory,
 its mistakes): none, ddp, zero2, fsdp, tp, fsdp_tp, pp (pipeline stages, --pp_schedule, --pp_microbatches),
-or DeepSpeed's ZeRO-1/2/3, which the accelerate config chooses (deepspeed_zero1/2/3; --strategy auto). This
-file is the same for all of them. --activation_checkpointing full|selective trades kept activations for
-recompute under any of them (common/activations.py).
+cp (each sequence split over the ranks, attention over all-gathered keys and values), or DeepSpeed's
+ZeRO-1/2/3, which the accelerate config chooses (deepspeed_zero1/2/3; --strategy auto). This file is the
+same for all of them. --activation_checkpointing full|selective trades kept activations for recompute
+(common/activations.py).
 
 Checks (each has a --wrong_variant that fails it; strategies/checks.py):
 - matches_single_process  the loss at every one of the first --parity_steps steps and every parameter
@@ -86,7 +87,7 @@ class Config(ResumableArgs):
     # Checkpoints are DCP (any strategy reads any other's) and the data position is in samples: a resume
     # may change the strategy and the world size.
     reshardable = True
-    layout_flags = ("strategy", "dp_size", "tp_size", "pp_schedule", "pp_microbatches")
+    layout_flags = ("strategy", "dp_size", "tp_size", "pp_schedule", "pp_microbatches", "cp_load_balance")
     # How close a check wants its figures; they change no result, so a resume may change them.
     tolerances = ("loss_atol", "param_atol", "grad_norm_rtol", "loss_atol_bf16", "param_atol_bf16", "grad_norm_rtol_bf16",
                   "memory_rtol")  # fmt: skip
@@ -98,11 +99,13 @@ class Config(ResumableArgs):
                          "DeepSpeed accelerate config, else none for one process, ddp for several",
                          choices=("auto", *STRATEGIES))  # fmt: skip
     dp_size: int = flag(0, "fsdp_tp: data-parallel groups (0: world size / --tp_size); pp: copies of the pipeline "
-                        "(0: 1, every rank a stage-rank)")  # fmt: skip
+                        "(0: 1, every rank a stage-rank); cp: groups splitting one sequence (0: 1)")  # fmt: skip
     tp_size: int = flag(0, "tp, fsdp_tp: ranks per tensor-parallel group (0: tp every rank, fsdp_tp 2)")
     pp_schedule: str = flag("1f1b", "pp: the pipeline schedule (gpipe, 1f1b: one stage per rank; interleaved_*, zbv, "
                             "dualpipev: two)", choices=tuple(pp.SCHEDULES))  # fmt: skip
     pp_microbatches: int = flag(4, "pp: micro-batches per step, each --per_rank_batch_size / this blocks")
+    cp_load_balance: bool = flag(True, "cp: each rank holds a head and a tail chunk of the sequence (equal causal "
+                                 "attention work); false: neighbouring chunks (the last rank does the most)")  # fmt: skip
     text_files: str = flag("", "comma-separated text files to train on (default: CPython's pydoc topics)")
     vocab_size: int = flag(MODEL.vocab_size, "BPE vocabulary trained on the corpus")
     block_size: int = flag(MODEL.block_size, "context length in tokens")

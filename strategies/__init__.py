@@ -36,11 +36,23 @@ group (tests/test_strategies.py). Adding a strategy = one module here + its test
 
 from __future__ import annotations
 
-from strategies import ddp, deepspeed, fsdp, fsdp_tp, none, pp, tp, zero2
+from strategies import cp, ddp, deepspeed, fsdp, fsdp_tp, none, pp, tp, zero2
 
 STRATEGIES = {
     module.NAME: module
-    for module in (none, ddp, zero2, fsdp, tp, fsdp_tp, pp, deepspeed.ZERO1, deepspeed.ZERO2, deepspeed.ZERO3)
+    for module in (
+        none,
+        ddp,
+        zero2,
+        fsdp,
+        tp,
+        fsdp_tp,
+        pp,
+        cp,
+        deepspeed.ZERO1,
+        deepspeed.ZERO2,
+        deepspeed.ZERO3,
+    )
 }
 
 # The mistakes every strategy can make (the ones a single strategy can make live in its module), and the
@@ -57,6 +69,7 @@ WRONG_VARIANTS = {
     **fsdp.OWN_WRONG_VARIANTS,
     **tp.OWN_WRONG_VARIANTS,
     **pp.OWN_WRONG_VARIANTS,
+    **cp.OWN_WRONG_VARIANTS,
     **deepspeed.OWN_WRONG_VARIANTS,
 }
 

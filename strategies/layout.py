@@ -1,9 +1,9 @@
 """How the ranks are arranged: one place for the shape of the job and its refusals (torchtitan's
-`ParallelDims`). A Layout is pp x dp x tp ranks: `pp` pipeline stages (ranks that each hold some of
-the blocks), `dp` data-parallel groups that each read their own share of the data, `tp` ranks per
-tensor-parallel group that read the same data and each hold a piece of every layer. Ranks are numbered
-tp-major, pp-minor: rank r is tp-rank r % tp of data-parallel group (r // tp) % dp, in pipeline stage-rank
-r // (dp x tp) (torchtitan's order: the pipeline outermost, its sends cross the slowest links).
+`ParallelDims`). A Layout is pp x dp x cp x tp ranks: `pp` pipeline stages (ranks that each hold some of
+the blocks), `dp` data-parallel groups that each read their own share of the data, `cp` ranks that split
+each sample's sequence, `tp` ranks per tensor-parallel group that read the same data and each hold a
+piece of every layer. Ranks are numbered tp fastest, then cp, dp, pp (torchtitan's order: the pipeline
+outermost, its sends cross the slowest links; tensor parallelism innermost, on the fastest).
 
 Also the arithmetic of how a tensor is split (`piece_shape`), which every strategy's theory of bytes
 held and sent is written in: torch.chunk's split, as DTensor and FSDP2 split dim 0.
@@ -26,35 +26,41 @@ class Layout:
     dp: int
     tp: int = 1
     pp: int = 1
+    cp: int = 1  # context-parallel ranks: the ranks that split each sample's sequence (strategies/cp.py)
 
     def __post_init__(self):
         require(
-            self.pp * self.dp * self.tp == self.world_size,
-            f"{'--pp_size ' + str(self.pp) + ' x ' if self.pp > 1 else ''}--dp_size {self.dp} x --tp_size {self.tp} "
+            self.pp * self.dp * self.cp * self.tp == self.world_size,
+            f"{'--pp_size ' + str(self.pp) + ' x ' if self.pp > 1 else ''}--dp_size {self.dp} x "
+            f"{'--cp_size ' + str(self.cp) + ' x ' if self.cp > 1 else ''}--tp_size {self.tp} "
             f"must equal the {self.world_size} ranks launched",
         )
 
     def dp_rank(self, rank: int) -> int:
-        """Which share of the data rank `rank` reads: the ranks of one tensor-parallel group, and the stages of
-        one pipeline, read the same."""
-        return (rank // self.tp) % self.dp
+        """Which share of the data rank `rank` reads: the ranks of one tensor-parallel or context-parallel
+        group, and the stages of one pipeline, read the same samples."""
+        return (rank // (self.cp * self.tp)) % self.dp
 
     def tp_rank(self, rank: int) -> int:
         return rank % self.tp
 
+    def cp_rank(self, rank: int) -> int:
+        return (rank // self.tp) % self.cp
+
     def pp_rank(self, rank: int) -> int:
-        return rank // (self.dp * self.tp)
+        return rank // (self.dp * self.cp * self.tp)
 
     def mesh(self, device_type: str):
         """A DeviceMesh over every rank, of the accelerator's device type (gloo on CPU, NCCL on GPU), inside
-        the process group Accelerate made: ("dp", "tp"), or ("pp", "dp", "tp") for a pipeline."""
+        the process group Accelerate made: ("dp", "tp"), with "pp" first for a pipeline and "cp" before "tp"
+        for context parallelism."""
         from torch.distributed.tensor import init_device_mesh
 
-        if self.pp > 1:
-            return init_device_mesh(
-                device_type, (self.pp, self.dp, self.tp), mesh_dim_names=("pp", "dp", "tp")
-            )
-        return init_device_mesh(device_type, (self.dp, self.tp), mesh_dim_names=("dp", "tp"))
+        dims = [("pp", self.pp)] * (self.pp > 1) + [("dp", self.dp)] + [("cp", self.cp)] * (self.cp > 1)
+        dims += [("tp", self.tp)]
+        return init_device_mesh(
+            device_type, tuple(n for _, n in dims), mesh_dim_names=tuple(d for d, _ in dims)
+        )
 
 
 def data_parallel_only(strategy: str, world_size: int, dp_size: int, tp_size: int) -> Layout:

@@ -35,15 +35,6 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
-from torch.distributed.pipelining import (
-    PipelineStage,
-    Schedule1F1B,
-    ScheduleDualPipeV,
-    ScheduleGPipe,
-    ScheduleInterleaved1F1B,
-    ScheduleInterleavedZeroBubble,
-    ScheduleZBVZeroBubble,
-)
 
 from common.checkpoint import ShardedCheckpointer
 from common.comm_counter import bus_factor
@@ -78,14 +69,15 @@ WRONG_VARIANTS = (
     "resume_without_optimizer_state",
     "resume_without_data_position",
 )
-# name: (torch's schedule, stages per rank, where they sit)
+# name: (torch.distributed.pipelining's schedule, stages per rank, where they sit); imported when a pipeline
+# is built: the module costs 0.6 s of start-up (it imports torch._dynamo), which no other strategy needs
 SCHEDULES = {
-    "gpipe": (ScheduleGPipe, 1, "loop"),
-    "1f1b": (Schedule1F1B, 1, "loop"),
-    "interleaved_1f1b": (ScheduleInterleaved1F1B, 2, "loop"),
-    "interleaved_zero_bubble": (ScheduleInterleavedZeroBubble, 2, "loop"),
-    "zbv": (ScheduleZBVZeroBubble, 2, "v"),
-    "dualpipev": (ScheduleDualPipeV, 2, "v"),
+    "gpipe": ("ScheduleGPipe", 1, "loop"),
+    "1f1b": ("Schedule1F1B", 1, "loop"),
+    "interleaved_1f1b": ("ScheduleInterleaved1F1B", 2, "loop"),
+    "interleaved_zero_bubble": ("ScheduleInterleavedZeroBubble", 2, "loop"),
+    "zbv": ("ScheduleZBVZeroBubble", 2, "v"),
+    "dualpipev": ("ScheduleDualPipeV", 2, "v"),
 }
 # the zero-bubble schedules: each micro-batch's backward split in input gradients, then weight gradients
 SPLIT_BACKWARD = ("interleaved_zero_bubble", "zbv", "dualpipev")
@@ -219,7 +211,10 @@ class GPTPiece(nn.Module):
         return holder(stage, self.p, self.schedule_name)
 
     def build_schedule(self, device) -> None:
-        cls, per_rank, _ = SCHEDULES[self.schedule_name]
+        from torch.distributed import pipelining
+
+        name, per_rank, _ = SCHEDULES[self.schedule_name]
+        cls, PipelineStage = getattr(pipelining, name), pipelining.PipelineStage  # noqa: N806 (torch's class)
         stages = [
             PipelineStage(stage, s, self.n_stages, device, group=self.groups["pp"])
             for stage, s in zip(self.stages, self.stage_ids, strict=True)

@@ -76,6 +76,10 @@ THEORY = {
     ("pp", 2): (2_666_496, 2_666_496, 2 * 2_666_496 + 4 * 32,
                 {"send": 4 * 32_768, "recv": 4 * 32_768, "broadcast": 4, "all_reduce": EMBEDDING},
                 4 * 32_768 + 4 + EMBEDDING),
+    # every block all-gathers K and V of the whole sequence (4 x 64 x 128 floats each) and reduce-scatters
+    # their gradients over the 2 cp ranks; DDP all-reduces the gradients
+    ("cp", 2): (FULL, FULL, 8_505_600, {"all_gather": 8 * 131_072, "reduce_scatter": 8 * 131_072, "all_reduce": FULL},
+                8 * 131_072 + FULL),
     ("fsdp_tp", 4): (1_074_688, 1_074_688, 2_149_632,
                      {"all_gather": 5_837_824, "all_reduce": 2_359_296, "reduce_scatter": 2_149_376}, 6_352_896),
 }  # fmt: skip
@@ -139,6 +143,7 @@ def test_bf16_gathers_two_byte_copies_under_fsdp():
             "--strategy pp needs >= 2 stage ranks per pipeline and no --tp_size: 4 ranks, --dp_size 4",
         ),
         ("pp", 4, 0, 2, "--strategy pp needs >= 2 stage ranks per pipeline and no --tp_size"),
+        ("cp", 2, 2, 0, "--strategy cp needs >= 2 ranks per sequence and no --tp_size: 2 ranks, --dp_size 2"),
     ],
 )
 def test_layouts_refuse_shapes_they_cannot_run(name, world, dp, tp, message):
@@ -219,3 +224,12 @@ def test_pipeline_bubble_theory_falls_with_micro_batches_and_interleaving():
 def test_pipeline_refuses_what_its_schedules_cannot_run(flags, message):
     with pytest.raises(UsageError, match=message.replace("(", r"\(").replace(")", r"\)")):
         STRATEGIES["pp"].refuse(Config(strategy="pp", **flags), Layout(2, 1, 1, 2))
+
+
+def test_context_parallel_ranks_split_each_sequence_inside_a_data_parallel_group():
+    layout = STRATEGIES["cp"].layout(4, 2)  # 2 groups of 2 ranks, each group splitting its own samples
+    assert [layout.dp_rank(r) for r in range(4)] == [0, 0, 1, 1] and [
+        layout.cp_rank(r) for r in range(4)
+    ] == [0, 1, 0, 1]
+    with pytest.raises(UsageError, match="--block_size 30 with --strategy cp on 2 ranks: .* a multiple of 4"):
+        STRATEGIES["cp"].refuse(Config(strategy="cp", block_size=30), layout)
