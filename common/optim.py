@@ -8,7 +8,7 @@ import math
 
 import torch
 import torch.distributed as dist
-from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import DTensor, Replicate
 
 
 def cosine_lr(step: int, lr: float, warmup_steps: int, decay_steps: int, min_lr_ratio: float) -> float:
@@ -33,6 +33,14 @@ def clip_by_global_norm(model: torch.nn.Module, max_norm: float, local_only: boo
     all-reduce per split dimension, not one per tensor. Plain tensors (DDP, one process) are the same
     on every rank and count once. `local_only` is the classic mistake: each rank clips by the norm of
     its own shard."""
+    for (
+        param
+    ) in model.parameters():  # a partial-sum gradient (sequence parallelism's LayerNorms): summed first
+        grad = param.grad
+        if isinstance(grad, DTensor) and any(p.is_partial() for p in grad.placements):
+            param.grad = grad.redistribute(
+                grad.device_mesh, [Replicate() if p.is_partial() else p for p in grad.placements]
+            )
     grads = [p.grad for p in model.parameters() if p.grad is not None]
     device = (grads[0].to_local() if isinstance(grads[0], DTensor) else grads[0]).device
     squared_sums: dict = {}  # (mesh, split dims) -> this rank's sum of squares

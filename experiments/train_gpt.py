@@ -87,7 +87,15 @@ class Config(ResumableArgs):
     # Checkpoints are DCP (any strategy reads any other's) and the data position is in samples: a resume
     # may change the strategy and the world size.
     reshardable = True
-    layout_flags = ("strategy", "dp_size", "tp_size", "pp_schedule", "pp_microbatches", "cp_load_balance")
+    layout_flags = (
+        "strategy",
+        "dp_size",
+        "tp_size",
+        "pp_schedule",
+        "pp_microbatches",
+        "cp_load_balance",
+        "sequence_parallel",
+    )
     # How close a check wants its figures; they change no result, so a resume may change them.
     tolerances = ("loss_atol", "param_atol", "grad_norm_rtol", "loss_atol_bf16", "param_atol_bf16", "grad_norm_rtol_bf16",
                   "memory_rtol")  # fmt: skip
@@ -104,6 +112,8 @@ class Config(ResumableArgs):
     pp_schedule: str = flag("1f1b", "pp: the pipeline schedule (gpipe, 1f1b: one stage per rank; interleaved_*, zbv, "
                             "dualpipev: two)", choices=tuple(pp.SCHEDULES))  # fmt: skip
     pp_microbatches: int = flag(4, "pp: micro-batches per step, each --per_rank_batch_size / this blocks")
+    sequence_parallel: bool = flag(False, "tp: Megatron's sequence parallelism: LayerNorms and residuals on 1/N of "
+                                   "the tokens, all-reduces replaced by reduce-scatter + all-gather")  # fmt: skip
     cp_load_balance: bool = flag(True, "cp: each rank holds a head and a tail chunk of the sequence (equal causal "
                                  "attention work); false: neighbouring chunks (the last rank does the most)")  # fmt: skip
     text_files: str = flag("", "comma-separated text files to train on (default: CPython's pydoc topics)")
@@ -181,6 +191,8 @@ class Config(ResumableArgs):
             not self.wrong_variant.startswith("resume_") or self.resume_from_checkpoint,
             f"--wrong_variant {self.wrong_variant} is a mistake made when resuming: add --resume_from_checkpoint",
         )
+        require(not self.sequence_parallel or self.strategy == "tp",
+                f"--sequence_parallel is tensor parallelism's (--strategy tp), not {self.strategy}")  # fmt: skip
         require(not self.wrong_variant or self.strategy in strategies_with(self.wrong_variant),
                 f"--wrong_variant {self.wrong_variant} is a mistake only under --strategy "
                 f"{', '.join(strategies_with(self.wrong_variant))}, not {self.strategy}")  # fmt: skip

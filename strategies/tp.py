@@ -1,5 +1,5 @@
 """tp: tensor parallelism, Megatron-style, with DTensor's `parallelize_module` (as PyTorch's TP tutorial
-plans it, without its sequence parallelism). Each rank holds 1/N of every block's heads and MLP units
+plans it; its sequence parallelism with --sequence_parallel). Each rank holds 1/N of every block's heads and MLP units
 and of the vocabulary, and every rank reads the SAME data:
   q/k/v and fc_in column-parallel  weight split by output rows: each rank computes its own heads /
                                    hidden units from the full (replicated) input, no communication;
@@ -20,6 +20,13 @@ must build the same model (seed_per_rank shows what happens otherwise).
 Why PyTorch's API: Accelerate's TP path needs a transformers model (FIELD_NOTES). Refused: heads that do
 not divide the TP degree (each rank must hold whole heads), bf16 (not built for TP here).
 
+--sequence_parallel (Megatron's sequence parallelism): between the sub-layers each rank holds 1/N of the
+tokens (the LayerNorms, the residual stream: SequenceParallel on a Shard(1) DTensor); entering attention or
+the MLP the sequence is all-gathered, and the row-parallel outputs are reduce-scattered back to their
+tokens' owners instead of all-reduced: the same bytes on the wire (an all-reduce is a reduce-scatter plus
+an all-gather), the activations between the sub-layers 1/N. The LayerNorm weights' gradients then come out
+as partial sums (each rank's own tokens): clipping sums them first (common/optim.py).
+
 Theory per step, batch B x context T x width d, k micro-batches: all-reduce the activations (B T d x 4
 bytes) 4 x n_layer + 2 times per micro-batch (the embedding's output, 2 per block in forward and 2 in
 backward, the head's input gradient), and all-gather the logits (B T x vocabulary padded to a multiple
@@ -30,11 +37,12 @@ from __future__ import annotations
 
 import math
 
-from torch.distributed.tensor import Partial, Replicate
+from torch.distributed.tensor import Partial, Replicate, Shard
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
     PrepareModuleInput,
     RowwiseParallel,
+    SequenceParallel,
     parallelize_module,
 )
 
@@ -120,14 +128,17 @@ def refuse(cfg, layout: Layout) -> None:
 def apply(model, layout: Layout, accelerator, cfg):
     mesh = layout.mesh(accelerator.device.type)
     row_all_reduce = cfg.wrong_variant != "row_parallel_without_all_reduce"
-    return with_optimizer(
-        parallelize(model.to(accelerator.device), mesh["tp"], row_all_reduce), accelerator, cfg
-    )
+    sequence_parallel = getattr(cfg, "sequence_parallel", False)
+    model = parallelize(model.to(accelerator.device), mesh["tp"], row_all_reduce, sequence_parallel)
+    return with_optimizer(model, accelerator, cfg)
 
 
-def parallelize(model, tp_mesh, row_all_reduce: bool = True):
+def parallelize(model, tp_mesh, row_all_reduce: bool = True, sequence_parallel: bool = False):
     """The plan above on `tp_mesh`. row_all_reduce=False leaves the row-parallel outputs as partial sums:
-    the classic missing all-reduce (`row_parallel_without_all_reduce`)."""
+    the classic missing all-reduce (`row_parallel_without_all_reduce`). sequence_parallel: Megatron's
+    sequence parallelism between the sub-layers (the module docstring)."""
+    if sequence_parallel:
+        return parallelize_sequence(model, tp_mesh)
     row_output = Replicate() if row_all_reduce else Partial()
     replicated_input = PrepareModuleInput(
         input_layouts=(Replicate(),), desired_input_layouts=(Replicate(),), use_local_output=False
@@ -176,11 +187,57 @@ def activation_traffic(model, layout: Layout, cfg) -> dict:
     # full activation checkpointing runs each block's forward again in backward, up to the attention output's
     # all-reduce (the MLP's output is needed by nothing backward uses: the recompute stops before it)
     recomputed = cfg.n_layer if cfg.activation_checkpointing == "full" else 0
-    return {
-        "all_reduce": k * (4 * cfg.n_layer + 2 + recomputed) * tokens * cfg.d_model * 4,
-        "all_gather": k * tokens * padded_vocab * 4,
-    }
+    activation, logits = tokens * cfg.d_model * 4, k * tokens * padded_vocab * 4
+    if getattr(cfg, "sequence_parallel", False):
+        # every sub-layer's all-reduce becomes its input's all-gather (forward; its reduce-scatter in backward)
+        # and its output's reduce-scatter (forward; its all-gather in backward); the head's input is gathered
+        # too, and the block-0 slice of the embeddings' sum gathers its gradient back
+        return {
+            "all_reduce": k * activation,  # the embedding's output, as tp
+            "all_gather": k * (4 * cfg.n_layer + 2) * activation + logits,
+            "reduce_scatter": k * (4 * cfg.n_layer + 1) * activation,
+        }
+    return {"all_reduce": k * (4 * cfg.n_layer + 2 + recomputed) * activation, "all_gather": logits}
 
 
 def sent_bytes(model, layout: Layout, cfg) -> dict:
     return communication({}, activation_traffic(model, layout, cfg), layout)
+
+
+def parallelize_sequence(model, tp_mesh):
+    """tp's plan with Megatron's sequence parallelism: between the sub-layers (LayerNorms, residual adds)
+    each rank holds 1/N of the tokens; entering attention or the MLP the sequence is all-gathered, and the
+    row-parallel outputs are reduce-scattered to the tokens' owners instead of all-reduced."""
+    sequence = Shard(1)
+    gathered_input = PrepareModuleInput(
+        input_layouts=(sequence,), desired_input_layouts=(Replicate(),), use_local_output=False
+    )
+    for index, block in enumerate(model.blocks):
+        plan = {
+            "ln_1": SequenceParallel(),
+            "attn": gathered_input,
+            "attn.q_proj": ColwiseParallel(),
+            "attn.k_proj": ColwiseParallel(),
+            "attn.v_proj": ColwiseParallel(),
+            "attn.o_proj": RowwiseParallel(output_layouts=sequence, use_local_output=False),
+            "ln_2": SequenceParallel(),
+            "mlp": gathered_input,
+            "mlp.fc_in": ColwiseParallel(),
+            "mlp.fc_out": RowwiseParallel(output_layouts=sequence, use_local_output=False),
+        }
+        parallelize_module(block, tp_mesh, plan)
+        if index == 0:  # the embeddings' sum enters whole: each rank keeps its own tokens (a slice, no send)
+            parallelize_module(block, tp_mesh, PrepareModuleInput(input_layouts=(Replicate(),),
+                                                                  desired_input_layouts=(sequence,)))  # fmt: skip
+    parallelize_module(
+        model,
+        tp_mesh,
+        {
+            "tok_emb": RowwiseParallel(input_layouts=Replicate(), output_layouts=Replicate()),
+            "ln_f": SequenceParallel(),
+            "head": ColwiseParallel(input_layouts=sequence, output_layouts=Replicate()),
+        },
+    )
+    if model.cfg.tie_weights:
+        model.head.weight = model.tok_emb.weight
+    return model

@@ -17,3 +17,32 @@ if os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1") != "1":
     # several workers on this machine's cores: one torch thread each, as Accelerate gives each rank of a
     # CPU launch, instead of every worker taking every core (oversubscribed GEMMs slow down many-fold)
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // int(os.environ["PYTEST_XDIST_WORKER_COUNT"])))
+
+# The files that take longest, longest first (measured durations, this machine). xdist hands each worker a
+# whole file at a time in collection order (--no-loadscope-reorder in pyproject.toml): a long file handed
+# out last would run alone at the end while the other worker idles. The others keep their order.
+LONGEST_FIRST = (
+    "test_resume.py",
+    "test_deepspeed.py",
+    "test_performance.py",
+    "test_train_gpt_checkpoints.py",
+    "test_tools_sweep.py",
+    "test_reliability.py",
+    "test_benchmarks.py",
+    "test_ddp_linear.py",
+    "test_train_gpt_pipeline.py",
+    "test_train_gpt_tensor_parallel.py",
+    "test_train_gpt.py",
+    "test_activation_checkpointing.py",
+    "test_manual_data_parallel.py",
+    "test_pipeline_parallel.py",
+    "test_checkpoint_integrity.py",
+    "test_collectives_bench.py",
+    "test_train_gpt_context_parallel.py",
+    "test_loss_normalization.py",
+)
+
+
+def pytest_collection_modifyitems(items):
+    order = {name: index for index, name in enumerate(LONGEST_FIRST)}
+    items.sort(key=lambda item: order.get(item.path.name, len(order)))  # stable within a file

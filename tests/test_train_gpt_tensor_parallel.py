@@ -56,3 +56,24 @@ def test_tensor_parallel_mistakes_are_caught(tmp_path, strategy, variant, num_pr
     assert finished.returncode == 1
     checks = finished.summary["checks"]
     assert {name for name, check in checks.items() if not check["passed"]} == failing
+
+
+@pytest.mark.launch
+def test_sequence_parallelism_sends_what_tp_sends_and_keeps_less(tmp_path):
+    """tp with and without --sequence_parallel, side by side: both match one process; SP's all-reduces
+    become all-gathers and reduce-scatters (counted = its theory), about the same bytes on the wire, and
+    each rank keeps fewer activation bytes (the LayerNorms and the residual stream on half the tokens)."""
+    runs = {}
+    for name, extra in (("tp", []), ("sp", ["--sequence_parallel"])):
+        finished = fork_launch(
+            main, [*GPT_TINY, "--strategy", "tp", "--max_steps", "8", *extra], tmp_path / name
+        )
+        runs[name] = assert_gpt_passed(finished, 2)["metrics"]
+    activation = 4 * 32 * 32 * 4  # 4 rows x 32 tokens x width 32, float32
+    sp = runs["sp"]["communication"]["counted"]
+    assert sp["calls"] == {"all_reduce": 1, "all_gather": 4 * 2 + 2 + 1, "reduce_scatter": 4 * 2 + 1}
+    assert sp["bytes"]["reduce_scatter"] == (4 * 2 + 1) * activation
+    wire = {name: runs[name]["communication"]["theory"]["wire_bytes"] for name in runs}
+    assert wire["sp"] == wire["tp"] + activation / 2  # + the head's input, gathered and scattered back
+    kept = {name: runs[name]["bytes_per_rank"][0]["saved_activation_bytes"] for name in runs}
+    assert kept["sp"] < kept["tp"]
