@@ -210,9 +210,9 @@ def run(quick: bool = False, slow_loop: str = "", slow_us: float = 0.0) -> dict:
         2,
         [
             "--steps",
-            "300" if quick else "6000",
+            "150" if quick else "6000",
             "--warmup",
-            "50" if quick else "300",
+            "25" if quick else "300",
             "--slow_loop",
             slow_loop,
             "--slow_us",

@@ -142,7 +142,15 @@ class GPT(nn.Module):
             {"params": [p for p in params if p.dim() >= 2], "weight_decay": weight_decay},
             {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0},
         ]
-        return torch.optim.AdamW(groups, lr=lr, betas=(0.9, 0.95), eps=1e-8)
+        # The fused kernel: one pass over each group's tensors. PyTorch's default on CPU steps one parameter at a
+        # time, a dozen ops each, and over FSDP2's DTensor shards every op pays DTensor's dispatch: measured, one
+        # AdamW step of this GPT on 2 ranks took 24.0 ms under fsdp, 2.6 fused; 5.8 plain (ddp), 1.7 fused.
+        # Fused takes one kind of tensor per call: tp mixes DTensor matrices with plain LayerNorms, and keeps
+        # the default.
+        from torch.distributed.tensor import DTensor
+
+        fused = len({isinstance(p, DTensor) for p in params}) == 1
+        return torch.optim.AdamW(groups, lr=lr, betas=(0.9, 0.95), eps=1e-8, fused=fused)
 
     @torch.no_grad()
     def generate(

@@ -45,7 +45,17 @@ def tiny_kept_bytes(mode: str, data_parallel_ranks: int) -> int:
 @pytest.mark.launch
 @pytest.mark.parametrize(("strategy", "mode"), [("fsdp", "full"), ("tp", "full"), ("pp", "selective")])
 def test_checkpointed_runs_still_match_one_process_and_send_the_theory(tmp_path, strategy, mode):
-    args = [*GPT_TINY, "--strategy", strategy, "--activation_checkpointing", mode]
+    args = [
+        *GPT_TINY,
+        "--strategy",
+        strategy,
+        "--activation_checkpointing",
+        mode,
+        "--max_steps",
+        "8",
+        "--parity_steps",
+        "5",
+    ]
     summary = assert_gpt_passed(fork_launch(main, args, tmp_path / "run"), 2)
     assert set(summary["checks"]) == GPT_DISTRIBUTED_CHECKS
     kept = [held.get("saved_activation_bytes") for held in summary["metrics"]["bytes_per_rank"]]

@@ -22,8 +22,12 @@ TIED = 512 * 32 * 4  # the tied embedding's gradient: vocabulary 512 x width 32
 @pytest.mark.parametrize(
     ("schedule", "boundaries", "tied_all_reduce"),
     [
-        ("gpipe", 1, True),  # rank 0: stage 0 -> 1
-        ("1f1b", 1, True),
+        (
+            "gpipe",
+            1,
+            True,
+        ),  # rank 0: stage 0 -> 1 (1f1b, the default, runs in the pp x dp test, the resharding
+        # chain and test_activation_checkpointing)
         ("interleaved_1f1b", 3, True),  # rank 0: stages 0 and 2: 0 -> 1, 1 -> 2, 2 -> 3
         ("interleaved_zero_bubble", 3, True),
         ("zbv", 2, False),  # rank 0: stages 0 and 3 (the V): 0 -> 1, 2 -> 3; it holds both ends of the tie

@@ -51,8 +51,19 @@ def test_fsdp_times_tp_on_four_ranks(tmp_path):
     ],
 )
 def test_tensor_parallel_mistakes_are_caught(tmp_path, strategy, variant, num_processes, failing):
-    finished = fork_launch(main, [*GPT_TINY, "--strategy", strategy, "--wrong_variant", variant], tmp_path / "run",
-                           num_processes=num_processes)  # fmt: skip
+    # 6 steps, parity over 4: a mistake needs no more to show, and tp's steps are the suite's slowest
+    args = [
+        *GPT_TINY,
+        "--strategy",
+        strategy,
+        "--wrong_variant",
+        variant,
+        "--max_steps",
+        "6",
+        "--parity_steps",
+        "4",
+    ]
+    finished = fork_launch(main, args, tmp_path / "run", num_processes=num_processes)
     assert finished.returncode == 1
     checks = finished.summary["checks"]
     assert {name for name, check in checks.items() if not check["passed"]} == failing
@@ -65,9 +76,19 @@ def test_sequence_parallelism_sends_what_tp_sends_and_keeps_less(tmp_path):
     each rank keeps fewer activation bytes (the LayerNorms and the residual stream on half the tokens)."""
     runs = {}
     for name, extra in (("tp", []), ("sp", ["--sequence_parallel"])):
-        finished = fork_launch(
-            main, [*GPT_TINY, "--strategy", "tp", "--max_steps", "8", *extra], tmp_path / name
-        )
+        args = [
+            *GPT_TINY,
+            "--strategy",
+            "tp",
+            "--max_steps",
+            "6",
+            "--parity_steps",
+            "4",
+            "--min_loss_drop",
+            "0",
+            *extra,
+        ]
+        finished = fork_launch(main, args, tmp_path / name)
         runs[name] = assert_gpt_passed(finished, 2)["metrics"]
     activation = 4 * 32 * 32 * 4  # 4 rows x 32 tokens x width 32, float32
     sp = runs["sp"]["communication"]["counted"]
