@@ -4,6 +4,7 @@ Every launch goes through common/processes.py: a test that times out ends every 
 from __future__ import annotations
 
 import functools
+import gc
 import json
 import os
 import socket
@@ -148,6 +149,12 @@ def fork_launch(
     timer = threading.Timer(LAUNCH_TIMEOUT_S, kill_the_ranks)
     timer.daemon = True
     timer.start()
+    # Freeze what this process holds out of the ranks' garbage collector: a fork copies objects whose locks
+    # belonged to threads the fork left behind (tqdm's monitor: conftest.py turns it off), and collecting one
+    # in a rank (a finalizer taking its lock) hung ranks in a deepcopy's automatic collection and in
+    # Accelerate's gc.collect()
+    gc.collect()
+    gc.freeze()
     try:
         with patch_environment(**(launch_environment(config) if config else {}), **(env or {})):
             notebook_launcher(_rank, args=(main, ["--output_dir", str(output_dir), *args], str(codes)),
@@ -158,6 +165,7 @@ def fork_launch(
         )
         raise
     finally:
+        gc.unfreeze()
         timer.cancel()
     returncode = max(int(path.read_text()) for path in codes.glob("rank*.code"))
     stderr = "".join(path.read_text(errors="replace") for path in sorted(codes.glob("rank*.stderr")))
