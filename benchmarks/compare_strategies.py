@@ -23,8 +23,7 @@ from pathlib import Path
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from benchmarks.workers import accelerate_launch, dated_folder, run_one_thread_per_rank
-from common.processes import TIMED_OUT
+from benchmarks.workers import accelerate_launch, checks_verdict, dated_folder, run_for_summary
 from strategies import STRATEGIES
 
 REPO = Path(__file__).resolve().parent.parent
@@ -91,12 +90,8 @@ def launch_command(strategy: str, run_dir: Path, args: argparse.Namespace) -> li
 
 def run_strategy(strategy: str, run_dir: Path, args: argparse.Namespace) -> dict:
     """One run; its summary.json, or what went wrong. The console goes to <run_dir>.log."""
-    done = run_one_thread_per_rank(launch_command(strategy, run_dir, args), f"{run_dir}.log", args.timeout_s)
-    summary_path = run_dir / "summary.json"
-    if done.returncode == TIMED_OUT or not summary_path.exists():
-        reason = "timed out" if done.returncode == TIMED_OUT else f"exit {done.returncode}, no summary"
-        return {"strategy": strategy, "error": f"{reason}: see {run_dir}.log"}
-    return json.loads(summary_path.read_text())
+    summary = run_for_summary(launch_command(strategy, run_dir, args), run_dir, args.timeout_s)
+    return {"strategy": strategy, **summary} if "error" in summary else summary
 
 
 def row(summary: dict) -> dict:
@@ -105,14 +100,13 @@ def row(summary: dict) -> dict:
         return {"strategy": summary["strategy"], "error": summary["error"]}
     metrics, config = summary["metrics"], summary["config"]
     communication = metrics.get("communication", {})
-    failed = [name for name, check in summary["checks"].items() if not check["passed"]]
     return {
         "strategy": config["strategy"],
         "ranks": "1"
         if config["strategy"] == "none"
         else f"{metrics.get('pp_size', 1)} x " * (metrics.get("pp_size", 1) > 1)
         + f"{metrics['dp_size']} x {metrics['tp_size']}",
-        "checks": "all passed" if not failed else "FAILED: " + ", ".join(failed),
+        "checks": checks_verdict(summary),
         "loss_diff": metrics.get("loss_max_abs_diff"),
         "param_diff": metrics.get("param_max_abs_diff"),
         "bytes": {k: metrics["bytes_per_rank"][0][k] for k in ("params", "grads", "optimizer")},

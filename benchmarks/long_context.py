@@ -19,7 +19,7 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from benchmarks.workers import accelerate_launch, dated_folder, run_one_thread_per_rank
+from benchmarks.workers import accelerate_launch, checks_verdict, dated_folder, run_for_summary
 
 RUNS = [  # (label, strategy, ranks, extra flags)
     ("none", "none", 1, []),
@@ -58,17 +58,15 @@ def main(argv: list[str] | None = None) -> int:
         else:
             command = [sys.executable, "experiments/train_gpt.py", *flags]
         print(f"{label} ...", flush=True)
-        run_one_thread_per_rank(command, f"{run}.log", args.timeout_s)
-        if not (run / "summary.json").exists():
-            rows.append({"run": label, "error": f"no summary: see {run}.log"})
+        summary = run_for_summary(command, run, args.timeout_s)
+        if "error" in summary:
+            rows.append({"run": label, "error": summary["error"]})
             continue
-        summary = json.loads((run / "summary.json").read_text())
         metrics = summary["metrics"]
-        failed = [name for name, check in summary["checks"].items() if not check["passed"]]
         rows.append({
             "run": label, "ranks": ranks, "kept_bytes_per_rank": [h["saved_activation_bytes"] for h in metrics["bytes_per_rank"]],
             "tokens_per_s": metrics["tokens_per_s"], "attention_s_per_rank": metrics.get("attention_s_per_rank"),
-            "checks": "all passed" if not failed else "FAILED: " + ", ".join(failed),
+            "checks": checks_verdict(summary),
         })  # fmt: skip
     command = "python -m benchmarks.long_context " + " ".join(argv if argv is not None else sys.argv[1:])
     table = markdown(rows, command.strip(), context)

@@ -20,7 +20,7 @@ import sys
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from benchmarks.compare_strategies import QUICK
-from benchmarks.workers import accelerate_launch, dated_folder, run_one_thread_per_rank
+from benchmarks.workers import accelerate_launch, checks_verdict, dated_folder, run_for_summary
 from strategies.pp import SCHEDULES
 
 
@@ -71,17 +71,12 @@ def main(argv: list[str] | None = None) -> int:
         ]
         flags += ["--max_steps", str(12 if args.quick else args.max_steps), "--parity_steps", "6"]
         print(f"{schedule} ...", flush=True)
-        run_one_thread_per_rank(
-            accelerate_launch("experiments/train_gpt.py", flags), f"{run}.log", args.timeout_s
-        )
-        summary_path = run / "summary.json"
-        if not summary_path.exists():
-            rows.append({"schedule": schedule, "error": f"no summary: see {run}.log"})
+        summary = run_for_summary(accelerate_launch("experiments/train_gpt.py", flags), run, args.timeout_s)
+        if "error" in summary:
+            rows.append({"schedule": schedule, "error": summary["error"]})
             continue
-        summary = json.loads(summary_path.read_text())
-        failed = [name for name, check in summary["checks"].items() if not check["passed"]]
         rows.append({**summary["metrics"]["pipeline"], "tokens_per_s": summary["metrics"]["tokens_per_s"],
-                     "checks": "all passed" if not failed else "FAILED: " + ", ".join(failed)})  # fmt: skip
+                     "checks": checks_verdict(summary)})  # fmt: skip
     command = "python -m benchmarks.pipeline_schedules " + " ".join(
         argv if argv is not None else sys.argv[1:]
     )

@@ -53,6 +53,28 @@ def run_one_thread_per_rank(command: list[str], log_path: str, timeout_s: float)
     return done
 
 
+def run_for_summary(command: list[str], run_dir, timeout_s: float) -> dict:
+    """One experiment launch (run_one_thread_per_rank, its console in <run_dir>.log): the summary.json it
+    wrote in run_dir, or {"error": what went wrong}."""
+    import json
+    from pathlib import Path
+
+    from common.processes import TIMED_OUT
+
+    done = run_one_thread_per_rank(command, f"{run_dir}.log", timeout_s)
+    summary = Path(run_dir) / "summary.json"
+    if done.returncode == TIMED_OUT or not summary.exists():
+        reason = "timed out" if done.returncode == TIMED_OUT else f"exit {done.returncode}, no summary"
+        return {"error": f"{reason}: see {run_dir}.log"}
+    return json.loads(summary.read_text())
+
+
+def checks_verdict(summary: dict) -> str:
+    """'all passed', or 'FAILED: ' and the checks that failed."""
+    failed = [name for name, check in summary["checks"].items() if not check["passed"]]
+    return "all passed" if not failed else "FAILED: " + ", ".join(failed)
+
+
 def free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))

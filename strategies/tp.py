@@ -128,8 +128,7 @@ def refuse(cfg, layout: Layout) -> None:
 def apply(model, layout: Layout, accelerator, cfg):
     mesh = layout.mesh(accelerator.device.type)
     row_all_reduce = cfg.wrong_variant != "row_parallel_without_all_reduce"
-    sequence_parallel = getattr(cfg, "sequence_parallel", False)
-    model = parallelize(model.to(accelerator.device), mesh["tp"], row_all_reduce, sequence_parallel)
+    model = parallelize(model.to(accelerator.device), mesh["tp"], row_all_reduce, cfg.sequence_parallel)
     return with_optimizer(model, accelerator, cfg)
 
 
@@ -188,7 +187,7 @@ def activation_traffic(model, layout: Layout, cfg) -> dict:
     # all-reduce (the MLP's output is needed by nothing backward uses: the recompute stops before it)
     recomputed = cfg.n_layer if cfg.activation_checkpointing == "full" else 0
     activation, logits = tokens * cfg.d_model * 4, k * tokens * padded_vocab * 4
-    if getattr(cfg, "sequence_parallel", False):
+    if cfg.sequence_parallel:
         # every sub-layer's all-reduce becomes its input's all-gather (forward; its reduce-scatter in backward)
         # and its output's reduce-scatter (forward; its all-gather in backward); the head's input is gathered
         # too, and the block-0 slice of the embeddings' sum gathers its gradient back

@@ -314,3 +314,20 @@ def start_and_kill_every_process(command: list[str], env: dict, until) -> None:
     assert not any(p.is_running() and p.status() != psutil.STATUS_ZOMBIE for p in everyone), (
         "a process survived the kill"
     )
+
+
+def tiny_gpt_kept_bytes(mode: str = "none", data_parallel_ranks: int = 1) -> int:
+    """What ONE process keeps for backward from one rank's batch of GPT_TINY's model (4 rows of 32 tokens)
+    under activation checkpointing `mode`, the rows as train_gpt's ranks get them: views of the global
+    batch (of data_parallel_ranks x 4 rows), whose storage they hold."""
+    import torch
+
+    from common.activations import SavedActivations
+    from common.gpt import GPTConfig, build_gpt
+
+    model = build_gpt(GPTConfig(vocab_size=512, block_size=32, n_layer=2, n_head=2, d_model=32), 0)
+    model.set_activation_checkpointing(mode)
+    x, y = (torch.zeros(4 * data_parallel_ranks, 32, dtype=torch.long) for _ in "xy")
+    with SavedActivations() as saved:
+        model(x[:4], y[:4])
+    return saved.bytes

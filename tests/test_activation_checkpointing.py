@@ -9,13 +9,10 @@ from __future__ import annotations
 import json
 
 import pytest
-import torch
 
 from benchmarks.activation_checkpointing import main as trade_main
-from common.activations import SavedActivations
-from common.gpt import GPTConfig, build_gpt
 from experiments.train_gpt import main
-from helpers import GPT_DISTRIBUTED_CHECKS, GPT_TINY, assert_gpt_passed, fork_launch
+from helpers import GPT_DISTRIBUTED_CHECKS, GPT_TINY, assert_gpt_passed, fork_launch, tiny_gpt_kept_bytes
 
 
 def test_each_mode_keeps_and_recomputes_what_the_theory_says_and_changes_no_gradient(tmp_path, capsys):
@@ -29,17 +26,6 @@ def test_each_mode_keeps_and_recomputes_what_the_theory_says_and_changes_no_grad
     assert full["kept_bytes"] < selective["kept_bytes"] < none["kept_bytes"]
     assert full["flops"] > none["flops"] == selective["flops"]  # selective saves every matmul's output
     assert "| full |" in capsys.readouterr().out
-
-
-def tiny_kept_bytes(mode: str, data_parallel_ranks: int) -> int:
-    """What one process keeps for one rank's batch of GPT_TINY's model (4 blocks of 32 tokens), the batch
-    as train_gpt's ranks get it: views of the global batch (whose storage they hold)."""
-    model = build_gpt(GPTConfig(vocab_size=512, block_size=32, n_layer=2, n_head=2, d_model=32), 0)
-    model.set_activation_checkpointing(mode)
-    x, y = torch.zeros(2, 4 * data_parallel_ranks, 32, dtype=torch.long)
-    with SavedActivations() as saved:
-        model(x[:4], y[:4])
-    return saved.bytes
 
 
 @pytest.mark.launch
@@ -62,9 +48,9 @@ def test_checkpointed_runs_still_match_one_process_and_send_the_theory(tmp_path,
     if (
         strategy == "fsdp"
     ):  # each rank keeps what one process keeps for its batch (gathered weights are no activation)
-        assert kept == [tiny_kept_bytes(mode, 2)] * 2 and kept[0] < tiny_kept_bytes("none", 2)
+        assert kept == [tiny_gpt_kept_bytes(mode, 2)] * 2 and kept[0] < tiny_gpt_kept_bytes("none", 2)
     elif strategy == "tp":  # the checkpoints keep whole (all-reduced) block inputs: as much as one process
-        assert kept == [tiny_kept_bytes(mode, 1)] * 2
+        assert kept == [tiny_gpt_kept_bytes(mode, 1)] * 2
         calls = summary["metrics"]["communication"]["counted"]["calls"]
         assert calls["all_reduce"] == 4 * 2 + 2 + 2  # + one recomputed attention all-reduce per block
     else:  # pp's forward phase is the whole pipeline step: not counted

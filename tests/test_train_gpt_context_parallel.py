@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 
 from experiments.train_gpt import main
-from helpers import GPT_DISTRIBUTED_CHECKS, GPT_TINY, assert_gpt_passed, fork_launch
+from helpers import GPT_DISTRIBUTED_CHECKS, GPT_TINY, assert_gpt_passed, fork_launch, tiny_gpt_kept_bytes
 from strategies.cp import ChunkedAttention, chunks_of, plan_for
 
 
@@ -72,19 +72,7 @@ def test_context_parallel_matches_one_process_and_sends_the_theory(tmp_path):
     assert counted["bytes"]["reduce_scatter"] == 2 * 2 * whole  # their gradients, back to their owners
     assert len(metrics["attention_s_per_rank"]) == 2 and metrics["attention_imbalance"] >= 1
     kept = [held["saved_activation_bytes"] for held in metrics["bytes_per_rank"]]
-    assert kept[0] == kept[1] < one_process_kept_bytes()  # half the tokens each (the gathered K, V whole)
-
-
-def one_process_kept_bytes() -> int:
-    """What one process keeps for backward from the same 4 rows of 32 tokens (GPT_TINY's model)."""
-    from common.activations import SavedActivations
-    from common.gpt import GPTConfig, build_gpt
-
-    model = build_gpt(GPTConfig(vocab_size=512, block_size=32, n_layer=2, n_head=2, d_model=32), 0)
-    x, y = (torch.zeros(4, 32, dtype=torch.long) for _ in "xy")
-    with SavedActivations() as saved:
-        model(x, y)
-    return saved.bytes
+    assert kept[0] == kept[1] < tiny_gpt_kept_bytes()  # half the tokens each (the gathered K, V whole)
 
 
 @pytest.mark.launch
