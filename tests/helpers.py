@@ -7,12 +7,14 @@ import functools
 import gc
 import json
 import os
+import shutil
 import socket
 import subprocess
 import sys
 import tempfile
 import threading
 import time
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -38,6 +40,7 @@ GPT_DISTRIBUTED_CHECKS = {
     "communication_volume",
 }
 LAUNCH_TIMEOUT_S = 240  # a 2-rank tiny run takes ~10 s here; this only bounds a hang
+FORK_TIMEOUT_S = 120  # forked ranks: the longest forked run here takes ~35 s on the loaded 2 cores
 
 
 def free_port() -> int:
@@ -131,14 +134,35 @@ def fork_launch(
     experiment keeps at least one `launch` smoke test. The returncode is the ranks' largest exit code.
     config: an accelerate config whose settings the ranks see as `accelerate launch --config_file` sets
     them (launch_environment reads them from the launcher itself)."""
+
+    codes = output_dir.parent / f"{output_dir.name}.exit_codes"
+    for attempt in (1, 2):
+        codes.mkdir(parents=True, exist_ok=True)
+        if _forked_ranks_finished(main, args, output_dir, num_processes, env, config, codes):
+            break
+        # A rank forked from this multi-threaded test process can deadlock on a lock another thread held at
+        # the fork (execnet's, tqdm's; seen in about 1 of 3 full-suite runs): the ranks were killed past
+        # FORK_TIMEOUT_S. Said as a warning, and started once more from a clean folder; a run that hangs
+        # by itself hangs twice and fails.
+        warnings.warn(
+            f"forked ranks of {output_dir} ran past {FORK_TIMEOUT_S} s and were killed (attempt {attempt})",
+            stacklevel=2,
+        )
+        assert attempt == 1, f"forked ranks ran past {FORK_TIMEOUT_S} s twice and were killed: {output_dir}"
+        shutil.rmtree(output_dir, ignore_errors=True)
+        shutil.rmtree(codes, ignore_errors=True)
+    returncode = max(int(path.read_text()) for path in codes.glob("rank*.code"))
+    stderr = "".join(path.read_text(errors="replace") for path in sorted(codes.glob("rank*.stderr")))
+    return Finished(returncode, "", stderr, output_dir)
+
+
+def _forked_ranks_finished(main, args, output_dir, num_processes, env, config, codes) -> bool:
+    """One notebook_launcher launch; False if its ranks ran past FORK_TIMEOUT_S (then killed)."""
     from accelerate import notebook_launcher
     from accelerate.state import AcceleratorState
     from accelerate.utils import patch_environment
 
-    codes = output_dir.parent / f"{output_dir.name}.exit_codes"
-    codes.mkdir(parents=True, exist_ok=True)
     AcceleratorState._reset_state(True)  # the launcher refuses to start if this process holds a state
-    # never a hang: past the timeout every forked rank is killed, and the test fails saying so
     timed_out = threading.Event()
 
     def kill_the_ranks():
@@ -146,7 +170,7 @@ def fork_launch(
         for child in process_tree(os.getpid())[1:]:
             kill_tree(child.pid)
 
-    timer = threading.Timer(LAUNCH_TIMEOUT_S, kill_the_ranks)
+    timer = threading.Timer(FORK_TIMEOUT_S, kill_the_ranks)
     timer.daemon = True
     timer.start()
     # Freeze what this process holds out of the ranks' garbage collector: a fork copies objects whose locks
@@ -160,16 +184,13 @@ def fork_launch(
             notebook_launcher(_rank, args=(main, ["--output_dir", str(output_dir), *args], str(codes)),
                               num_processes=num_processes, use_port=str(free_port()))  # fmt: skip
     except Exception:
-        assert not timed_out.is_set(), (
-            f"forked ranks ran past {LAUNCH_TIMEOUT_S} s and were killed: {output_dir}"
-        )
+        if timed_out.is_set():
+            return False
         raise
     finally:
         gc.unfreeze()
         timer.cancel()
-    returncode = max(int(path.read_text()) for path in codes.glob("rank*.code"))
-    stderr = "".join(path.read_text(errors="replace") for path in sorted(codes.glob("rank*.stderr")))
-    return Finished(returncode, "", stderr, output_dir)
+    return not timed_out.is_set()
 
 
 @functools.cache
