@@ -39,10 +39,13 @@ class TrainLoop:
         samples_per_micro_batch: int,
         checkpointer=None,
         tokens_per_sample: int | None = None,
+        one_time_steps: int = 0,
     ):
         """`samples_per_micro_batch`: over every rank (the global micro-batch). `tokens_per_sample`: report
         throughput as tokens/s (a language model's sample is a block of tokens) instead of samples/s.
-        `checkpointer`: common/checkpoint.ShardedCheckpointer for sharded models (default: Accelerate's)."""
+        `checkpointer`: common/checkpoint.ShardedCheckpointer for sharded models (default: Accelerate's).
+        `one_time_steps`: this run's first steps that hold one-time work (warm-up, a state snapshot,
+        profiled steps); the throughput figure leaves them out (the whole loop's is reported beside it)."""
         self.session, self.cfg, self.accelerator = session, session.cfg, session.accelerator
         self.model, self.optimizer = model, optimizer
         self.samples_per_micro_batch, self.tokens_per_sample = samples_per_micro_batch, tokens_per_sample
@@ -70,6 +73,9 @@ class TrainLoop:
         self.latest: dict = {}
         self.first_step_unix_time = None  # benchmarks/startup.py reads it from summary.json
         self.train_start = self.window_start = time.perf_counter()
+        # the steady state: from the end of the one-time steps (if the run goes on past them) to the end
+        self.steady_from_step = self.start_step + one_time_steps
+        self.steady_start = self.train_start if one_time_steps == 0 else None
 
     def _check_restored_state(self) -> None:
         """The state right after loading must be, bit for bit, the state the checkpoint was saved from.
@@ -101,7 +107,8 @@ class TrainLoop:
                 self.in_step = True
             yield next(batches)
         self.progress.close()
-        self.train_time_s = time.perf_counter() - self.train_start
+        self.train_end = time.perf_counter()
+        self.train_time_s = self.train_end - self.train_start
 
     def record(self, loss: torch.Tensor, **latest: float) -> None:
         """After each micro-batch: the loss window; after each optimizer step everything else.
@@ -121,6 +128,8 @@ class TrainLoop:
                 f"loss is {value} at step {self.step} on rank {self.accelerator.process_index}: "
                 "training diverged; lower --lr" + (f" (now {self.cfg.lr})" if hasattr(self.cfg, "lr") else "")
             )
+        if self.step == self.steady_from_step:
+            self.steady_start = time.perf_counter()
         self.progress.update(1)
         self.heartbeat.finished(self.step)
         if self.step % self.cfg.log_every == 0 or self.step == self.cfg.max_steps:
@@ -163,15 +172,21 @@ class TrainLoop:
     def metrics(self, final_state: tuple[dict, dict] | None = None) -> dict:
         """Figures for summary.json: throughput, where the run resumed, state digests. `final_state`: the
         full state at the end if the caller already gathered it (else gathered here: a collective)."""
+        accumulation = getattr(self.cfg, "gradient_accumulation_steps", 1)
         steps_run = self.step - self.start_step
-        micro_batches = steps_run * getattr(self.cfg, "gradient_accumulation_steps", 1)
+        loop_rate = self._per_second(steps_run * accumulation, self.train_time_s) if steps_run else math.nan
+        steady_steps = self.step - max(self.steady_from_step, self.start_step)
+        steady = self.steady_start is not None and steady_steps > 0
         figures = {
             "train_time_s": self.train_time_s,
             "resumed_from_step": self.start_step,
             "first_step_unix_time": self.first_step_unix_time,
-            f"{self.unit}_per_s": self._per_second(micro_batches, self.train_time_s)
-            if steps_run
-            else math.nan,
+            # the steady state's rate (the whole loop's when the run is not longer than its one-time steps)
+            f"{self.unit}_per_s": self._per_second(steady_steps * accumulation, self.train_end - self.steady_start)
+            if steady
+            else loop_rate,
+            f"loop_{self.unit}_per_s": loop_rate,
+            "steady_steps": steady_steps if steady else steps_run,
             "samples_seen": self.samples_seen,
             "state_digests": {str(step): digest for step, digest in self.state_digests.items()},
             "final_state_digest": self.checkpointer.digest(final_state),

@@ -320,9 +320,10 @@ def run(cfg: Config) -> int:
         initial_state, n_parameters = copy.deepcopy(model.state_dict()), count_parameters(model)
         model, optimizer = strategy.apply(model, layout, accelerator, cfg)  # AdamW on what each rank holds
         checkpointer = strategy.checkpointer(model, optimizer, accelerator, cfg)
-        loop = TrainLoop(
-            session, model, optimizer, global_rows, checkpointer, tokens_per_sample=cfg.block_size
-        )
+        # tokens/s is the steady state's: the first steps, the parity snapshot and any profiled steps are left out
+        one_time_steps = cfg.steps_before_profiling() + (1 + cfg.profile_steps if cfg.profile_steps else 0)
+        loop = TrainLoop(session, model, optimizer, global_rows, checkpointer, tokens_per_sample=cfg.block_size,
+                         one_time_steps=one_time_steps)  # fmt: skip
         eval_rows = max(cfg.per_rank_batch_size, EVAL_TOKENS // cfg.block_size)
         val_loss_before = evaluate(model, val_shard, eval_rows, accelerator)  # after any resume
         session.print(

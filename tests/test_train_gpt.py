@@ -40,6 +40,10 @@ def test_one_process_is_the_reference_and_learns(tmp_path, capsys):
     assert all(held[kind] == theory[kind] for kind in theory)
     (profiled,) = metrics["step_breakdown_ms"]  # one process sends nothing: compute and idle only
     assert profiled["communication_ms"] == 0 and 0 < profiled["compute_ms"] <= profiled["step_ms"]
+    # tokens/s is the steady state's: the first 6 steps (the parity snapshot's), the profiler's warm-up step
+    # and its 3 steps are left out of it; the whole loop's rate is beside it
+    assert metrics["steady_steps"] == 12 - 6 - 1 - 3
+    assert metrics["tokens_per_s"] > 0 and metrics["loop_tokens_per_s"] > 0
 
 
 @pytest.mark.launch
