@@ -136,21 +136,22 @@ class GPT(nn.Module):
 
     def configure_optimizers(self, lr: float, weight_decay: float) -> torch.optim.AdamW:
         """AdamW as nanoGPT sets it up: weight decay on matrices and embeddings (dim >= 2), none on biases
-        and norms. Works on a distributed model too (DDP, FSDP2, DTensor parameters): grouped by shape."""
-        params = {id(p): p for p in self.parameters()}.values()  # a tied weight once
-        groups = [
-            {"params": [p for p in params if p.dim() >= 2], "weight_decay": weight_decay},
-            {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0},
-        ]
-        # The fused kernel: one pass over each group's tensors. PyTorch's default on CPU steps one parameter at a
-        # time, a dozen ops each, and over FSDP2's DTensor shards every op pays DTensor's dispatch: measured, one
-        # AdamW step of this GPT on 2 ranks took 24.0 ms under fsdp, 2.6 fused; 5.8 plain (ddp), 1.7 fused.
-        # Fused takes one kind of tensor per call: tp mixes DTensor matrices with plain LayerNorms, and keeps
-        # the default.
+        and norms. Works on a distributed model too (DDP, FSDP2, DTensor parameters): grouped by shape and kind."""
         from torch.distributed.tensor import DTensor
 
-        fused = len({isinstance(p, DTensor) for p in params}) == 1
-        return torch.optim.AdamW(groups, lr=lr, betas=(0.9, 0.95), eps=1e-8, fused=fused)
+        params = {id(p): p for p in self.parameters()}.values()  # a tied weight once
+        # The fused kernel: one pass over each group's tensors. PyTorch's default on CPU steps one parameter at a
+        # time, a dozen ops each, and over DTensor parameters every op pays DTensor's dispatch: measured, one
+        # AdamW step of this GPT on 2 ranks took 25.1 ms on FSDP2's shards, 2.9 fused; 6.2 plain (ddp), 2.1 fused
+        # (benchmarks/optimizer_step.py). Fused takes one kind of tensor per call, and is called per group: tp
+        # mixes DTensor matrices with plain LayerNorms, so DTensors and plain tensors get groups of their own.
+        groups = []
+        for decay in (True, False):
+            for distributed in (True, False):
+                chosen = [p for p in params if (p.dim() >= 2) == decay and isinstance(p, DTensor) == distributed]
+                if chosen:
+                    groups.append({"params": chosen, "weight_decay": weight_decay if decay else 0.0})
+        return torch.optim.AdamW(groups, lr=lr, betas=(0.9, 0.95), eps=1e-8, fused=True)
 
     @torch.no_grad()
     def generate(
