@@ -80,9 +80,11 @@ def apply(model, layout: Layout, accelerator, cfg):
 
 def shard(model, mesh, zero3: bool, cfg=None, bf16: bool | None = None, wrap_root: bool | None = None):
     """fully_shard each block, then the root, over the data-parallel `mesh`. zero3: each block's gathered
-    parameters are freed after its forward and gathered again for backward; otherwise (ZeRO-2) they are
-    kept from forward to backward. bf16: parameters gathered as bf16 copies, gradients reduced in
-    float32. wrap_root=False is the classic mistake of sharding the blocks only (`unwrapped_root`)."""
+    parameters are freed after its forward and gathered again for backward. Otherwise (ZeRO-2) the blocks
+    are not units of their own: the whole model is one unit, gathered once before forward and kept until
+    backward ends, its gradients reduce-scattered once (see strategies/zero2.py for why). bf16: parameters
+    gathered as bf16 copies, gradients reduced in float32. wrap_root=False is the classic mistake of
+    sharding the blocks only (`unwrapped_root`)."""
     bf16 = cfg.mixed_precision == "bf16" if bf16 is None else bf16
     wrap_root = cfg.wrong_variant != "unwrapped_root" if wrap_root is None else wrap_root
     policy = (
@@ -90,8 +92,9 @@ def shard(model, mesh, zero3: bool, cfg=None, bf16: bool | None = None, wrap_roo
         if bf16
         else MixedPrecisionPolicy()
     )
-    for block in model.blocks:
-        fully_shard(block, mesh=mesh, reshard_after_forward=zero3, mp_policy=policy)
+    if zero3 or not wrap_root:
+        for block in model.blocks:
+            fully_shard(block, mesh=mesh, reshard_after_forward=zero3, mp_policy=policy)
     if wrap_root:
         # None: FSDP2's default for the root, which keeps its parameters for the backward that starts at once
         fully_shard(model, mesh=mesh, reshard_after_forward=None if zero3 else False, mp_policy=policy)
