@@ -12,11 +12,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import os  # noqa: E402
 
 import torch  # noqa: E402
-from tqdm import tqdm  # noqa: E402
-
-# No tqdm monitor thread in the test processes: helpers.fork_launch forks ranks from them, and a rank forked
-# while that thread held tqdm's lock hangs at its first progress bar or when a bar is collected (seen twice)
-tqdm.monitor_interval = 0
 
 if os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1") != "1":
     # several workers on this machine's cores: one torch thread each, as Accelerate gives each rank of a

@@ -4,17 +4,13 @@ Every launch goes through common/processes.py: a test that times out ends every 
 from __future__ import annotations
 
 import functools
-import gc
 import json
 import os
-import shutil
 import socket
 import subprocess
 import sys
 import tempfile
-import threading
 import time
-import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -126,71 +122,66 @@ def fork_launch(
     env: dict | None = None,
     config: str | None = None,
 ) -> Finished:
-    """`main(argv)` of an experiment on `num_processes` real gloo ranks, started by Accelerate's own
-    notebook_launcher: torch's elastic agent in this process, each rank FORKED from it. The ranks skip
-    the ~3 s of imports a fresh interpreter costs (a 2-rank tiny run: ~3 s instead of ~12 s of CPU), and
-    train, communicate and check exactly as under `accelerate launch`. For what a fresh process shows
-    (exit codes and stderr lines, kills, timeouts, the launcher's own behaviour) use `launch`; every
-    experiment keeps at least one `launch` smoke test. The returncode is the ranks' largest exit code.
-    config: an accelerate config whose settings the ranks see as `accelerate launch --config_file` sets
-    them (launch_environment reads them from the launcher itself)."""
+    """`main(argv)` of an experiment on `num_processes` real gloo ranks, each FORKED from a fork server: a
+    clean process that multiprocessing starts once per test process, with torch, Accelerate and the
+    experiments already imported. The ranks skip the ~3 s of imports a fresh interpreter costs, and get
+    the environment `torchrun` gives (RANK, LOCAL_RANK, WORLD_SIZE, MASTER_ADDR/PORT) plus this process's
+    at the call, then train, communicate and check exactly as under `accelerate launch`. For what a fresh
+    process shows (exit codes and stderr lines, kills, timeouts, the launcher's own behaviour) use
+    `launch`; every experiment keeps at least one `launch` smoke test. The returncode is the ranks'
+    largest exit code. config: an accelerate config whose settings the ranks see as `accelerate launch
+    --config_file` sets them (launch_environment reads them from the launcher itself).
+
+    Why a fork server and not a fork of this process (Accelerate's notebook_launcher): this process runs
+    threads (xdist's execnet, tqdm's monitor), and a rank forked while one of them held a lock deadlocked
+    on it: ranks hung in 4 of ~8 full-suite runs (a deepcopy's garbage collection, Accelerate's
+    gc.collect(), ddp_linear's first line). The fork server has no thread but its own."""
+    import torch.multiprocessing as mp
 
     codes = output_dir.parent / f"{output_dir.name}.exit_codes"
-    for attempt in (1, 2):
-        codes.mkdir(parents=True, exist_ok=True)
-        if _forked_ranks_finished(main, args, output_dir, num_processes, env, config, codes):
-            break
-        # A rank forked from this multi-threaded test process can deadlock on a lock another thread held at
-        # the fork (execnet's, tqdm's; seen in about 1 of 3 full-suite runs): the ranks were killed past
-        # FORK_TIMEOUT_S. Said as a warning, and started once more from a clean folder; a run that hangs
-        # by itself hangs twice and fails.
-        warnings.warn(
-            f"forked ranks of {output_dir} ran past {FORK_TIMEOUT_S} s and were killed (attempt {attempt})",
-            stacklevel=2,
-        )
-        assert attempt == 1, f"forked ranks ran past {FORK_TIMEOUT_S} s twice and were killed: {output_dir}"
-        shutil.rmtree(output_dir, ignore_errors=True)
-        shutil.rmtree(codes, ignore_errors=True)
+    codes.mkdir(parents=True, exist_ok=True)
+    environment = {
+        **os.environ,
+        **(launch_environment(config) if config else {}),
+        **(env or {}),
+        "MASTER_ADDR": "127.0.0.1",
+        "MASTER_PORT": str(free_port()),
+        "WORLD_SIZE": str(num_processes),
+        "LOCAL_WORLD_SIZE": str(num_processes),
+    }
+    # as torchrun: one thread per rank unless told otherwise (the test process's own share of the cores if 1 rank)
+    environment.setdefault("OMP_NUM_THREADS", "1" if num_processes > 1 else str(torch_threads()))
+    argv = ["--output_dir", str(output_dir), *args]
+    _start_fork_server()
+    ranks = mp.start_processes(_rank, args=(main, argv, str(codes), environment), nprocs=num_processes,
+                               join=False, start_method="forkserver")  # fmt: skip
+    deadline = time.monotonic() + FORK_TIMEOUT_S
+    try:
+        while not ranks.join(timeout=max(0.0, deadline - time.monotonic())):
+            assert time.monotonic() < deadline, f"forked ranks ran past {FORK_TIMEOUT_S} s: {output_dir}"
+    finally:
+        for process in ranks.processes:
+            if process.is_alive():
+                kill_tree(process.pid)
     returncode = max(int(path.read_text()) for path in codes.glob("rank*.code"))
     stderr = "".join(path.read_text(errors="replace") for path in sorted(codes.glob("rank*.stderr")))
     return Finished(returncode, "", stderr, output_dir)
 
 
-def _forked_ranks_finished(main, args, output_dir, num_processes, env, config, codes) -> bool:
-    """One notebook_launcher launch; False if its ranks ran past FORK_TIMEOUT_S (then killed)."""
-    from accelerate import notebook_launcher
-    from accelerate.state import AcceleratorState
-    from accelerate.utils import patch_environment
+def torch_threads() -> int:
+    import torch
 
-    AcceleratorState._reset_state(True)  # the launcher refuses to start if this process holds a state
-    timed_out = threading.Event()
+    return torch.get_num_threads()
 
-    def kill_the_ranks():
-        timed_out.set()
-        for child in process_tree(os.getpid())[1:]:
-            kill_tree(child.pid)
 
-    timer = threading.Timer(FORK_TIMEOUT_S, kill_the_ranks)
-    timer.daemon = True
-    timer.start()
-    # Freeze what this process holds out of the ranks' garbage collector: a fork copies objects whose locks
-    # belonged to threads the fork left behind (tqdm's monitor: conftest.py turns it off), and collecting one
-    # in a rank (a finalizer taking its lock) hung ranks in a deepcopy's automatic collection and in
-    # Accelerate's gc.collect()
-    gc.collect()
-    gc.freeze()
-    try:
-        with patch_environment(**(launch_environment(config) if config else {}), **(env or {})):
-            notebook_launcher(_rank, args=(main, ["--output_dir", str(output_dir), *args], str(codes)),
-                              num_processes=num_processes, use_port=str(free_port()))  # fmt: skip
-    except Exception:
-        if timed_out.is_set():
-            return False
-        raise
-    finally:
-        gc.unfreeze()
-        timer.cancel()
-    return not timed_out.is_set()
+@functools.cache
+def _start_fork_server() -> None:
+    """Import what every rank needs into the fork server, once per test process (~4 s), before it starts."""
+    import multiprocessing
+
+    multiprocessing.get_context("forkserver").set_forkserver_preload(
+        ["torch", "torch.distributed", "accelerate", "experiments.train_gpt", "experiments.ddp_linear"]
+    )
 
 
 @functools.cache
@@ -213,8 +204,16 @@ def launch_environment(config: str) -> dict[str, str]:
         return json.loads(dump.read_text())
 
 
-def _rank(main, argv: list[str], codes: str) -> None:
-    """One forked rank: main(argv), its exit code and stderr written where fork_launch reads them."""
+def _rank(index: int, main, argv: list[str], codes: str, environment: dict) -> None:
+    """One forked rank: the environment torchrun gives rank `index`, then main(argv), its exit code and stderr
+    written where fork_launch reads them."""
+    import torch
+
+    os.environ.clear()  # the fork server's environment is the one it started with: this call's instead
+    os.environ.update(environment, RANK=str(index), LOCAL_RANK=str(index))
+    torch.set_num_threads(
+        int(os.environ["OMP_NUM_THREADS"])
+    )  # torch was imported before the variable was set
     import torch.distributed as dist
 
     from common.config import UsageError

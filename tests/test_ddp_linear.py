@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from experiments.ddp_linear import main
-from helpers import clean_env, launch, run_in_process, run_main_in_process, wandb_history
+from helpers import clean_env, fork_launch, launch, run_in_process, run_main_in_process, wandb_history
 
 TINY = ["--max_steps", "120", "--log_every", "40", "--report_to", "none"]
 ALL_CHECKS = {"distributed", "recovers_truth", "matches_single_process", "loss_decreased"}
@@ -201,9 +201,7 @@ def test_trains_on_a_local_csv(tmp_path):
         "--per_rank_batch_size",
         "16",
     ]
-    # a real launch: forked from the test process, ranks reading the CSV through datasets hung at the fork (2 of
-    # 2 full-suite runs, a lock held by one of the test process's threads)
-    summary = assert_passed(launch("ddp_linear.py", args, tmp_path / "run"), world_size=2)
+    summary = assert_passed(fork_launch(main, args, tmp_path / "run"), world_size=2)
     assert summary["metrics"]["true_weight"] == pytest.approx(
         [1.0, -2.0, 0.5], abs=1e-4
     )  # least squares of exact data
