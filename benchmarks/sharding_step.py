@@ -4,6 +4,7 @@ phase is given as wall time and as the main thread's own CPU time.
 
     torchrun --nproc_per_node 2 benchmarks/sharding_step.py             # ~3 minutes
     torchrun --nproc_per_node 2 benchmarks/sharding_step.py --rounds 2  # a quick look
+    torchrun --nproc_per_node 2 benchmarks/sharding_step.py --variants fsdp,fsdp_async --compile
 
 Each rank runs one thread (as under accelerate launch) and AdamW is fused everywhere. `cpu` is the time
 the training thread itself ran (time.thread_time); wall - cpu is time it waited: for a collective, for
@@ -255,10 +256,18 @@ def main() -> int:
     parser.add_argument(
         "--compile", action="store_true", help="also tp_compiled (needs a C++ compiler; ~20 s)"
     )
+    parser.add_argument(
+        "--variants", default="", help="comma-separated, from " + ", ".join(VARIANTS) + " (default: all; "
+        "local and ddp always run: they are the reference and the ratio's denominator)"
+    )  # fmt: skip
     args = parser.parse_args()
-    variants = (*VARIANTS, "tp_compiled") if args.compile else VARIANTS
     if args.rounds < 1 or args.steps < 1:
         parser.error(f"--rounds and --steps must be >= 1, got {args.rounds}, {args.steps}")
+    chosen = [v.strip() for v in args.variants.split(",") if v.strip()] or list(VARIANTS)
+    unknown = [v for v in chosen if v not in VARIANTS]
+    if unknown:
+        parser.error(f"--variants: {', '.join(unknown)} not among {', '.join(VARIANTS)}")
+    variants = tuple(v for v in VARIANTS if v in {"local", "ddp", *chosen}) + ("tp_compiled",) * args.compile
     torch.set_num_threads(1)
     dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=120))
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -287,7 +296,8 @@ def main() -> int:
             rows[v] += [timed_step(*built[v][1:], *inputs[v]) for _ in range(args.steps)]
         dist.barrier()
         for v in ("zero2", "fsdp"):
-            comm_only[v] += [collectives_only(built[v][0], zero3=v == "fsdp") for _ in range(args.steps)]
+            if v in built:
+                comm_only[v] += [collectives_only(built[v][0], zero3=v == "fsdp") for _ in range(args.steps)]
         comm_only["tp"] += [tp_collectives_only(cfg) for _ in range(args.steps)]
     # the same data and updates: a data-parallel variant's last loss (the mean of its ranks') is the
     # reference's, a tp variant's is local's
@@ -314,7 +324,7 @@ def main() -> int:
                 for p in ("step", "forward", "backward", "optimizer")
             ]
             print(f"| {v} | {tokens[v]} | {' | '.join(cells)} | {rate[v] / rate['ddp']:.2f} |")
-        alone = ", ".join(f"{v} {statistics.median(ms):.1f}" for v, ms in comm_only.items())
+        alone = ", ".join(f"{v} {statistics.median(ms):.1f}" for v, ms in comm_only.items() if ms)
         print(f"\na step's collectives alone, no compute (zero2, fsdp: through FSDP2's buffers), ms: {alone}")
         print(f"loss after {3 + args.rounds * args.steps} updates against one process's on the same rows: largest "
               f"difference {worst:.1e} ({'equal' if worst < 1e-4 else 'NOT EQUAL'} within 1e-4)")  # fmt: skip
