@@ -249,7 +249,7 @@ def tp_collectives_only(cfg: GPTConfig) -> float:
     return 1e3 * (time.perf_counter() - started)
 
 
-def main() -> int:
+def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--rounds", type=int, default=8, help="interleaved rounds (each variant in turn)")
     parser.add_argument("--steps", type=int, default=5, help="timed steps per variant per round")
@@ -260,7 +260,7 @@ def main() -> int:
         "--variants", default="", help="comma-separated, from " + ", ".join(VARIANTS) + " (default: all; "
         "local and ddp always run: they are the reference and the ratio's denominator)"
     )  # fmt: skip
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     if args.rounds < 1 or args.steps < 1:
         parser.error(f"--rounds and --steps must be >= 1, got {args.rounds}, {args.steps}")
     chosen = [v.strip() for v in args.variants.split(",") if v.strip()] or list(VARIANTS)

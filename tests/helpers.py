@@ -121,10 +121,11 @@ def fork_launch(
     num_processes: int = 2,
     env: dict | None = None,
     config: str | None = None,
+    output_flag: bool = True,
 ) -> Finished:
-    """`main(argv)` of an experiment on `num_processes` real gloo ranks, each FORKED from a fork server: a
-    clean process that multiprocessing starts once per test process, with torch, Accelerate and the
-    experiments already imported. The ranks skip the ~3 s of imports a fresh interpreter costs, and get
+    """`main(argv)` of an experiment (argv: `--output_dir output_dir` unless not output_flag, then args) on
+    `num_processes` real gloo ranks, each FORKED from a fork server: a clean process that multiprocessing
+    starts once per test process, with torch, Accelerate and the experiments already imported. The ranks skip the ~3 s of imports a fresh interpreter costs, and get
     the environment `torchrun` gives (RANK, LOCAL_RANK, WORLD_SIZE, MASTER_ADDR/PORT) plus this process's
     at the call, then train, communicate and check exactly as under `accelerate launch`. For what a fresh
     process shows (exit codes and stderr lines, kills, timeouts, the launcher's own behaviour) use
@@ -151,7 +152,7 @@ def fork_launch(
     }
     # as torchrun: one thread per rank unless told otherwise (the test process's own share of the cores if 1 rank)
     environment.setdefault("OMP_NUM_THREADS", "1" if num_processes > 1 else str(torch_threads()))
-    argv = ["--output_dir", str(output_dir), *args]
+    argv = ["--output_dir", str(output_dir), *args] if output_flag else list(args)
     _start_fork_server()
     ranks = mp.start_processes(_rank, args=(main, argv, str(codes), environment), nprocs=num_processes,
                                join=False, start_method="forkserver")  # fmt: skip
@@ -164,8 +165,9 @@ def fork_launch(
             if process.is_alive():
                 kill_tree(process.pid)
     returncode = max(int(path.read_text()) for path in codes.glob("rank*.code"))
-    stderr = "".join(path.read_text(errors="replace") for path in sorted(codes.glob("rank*.stderr")))
-    return Finished(returncode, "", stderr, output_dir)
+    stdout, stderr = ("".join(path.read_text(errors="replace") for path in sorted(codes.glob(f"rank*.{name}")))
+                      for name in ("stdout", "stderr"))  # fmt: skip
+    return Finished(returncode, stdout, stderr, output_dir)
 
 
 def torch_threads() -> int:
@@ -219,8 +221,10 @@ def _rank(index: int, main, argv: list[str], codes: str, environment: dict) -> N
     from common.config import UsageError
 
     rank = os.environ.get("RANK", "0")
-    # this fork's stderr only, both the fd (C++ warnings) and sys.stderr (pytest may have replaced it)
+    # this fork's output only, both the fds (C++ warnings) and sys.stdout/stderr (pytest may have replaced them)
+    sys.stdout = open(os.path.join(codes, f"rank{rank}.stdout"), "w", buffering=1)  # noqa: SIM115
     sys.stderr = open(os.path.join(codes, f"rank{rank}.stderr"), "w", buffering=1)  # noqa: SIM115
+    os.dup2(sys.stdout.fileno(), 1)
     os.dup2(sys.stderr.fileno(), 2)
     try:
         code = main(argv)
@@ -232,6 +236,7 @@ def _rank(index: int, main, argv: list[str], codes: str, environment: dict) -> N
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
+        sys.stdout.flush()
         sys.stderr.flush()
     with open(os.path.join(codes, f"rank{rank}.code"), "w") as handle:
         handle.write(str(code or 0))

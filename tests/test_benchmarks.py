@@ -10,8 +10,8 @@ import sys
 
 import pytest
 
-from common.processes import run_process_tree
-from helpers import LAUNCH_TIMEOUT_S, REPO, clean_env
+from benchmarks import sharding_step
+from helpers import REPO, clean_env, fork_launch
 
 
 def positive(value) -> bool:
@@ -108,13 +108,11 @@ def test_run_all_quick_writes_every_figure_and_shows_a_slowed_loop_where_it_was_
 
 
 @pytest.mark.launch
-def test_sharding_step_times_each_variant_and_checks_it_against_one_process():
-    """benchmarks/sharding_step.py on 2 real ranks, one timed step each: every row is made, and the
+def test_sharding_step_times_each_variant_and_checks_it_against_one_process(tmp_path):
+    """benchmarks/sharding_step.py on 2 real gloo ranks, one timed step each: every row is made, and the
     plain-tensor TP (written only there) ends at one process's loss (the run's own check, exit 0)."""
-    command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
-               str(REPO / "benchmarks" / "sharding_step.py"), "--variants", "tp_plain", "--rounds", "1",
-               "--steps", "1"]  # fmt: skip
-    finished = run_process_tree(command, LAUNCH_TIMEOUT_S, env=clean_env(), cwd=REPO)
+    args = ["--variants", "tp_plain", "--rounds", "1", "--steps", "1"]
+    finished = fork_launch(sharding_step.main, args, tmp_path / "run", output_flag=False)
     assert finished.returncode == 0, finished.stderr[-3000:]
     rows = [
         line.split(" | ")[0].strip("| ") for line in finished.stdout.splitlines() if line.startswith("| ")
