@@ -148,7 +148,9 @@ class GPT(nn.Module):
         groups = []
         for decay in (True, False):
             for distributed in (True, False):
-                chosen = [p for p in params if (p.dim() >= 2) == decay and isinstance(p, DTensor) == distributed]
+                chosen = [
+                    p for p in params if (p.dim() >= 2) == decay and isinstance(p, DTensor) == distributed
+                ]
                 if chosen:
                     groups.append({"params": chosen, "weight_decay": weight_decay if decay else 0.0})
         return torch.optim.AdamW(groups, lr=lr, betas=(0.9, 0.95), eps=1e-8, fused=True)

@@ -175,14 +175,16 @@ class TrainLoop:
         accumulation = getattr(self.cfg, "gradient_accumulation_steps", 1)
         steps_run = self.step - self.start_step
         loop_rate = self._per_second(steps_run * accumulation, self.train_time_s) if steps_run else math.nan
-        steady_steps = self.step - max(self.steady_from_step, self.start_step)
+        steady_steps = self.step - self.steady_from_step
         steady = self.steady_start is not None and steady_steps > 0
         figures = {
             "train_time_s": self.train_time_s,
             "resumed_from_step": self.start_step,
             "first_step_unix_time": self.first_step_unix_time,
             # the steady state's rate (the whole loop's when the run is not longer than its one-time steps)
-            f"{self.unit}_per_s": self._per_second(steady_steps * accumulation, self.train_end - self.steady_start)
+            f"{self.unit}_per_s": self._per_second(
+                steady_steps * accumulation, self.train_end - self.steady_start
+            )
             if steady
             else loop_rate,
             f"loop_{self.unit}_per_s": loop_rate,

@@ -8,9 +8,10 @@ The whole model is one FSDP2 unit: one all-gather before forward, one reduce-sca
 Per-block units would free nothing (ZeRO-2 keeps every block gathered until backward ends) and would buy
 only overlap, which FSDP2 gets from CUDA streams: on CPU each collective runs where it is issued, so each
 unit adds one to the step's critical path. Measured side by side (`torchrun --nproc_per_node 2
-benchmarks/sharding_step.py`): per-block units 0.59 of ddp's tokens/s, one unit 0.75; the bytes sent are the
-same (FSDP2 pads each parameter, not each unit). DeepSpeed's ZeRO-2 does the same for a model this size:
-its gradient buckets (reduce_bucket_size, 5e8 elements) hold the whole model.
+benchmarks/sharding_step.py`, 2026-12-04, three runs): per-block units 0.55-0.59 of ddp's tokens/s, one unit
+0.74-0.81 (docs/performance.md); the bytes sent are the same (FSDP2 pads each parameter, not each unit).
+DeepSpeed's ZeRO-2 does the same for a model this size: its gradient buckets (reduce_bucket_size, 5e8
+elements) hold the whole model.
 """
 
 from __future__ import annotations

@@ -125,18 +125,21 @@ def fork_launch(
 ) -> Finished:
     """`main(argv)` of an experiment (argv: `--output_dir output_dir` unless not output_flag, then args) on
     `num_processes` real gloo ranks, each FORKED from a fork server: a clean process that multiprocessing
-    starts once per test process, with torch, Accelerate and the experiments already imported. The ranks skip the ~3 s of imports a fresh interpreter costs, and get
-    the environment `torchrun` gives (RANK, LOCAL_RANK, WORLD_SIZE, MASTER_ADDR/PORT) plus this process's
-    at the call, then train, communicate and check exactly as under `accelerate launch`. For what a fresh
-    process shows (exit codes and stderr lines, kills, timeouts, the launcher's own behaviour) use
-    `launch`; every experiment keeps at least one `launch` smoke test. The returncode is the ranks'
-    largest exit code. config: an accelerate config whose settings the ranks see as `accelerate launch
-    --config_file` sets them (launch_environment reads them from the launcher itself).
+    starts once per test process, with torch, Accelerate and the experiments already imported. The ranks
+    skip the ~3 s of imports a fresh interpreter costs, get the environment `torchrun` gives (RANK,
+    LOCAL_RANK, WORLD_SIZE, MASTER_ADDR/PORT, one thread each) on top of this process's at the call, and
+    train, communicate and check exactly as under `accelerate launch`. For what a fresh process shows
+    (exit codes and stderr lines, kills, timeouts, the launcher's own behaviour) use `launch`; every
+    experiment keeps at least one `launch` smoke test. The returncode is the ranks' largest exit code;
+    stdout and stderr are the ranks' own, rank by rank. config: an accelerate config whose settings the
+    ranks see as `accelerate launch --config_file` sets them (launch_environment reads them from the
+    launcher itself).
 
     Why a fork server and not a fork of this process (Accelerate's notebook_launcher): this process runs
     threads (xdist's execnet, tqdm's monitor), and a rank forked while one of them held a lock deadlocked
     on it: ranks hung in 4 of ~8 full-suite runs (a deepcopy's garbage collection, Accelerate's
     gc.collect(), ddp_linear's first line). The fork server has no thread but its own."""
+    import torch
     import torch.multiprocessing as mp
 
     codes = output_dir.parent / f"{output_dir.name}.exit_codes"
@@ -151,7 +154,7 @@ def fork_launch(
         "LOCAL_WORLD_SIZE": str(num_processes),
     }
     # as torchrun: one thread per rank unless told otherwise (the test process's own share of the cores if 1 rank)
-    environment.setdefault("OMP_NUM_THREADS", "1" if num_processes > 1 else str(torch_threads()))
+    environment.setdefault("OMP_NUM_THREADS", "1" if num_processes > 1 else str(torch.get_num_threads()))
     argv = ["--output_dir", str(output_dir), *args] if output_flag else list(args)
     _start_fork_server()
     ranks = mp.start_processes(_rank, args=(main, argv, str(codes), environment), nprocs=num_processes,
@@ -168,12 +171,6 @@ def fork_launch(
     stdout, stderr = ("".join(path.read_text(errors="replace") for path in sorted(codes.glob(f"rank*.{name}")))
                       for name in ("stdout", "stderr"))  # fmt: skip
     return Finished(returncode, stdout, stderr, output_dir)
-
-
-def torch_threads() -> int:
-    import torch
-
-    return torch.get_num_threads()
 
 
 @functools.cache
@@ -207,23 +204,19 @@ def launch_environment(config: str) -> dict[str, str]:
 
 
 def _rank(index: int, main, argv: list[str], codes: str, environment: dict) -> None:
-    """One forked rank: the environment torchrun gives rank `index`, then main(argv), its exit code and stderr
-    written where fork_launch reads them."""
+    """One forked rank: the environment torchrun gives rank `index`, then main(argv); its exit code, stdout
+    and stderr written where fork_launch reads them."""
     import torch
-
-    os.environ.clear()  # the fork server's environment is the one it started with: this call's instead
-    os.environ.update(environment, RANK=str(index), LOCAL_RANK=str(index))
-    torch.set_num_threads(
-        int(os.environ["OMP_NUM_THREADS"])
-    )  # torch was imported before the variable was set
     import torch.distributed as dist
 
     from common.config import UsageError
 
-    rank = os.environ.get("RANK", "0")
+    os.environ.clear()  # the fork server's environment is the one it started with: this call's instead
+    os.environ.update(environment, RANK=str(index), LOCAL_RANK=str(index))
+    torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))  # torch was imported before it was set
     # this fork's output only, both the fds (C++ warnings) and sys.stdout/stderr (pytest may have replaced them)
-    sys.stdout = open(os.path.join(codes, f"rank{rank}.stdout"), "w", buffering=1)  # noqa: SIM115
-    sys.stderr = open(os.path.join(codes, f"rank{rank}.stderr"), "w", buffering=1)  # noqa: SIM115
+    sys.stdout = open(os.path.join(codes, f"rank{index}.stdout"), "w", buffering=1)  # noqa: SIM115
+    sys.stderr = open(os.path.join(codes, f"rank{index}.stderr"), "w", buffering=1)  # noqa: SIM115
     os.dup2(sys.stdout.fileno(), 1)
     os.dup2(sys.stderr.fileno(), 2)
     try:
@@ -238,7 +231,7 @@ def _rank(index: int, main, argv: list[str], codes: str, environment: dict) -> N
             dist.destroy_process_group()
         sys.stdout.flush()
         sys.stderr.flush()
-    with open(os.path.join(codes, f"rank{rank}.code"), "w") as handle:
+    with open(os.path.join(codes, f"rank{index}.code"), "w") as handle:
         handle.write(str(code or 0))
 
 
