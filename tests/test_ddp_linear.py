@@ -86,9 +86,7 @@ def test_wandb_offline_without_key_logs_what_metrics_jsonl_says(tmp_path):
 
 @pytest.mark.launch
 def test_distributed_check_fails_when_ranks_are_missing(tmp_path):
-    finished = launch(
-        "ddp_linear.py", [*TINY, "--expected_world_size", "3"], tmp_path / "run", launcher="torchrun"
-    )
+    finished = fork_launch(main, [*TINY, "--expected_world_size", "3"], tmp_path / "run")
     assert finished.returncode != 0
     summary = finished.summary
     assert summary["passed"] is False and summary["checks"]["distributed"]["passed"] is False
