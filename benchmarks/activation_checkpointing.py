@@ -34,8 +34,10 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import torch
 from torch.utils.flop_counter import FlopCounterMode
 
-from common.activations import MODES, SavedActivations
-from common.gpt import PER_RANK_BATCH_SIZE, GPTConfig, build_gpt
+from common.activations import SavedActivations
+from common.gpt import PER_RANK_BATCH_SIZE, GPTConfig, build_gpt, lm_loss
+from strategies import activation_checkpointing
+from strategies.activation_checkpointing import MODES
 
 QUICK = GPTConfig(vocab_size=512, block_size=32, n_layer=2, n_head=2, d_model=32)
 
@@ -58,17 +60,17 @@ def recomputed_flops(mode: str, rows: int, cfg: GPTConfig) -> int:
 
 def measure(mode: str, cfg: GPTConfig, x: torch.Tensor, y: torch.Tensor, repeats: int) -> dict:
     model = build_gpt(cfg, 0)
-    model.set_activation_checkpointing(mode)
+    activation_checkpointing.apply(model, mode)
     with FlopCounterMode(display=False) as flops:
         with SavedActivations() as saved:
-            _, loss = model(x, y)
+            loss = lm_loss(model(x), y)
         loss.backward()
     gradients = {name: p.grad.clone() for name, p in model.named_parameters()}
     seconds = []
     for _ in range(repeats):
         model.zero_grad(set_to_none=True)
         started = time.perf_counter()
-        model(x, y)[1].backward()
+        lm_loss(model(x), y).backward()
         seconds.append(time.perf_counter() - started)
     return {
         "mode": mode,

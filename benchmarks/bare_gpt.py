@@ -24,7 +24,13 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import torch
 import torch.distributed as dist
 
-from common.gpt import PER_RANK_BATCH_SIZE, GPTConfig, build_gpt  # the model, corpus, AdamW groups and
+from common.gpt import (
+    PER_RANK_BATCH_SIZE,
+    GPTConfig,
+    adamw,
+    build_gpt,
+    lm_loss,
+)  # the model, corpus, AdamW groups and
 from common.optim import cosine_lr  # schedule are the experiment's
 from common.text import load_corpus
 
@@ -58,10 +64,10 @@ def main() -> int:
     else:
         from torch.distributed.fsdp import fully_shard
 
-        for block in model.blocks:
+        for block in model.blocks.values():
             fully_shard(block)
         fully_shard(model)
-    optimizer = getattr(model, "module", model).configure_optimizers(LR, WEIGHT_DECAY)
+    optimizer = adamw(model.parameters(), LR, WEIGHT_DECAY)
     global_batch = PER_RANK_BATCH_SIZE * world
     order = torch.randperm(len(x_all), generator=torch.Generator().manual_seed(SEED * 100_003))
     dist.barrier()
@@ -69,7 +75,7 @@ def main() -> int:
     for step in range(1, args.max_steps + 1):
         first = ((step - 1) * global_batch) % (len(order) - global_batch)
         rows = order[first + rank * PER_RANK_BATCH_SIZE : first + (rank + 1) * PER_RANK_BATCH_SIZE]
-        _, loss = model(x_all[rows], y_all[rows])
+        loss = lm_loss(model(x_all[rows]), y_all[rows])
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP)
         for group in optimizer.param_groups:

@@ -1,11 +1,12 @@
-"""Every training strategy side by side: the same GPT, data and seed trained by every strategy of
-strategies/ (experiments/train_gpt.py, each launched by `accelerate launch`), one table + one PNG.
+"""Every training strategy side by side: the same GPT, data and seed trained by every preset of strategies/
+and any layout of degrees (experiments/train_gpt.py, each launched by `accelerate launch`), one table + one PNG.
 
     python -m benchmarks.compare_strategies                      # train_gpt's defaults, 300 steps each
     python -m benchmarks.compare_strategies --max_steps 100 --strategies ddp,tp
+    python -m benchmarks.compare_strategies --strategies none --layouts dp_shard=2:tp=2,tp=2:pp=2,dp_shard=2:tp=2:pp=2
     python -m benchmarks.compare_strategies --quick              # a tiny model: checks the table is made
 
-Columns: ranks (data-parallel x tensor-parallel), the run's checks, loss / parameter difference from one
+Columns: the layout (its degrees and ranks), the run's checks, loss / parameter difference from one
 process over the first --parity_steps steps, bytes rank 0 holds (parameters / gradients / AdamW state),
 bytes one step's forward and backward send (counted as they pass the dispatcher, against the closed form),
 training tokens/s, and the median step split into forward / backward / optimizer (clipping's all-reduce
@@ -19,17 +20,16 @@ import argparse
 import json
 import os
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from benchmarks.workers import accelerate_launch, checks_verdict, dated_folder, run_for_summary
-from strategies import STRATEGIES
+from strategies import PRESETS
+from strategies.layout import DIMS, Layout
 
 REPO = Path(__file__).resolve().parent.parent
-
-# strategy -> ranks launched (each strategy module's RANKS; fsdp_tp: 2 data-parallel groups of 2 TP ranks)
-RANKS = {name: strategy.RANKS for name, strategy in STRATEGIES.items()}
 QUICK = (
     "--max_steps 12 --parity_steps 6 --log_every 6 --d_model 32 --n_layer 2 --n_head 2 --block_size 32 "
     "--vocab_size 512 --warmup_steps 2 --sample_tokens 5 --min_loss_drop 0.1"
@@ -41,7 +41,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         description=__doc__.split("\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter
     )
     parser.add_argument(
-        "--strategies", default=",".join(RANKS), help="comma-separated, from " + ", ".join(RANKS)
+        "--strategies", default=",".join(PRESETS), help="comma-separated presets, from " + ", ".join(PRESETS)
+    )
+    parser.add_argument(
+        "--layouts",
+        default="",
+        help="comma-separated layouts, each degrees joined by ':' (dp_shard=2:tp=2:pp=2), "
+        "launched on their product of ranks",
     )
     parser.add_argument(
         "--max_steps", type=int, default=0, help="optimizer steps per run (0: train_gpt's default)"
@@ -63,9 +69,21 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     )
     args = parser.parse_args(argv)
     args.strategies = [s.strip() for s in args.strategies.split(",") if s.strip()]
-    unknown = [s for s in args.strategies if s not in RANKS]
-    if unknown or not args.strategies:
-        parser.error(f"--strategies: {unknown or 'empty'} not among {', '.join(RANKS)}")
+    unknown = [s for s in args.strategies if s not in PRESETS]
+    if unknown:
+        parser.error(f"--strategies: {unknown} not among {', '.join(PRESETS)}")
+    args.runs = [Run(name, ["--strategy", name], PRESETS[name].ranks, PRESETS[name].launch_config)
+                 for name in args.strategies]  # fmt: skip
+    for text in (t.strip() for t in args.layouts.split(",") if t.strip()):
+        try:
+            degrees = {dim: int(n) for dim, n in (part.split("=") for part in text.split(":"))}
+            layout = Layout(**degrees)
+        except (TypeError, ValueError):
+            parser.error(f"--layouts: {text!r} is not degrees like dp_shard=2:tp=2 (of {', '.join(DIMS)})")
+        flags = [item for dim, n in degrees.items() for item in (f"--{dim}", str(n))]
+        args.runs.append(Run(layout.describe().split(" (")[0], flags, layout.world_size, ""))
+    if not args.runs:
+        parser.error("nothing to run: --strategies and --layouts are both empty")
     if args.max_steps < 0:
         parser.error(f"--max_steps must be >= 0, got {args.max_steps}")
     if args.profile_steps < 0:
@@ -73,25 +91,35 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     return args
 
 
-def launch_command(strategy: str, run_dir: Path, args: argparse.Namespace) -> list[str]:
+@dataclass(frozen=True)
+class Run:
+    """One row: its label (a preset's name, or a layout's degrees), train_gpt's flags for it, the ranks it is
+    launched on, and the accelerate config it needs (default: the 2-rank CPU one)."""
+
+    label: str
+    flags: list
+    ranks: int
+    launch_config: str
+
+
+def launch_command(run: Run, run_dir: Path, args: argparse.Namespace) -> list[str]:
     """`accelerate launch` with the 2-rank CPU config (its --num_processes overridden), or plain python
     for the one-process reference: the commands the README gives."""
-    flags = ["--strategy", strategy, "--output_dir", str(run_dir), "--report_to", "none"]
+    flags = [*run.flags, "--output_dir", str(run_dir), "--report_to", "none"]
     flags += QUICK if args.quick else []
     flags += ["--max_steps", str(args.max_steps)] if args.max_steps else []
     flags += ["--profile_steps", str(args.profile_steps)] if args.profile_steps else []
-    if RANKS[strategy] > 1:  # a DeepSpeed stage is chosen by its accelerate config
-        config = getattr(STRATEGIES[strategy], "LAUNCH_CONFIG", "")
+    if run.ranks > 1:  # a DeepSpeed stage is chosen by its accelerate config
         return accelerate_launch(
-            "experiments/train_gpt.py", flags, num_processes=RANKS[strategy], config=config
+            "experiments/train_gpt.py", flags, num_processes=run.ranks, config=run.launch_config
         )
     return [sys.executable, str(REPO / "experiments" / "train_gpt.py"), *flags]
 
 
-def run_strategy(strategy: str, run_dir: Path, args: argparse.Namespace) -> dict:
+def run_strategy(run: Run, run_dir: Path, args: argparse.Namespace) -> dict:
     """One run; its summary.json, or what went wrong. The console goes to <run_dir>.log."""
-    summary = run_for_summary(launch_command(strategy, run_dir, args), run_dir, args.timeout_s)
-    return {"strategy": strategy, **summary} if "error" in summary else summary
+    summary = run_for_summary(launch_command(run, run_dir, args), run_dir, args.timeout_s)
+    return {"strategy": run.label, **summary} if "error" in summary else {"label": run.label, **summary}
 
 
 def row(summary: dict) -> dict:
@@ -100,12 +128,11 @@ def row(summary: dict) -> dict:
         return {"strategy": summary["strategy"], "error": summary["error"]}
     metrics, config = summary["metrics"], summary["config"]
     communication = metrics.get("communication", {})
+    layout = Layout(**metrics["layout"])
     return {
-        "strategy": config["strategy"],
-        "ranks": "1"
-        if config["strategy"] == "none"
-        else f"{metrics.get('pp_size', 1)} x " * (metrics.get("pp_size", 1) > 1)
-        + f"{metrics['dp_size']} x {metrics['tp_size']}",
+        "strategy": summary.get("label", config["strategy"]),
+        "ranks": layout.world_size,
+        "layout": layout.describe().split(" (")[0],
         "checks": checks_verdict(summary),
         "loss_diff": metrics.get("loss_max_abs_diff"),
         "param_diff": metrics.get("param_max_abs_diff"),
@@ -117,7 +144,7 @@ def row(summary: dict) -> dict:
         "step_time_ms": metrics["step_time_ms"],
         "tokens_per_step": config["per_rank_batch_size"]
         * config["block_size"]
-        * metrics["dp_size"]
+        * layout.dp
         * config["gradient_accumulation_steps"],
         "comm_calls": communication.get("counted", {}).get("calls", {}),
         "step_breakdown_ms": metrics.get("step_breakdown_ms", []),
@@ -131,7 +158,7 @@ def markdown(rows: list[dict], command: str) -> str:
     lines = [
         f"`{command}`",
         "",
-        "| strategy | ranks ([pp x] dp x tp) | checks | loss / param diff vs one process | bytes per rank: params / grads "
+        "| strategy | ranks: layout | checks | loss / param diff vs one process | bytes per rank: params / grads "
         "/ AdamW | bytes per step, counted = theory (wire per rank) | tokens/s | step ms: fwd / bwd / opt |",
         "|---|---|---|---|---|---|---|---|",
     ]
@@ -152,7 +179,8 @@ def markdown(rows: list[dict], command: str) -> str:
         )
         comm = f"{comm} ({r['wire_bytes']:,.0f})" if comm else "none"
         lines.append(
-            f"| {r['strategy']} | {r['ranks']} | {r['checks']} | {number(r['loss_diff'])} / {number(r['param_diff'])} "
+            f"| {r['strategy']} | {r['ranks']}: {r['layout']} | {r['checks']} "
+            f"| {number(r['loss_diff'])} / {number(r['param_diff'])} "
             f"| {b['params']:,} / {b['grads']:,} / {b['optimizer']:,} | {comm} | {r['tokens_per_s']:,.0f} "
             f"| {t['forward']:.1f} / {t['backward']:.1f} / {t['optimizer']:.1f} |"
         )
@@ -199,9 +227,9 @@ def main(argv: list[str] | None = None) -> int:
     if folder is None:
         return 2
     summaries = []
-    for strategy in args.strategies:
-        print(f"{strategy} on {RANKS[strategy]} rank(s) ...", flush=True)
-        summaries.append(run_strategy(strategy, folder / strategy, args))
+    for run in args.runs:
+        print(f"{run.label} on {run.ranks} rank(s) ...", flush=True)
+        summaries.append(run_strategy(run, folder / run.label.replace(" ", ""), args))
     rows = [row(s) for s in summaries]
     command = "python -m benchmarks.compare_strategies " + " ".join(
         argv if argv is not None else sys.argv[1:]

@@ -33,7 +33,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import torch
 from torch.utils.flop_counter import FlopCounterMode
 
-from common.gpt import PER_RANK_BATCH_SIZE, GPTConfig, build_gpt
+from common.gpt import PER_RANK_BATCH_SIZE, GPTConfig, build_gpt, lm_loss
 
 # train_gpt's defaults (experiments/train_gpt.py Config): the model and one rank's micro-batch
 MODEL = {
@@ -97,8 +97,7 @@ def flops_per_token_counted(model: dict, batch: int) -> float:
     gpt = build_gpt(GPTConfig(**model), 0)
     x = torch.randint(0, model["vocab_size"], (batch, model["block_size"]))
     with FlopCounterMode(display=False) as counter:
-        _, loss = gpt(x, x)
-        loss.backward()
+        lm_loss(gpt(x), x).backward()
     return counter.get_total_flops() / x.numel()
 
 
@@ -188,7 +187,7 @@ def mfu_rows(comparison_rows: list[dict], peak: dict, flops_per_token: float) ->
     for row in comparison_rows:
         if "error" in row:
             continue
-        ranks = eval_ranks(row["ranks"])
+        ranks = row["ranks"]
         cores = min(ranks, os.cpu_count())
         achieved = row["tokens_per_s"] * flops_per_token
         # the steady state: the median step's phases (no warm-up, evaluation snapshot or profiled steps)
@@ -214,14 +213,6 @@ def mfu_table(rows: list[dict]) -> str:
                      f"| {r['model_flops_per_s'] / 1e9:.2f} | {r['mfu_square']:.1%} | {r['mfu_model_shapes']:.1%} "
                      f"| {r['mfu_median_step_model_shapes']:.1%} |")  # fmt: skip
     return "\n".join(lines)
-
-
-def eval_ranks(ranks: str) -> int:
-    """'2 x 1' -> 2, '1' -> 1: the ranks a compare_strategies row ran on."""
-    product = 1
-    for part in ranks.split("x"):
-        product *= int(part.strip())
-    return product
 
 
 if __name__ == "__main__":

@@ -23,13 +23,13 @@ import torch
 import torch.distributed as dist
 from torch.distributed.fsdp import fully_shard
 
-from common.gpt import PER_RANK_BATCH_SIZE, GPTConfig, build_gpt
+from common.gpt import PER_RANK_BATCH_SIZE, GPTConfig, build_gpt, lm_loss
 
 
 def step_ms(model, optimizer, x, y) -> float:
     times = []
     for _ in range(25):
-        model(x, y)[1].backward()
+        lm_loss(model(x), y).backward()
         started = time.perf_counter()
         optimizer.step()
         times.append(time.perf_counter() - started)
@@ -51,7 +51,7 @@ def main() -> int:
         for name, options in (("default", {}), ("foreach", {"foreach": True}), ("fused", {"fused": True})):
             model = build_gpt(cfg, 0)
             if layout.startswith("FSDP2"):
-                for block in model.blocks:
+                for block in model.blocks.values():
                     fully_shard(block)
                 fully_shard(model)
             optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, **options)

@@ -47,7 +47,7 @@ from common.profiling import (
     trace_breakdown,
     waiting_for_peers,
 )
-from strategies import STRATEGIES  # noqa: I001
+from strategies import PRESETS  # noqa: I001
 
 REPO = Path(__file__).resolve().parent.parent
 # the counter's kinds -> the bench's ops (the same message-size convention: common/comm_counter.py)
@@ -64,7 +64,7 @@ def parse_args(argv):
         description=__doc__.split("\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter
     )
     parser.add_argument(
-        "--strategies", default=",".join(STRATEGIES), help="strategies profiled (of strategies/)"
+        "--strategies", default=",".join(PRESETS), help="strategies profiled (presets of strategies/)"
     )
     parser.add_argument("--max_steps", type=int, default=100, help="optimizer steps per training run")
     parser.add_argument("--profile_steps", type=int, default=5, help="steps traced per run (after step 16)")
@@ -82,10 +82,10 @@ def parse_args(argv):
     args = parser.parse_args(argv)
     args.strategies = [s.strip() for s in args.strategies.split(",") if s.strip()]
     args.overhead_strategies = [s.strip() for s in args.overhead_strategies.split(",") if s.strip()]
-    bad = [s for s in args.strategies if s not in STRATEGIES]
+    bad = [s for s in args.strategies if s not in PRESETS]
     bad += [s for s in args.overhead_strategies if s not in ("ddp", "fsdp")]
     if bad:
-        parser.error(f"unknown strategies {bad}: --strategies from {', '.join(STRATEGIES)}, "
+        parser.error(f"unknown strategies {bad}: --strategies from {', '.join(PRESETS)}, "
                      "--overhead_strategies from ddp, fsdp")  # fmt: skip
     if args.quick:
         args.max_steps, args.profile_steps = 12, min(args.profile_steps, 3)
@@ -307,10 +307,12 @@ def main(argv: list[str] | None = None) -> int:
         if r["strategy"] == "none" or not r["step_breakdown_ms"]:
             continue
         predicted = predicted_ms(r["comm_calls"], r["comm_counted"], fits)
-        ranks = STRATEGIES[r["strategy"]].RANKS
-        traces = [str(strategies_folder / r["strategy"] / "profile" / f"rank{k}.json") for k in range(ranks)]
-        # one group of all ranks: each rank's k-th collective is the same call; fsdp_tp has two kinds of group
-        traced = waiting_for_peers(traces) if r["strategy"] != "fsdp_tp" else {}
+        traces = [
+            str(strategies_folder / r["strategy"] / "profile" / f"rank{k}.json") for k in range(r["ranks"])
+        ]
+        # one group of all ranks: each rank's k-th collective is the same call; a layout of two dimensions has
+        # two kinds of group
+        traced = waiting_for_peers(traces) if " x " not in r["layout"] else {}
         traced = traced or {"spans_ms": r["step_breakdown_ms"][0]["communication_ms"]}
         report["cost_model"]["strategies"][r["strategy"]] = {
             "calls": r["comm_calls"], "bytes": r["comm_counted"], "predicted_ms": predicted, "traced": traced,

@@ -50,9 +50,9 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 from torch.nn.parallel import DistributedDataParallel
 
-from common.gpt import PER_RANK_BATCH_SIZE, GPTConfig, build_gpt
-from strategies.fsdp import shard
-from strategies.tp import parallelize
+from common.gpt import PER_RANK_BATCH_SIZE, GPTConfig, build_gpt, lm_loss
+from strategies import ParallelArgs, shard, tp
+from strategies.layout import Layout, Workload
 
 DATA_PARALLEL = ("ddp", "ddp_1mb", "ddp_4mb", "zero2", "fsdp", "fsdp_prefetch_2", "fsdp_async",
                  "zero2_per_block", "fsdp_units_of_2")  # fmt: skip
@@ -115,7 +115,7 @@ def split_plain(model) -> None:
         piece = getattr(module, name).detach().chunk(world, dim=dim)[rank].clone()
         setattr(module, name, torch.nn.Parameter(piece))
 
-    for block in model.blocks:
+    for block in model.blocks.values():
         for linear in (block.attn.q_proj, block.attn.k_proj, block.attn.v_proj, block.mlp.fc_in):
             keep(linear, "weight", 0)
             if linear.bias is not None:
@@ -135,7 +135,7 @@ def plain_tp_loss(model, idx, targets):
         outside[..., None], 0.0
     )
     x = ReduceFromTensorParallel.apply(x) + model.pos_emb(torch.arange(idx.shape[1]))
-    for block in model.blocks:
+    for block in model.blocks.values():
         attn, mlp = block.attn, block.mlp
         h = CopyToTensorParallel.apply(block.ln_1(x))
         batch, time_, _ = h.shape
@@ -162,32 +162,33 @@ def plain_tp_loss(model, idx, targets):
 def build(variant: str, cfg: GPTConfig, mesh):
     """(model, optimizer, loss function) of one variant."""
     model = build_gpt(cfg, 0)
-    loss_of = lambda x, y: model(x, y)[1]  # noqa: E731
+    loss_of = lambda x, y: lm_loss(model(x), y)  # noqa: E731
     if variant.startswith("ddp"):
         bucket_mb = {"ddp": 25, "ddp_1mb": 1, "ddp_4mb": 4}[variant]
         wrapped = DistributedDataParallel(model, bucket_cap_mb=bucket_mb)
-        loss_of = lambda x, y: wrapped(x, y)[1]  # noqa: E731
+        loss_of = lambda x, y: lm_loss(wrapped(x), y)  # noqa: E731
     elif variant == "zero2_per_block":  # zero2 as it was before #31
-        for block in model.blocks:
+        for block in model.blocks.values():
             fully_shard(block, mesh=mesh, reshard_after_forward=False)
         fully_shard(model, mesh=mesh, reshard_after_forward=False)
     elif variant == "fsdp_units_of_2":
-        blocks = list(model.blocks)
+        blocks = list(model.blocks.values())
         for pair in (blocks[i : i + 2] for i in range(0, len(blocks), 2)):
             fully_shard(pair, mesh=mesh, reshard_after_forward=True)
         fully_shard(model, mesh=mesh)
     elif variant in ("zero2", "fsdp", "fsdp_prefetch_2", "fsdp_async"):
-        shard(model, mesh, zero3=variant != "zero2", bf16=False, wrap_root=True)
+        args = ParallelArgs(reshard_after_forward="never" if variant == "zero2" else "default")
+        shard.apply(model, mesh, args, Layout(dp_shard=mesh.size()), Workload(cfg, PER_RANK_BATCH_SIZE))
         if variant in ("fsdp_prefetch_2", "fsdp_async"):
-            ahead, blocks = (2 if variant == "fsdp_prefetch_2" else 1), list(model.blocks)
+            ahead, blocks = (2 if variant == "fsdp_prefetch_2" else 1), list(model.blocks.values())
             for i, block in enumerate(blocks):
                 block.set_modules_to_forward_prefetch(blocks[i + 1 : i + 1 + ahead])
                 block.set_modules_to_backward_prefetch(list(reversed(blocks[max(0, i - ahead) : i])))
             model._set_unshard_async_op(variant == "fsdp_async")
     elif variant in ("tp", "tp_unfused", "tp_compiled"):
-        parallelize(model, mesh)
+        tp.apply(model, mesh, ParallelArgs())
         if variant == "tp_compiled":  # Inductor's C++ kernels per block: DTensor's dispatch traced away once
-            for block in model.blocks:
+            for block in model.blocks.values():
                 block.compile()
     elif variant == "tp_plain":
         split_plain(model)
@@ -221,7 +222,7 @@ def collectives_only(model, zero3: bool) -> float:
     """A zero2 / fsdp step's communication alone, no model compute, through FSDP2's own unshard(): fsdp's
     root and blocks all-gathered (the blocks again for backward), zero2's one unit once; then one float32
     reduce-scatter per unit of its parameters' size. Milliseconds."""
-    blocks = list(model.blocks) if zero3 else []
+    blocks = list(model.blocks.values()) if zero3 else []
     in_blocks = {id(p) for block in blocks for p in block.parameters()}
     root_own = [p for p in model.parameters() if id(p) not in in_blocks]
     started = time.perf_counter()

@@ -2,7 +2,8 @@
 
 token + position embeddings -> n_layer x [LayerNorm -> causal self-attention -> residual,
 LayerNorm -> MLP (4x, GELU) -> residual] -> LayerNorm -> linear head (tied to the token embedding
-by default) -> logits. The loss is the mean cross-entropy over every target token of the batch.
+by default) -> logits. The loss (`lm_loss`) is the mean cross-entropy over every target token of the
+batch, computed outside the model (as torchtitan's and torch.distributed.pipelining's loss_fn).
 
 Two choices made for distributed training:
 - q, k, v and the attention output are separate Linear layers (nanoGPT fuses q, k, v), so that
@@ -22,8 +23,6 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 from torch import nn
-
-from common.activations import run_checkpointed
 
 
 @dataclass
@@ -50,7 +49,7 @@ class CausalSelfAttention(nn.Module):
         self.k_proj = nn.Linear(cfg.d_model, cfg.d_model, bias=False)  # see the module docstring
         self.v_proj = nn.Linear(cfg.d_model, cfg.d_model)
         self.o_proj = nn.Linear(cfg.d_model, cfg.d_model)
-        self.attend = causal_attention  # context parallelism puts its own here (strategies/cp.py)
+        self.attend = causal_attention  # a hook: context parallelism puts its own here (strategies/cp.py)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         batch, time, _ = x.shape
@@ -69,6 +68,11 @@ def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch
     return F.scaled_dot_product_attention(q, k, v, is_causal=True)
 
 
+def token_positions(length: int, device) -> torch.Tensor:
+    """The positions of a block's `length` tokens: 0, 1, ..., length - 1."""
+    return torch.arange(length, device=device)
+
+
 class MLP(nn.Module):
     def __init__(self, cfg: GPTConfig):
         super().__init__()
@@ -84,27 +88,32 @@ class Block(nn.Module):
         super().__init__()
         self.ln_1, self.attn = nn.LayerNorm(cfg.d_model), CausalSelfAttention(cfg)
         self.ln_2, self.mlp = nn.LayerNorm(cfg.d_model), MLP(cfg)
-        self.activation_checkpointing = "none"  # or full, selective (common/activations.py)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return run_checkpointed(self._forward, x, self.activation_checkpointing)
-
-    def _forward(self, x: torch.Tensor) -> torch.Tensor:
         x = x + self.attn(self.ln_1(x))
         return x + self.mlp(self.ln_2(x))
 
 
 class GPT(nn.Module):
+    """forward(idx) -> logits. A pipeline stage is a GPT that holds None for what it does not run (as
+    torchtitan's models do): without the embeddings it takes the previous stage's hidden states, without
+    the head it returns its own. `blocks` is keyed by block index, so a stage's parameters keep the whole
+    model's names (blocks.2.attn.q_proj.weight on whichever rank holds block 2): its checkpoint is a piece
+    of the GPT's. Two hooks, which a parallelism sets and nothing else changes: each attention's `attend`
+    (context parallelism's attention over keys on other ranks) and `positions` (the positions of the tokens
+    this rank holds)."""
+
     def __init__(self, cfg: GPTConfig):
         super().__init__()
         self.cfg = cfg
         self.tok_emb = nn.Embedding(cfg.vocab_size, cfg.d_model)
         self.pos_emb = nn.Embedding(cfg.block_size, cfg.d_model)
-        self.blocks = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layer))
+        self.blocks = nn.ModuleDict({str(i): Block(cfg) for i in range(cfg.n_layer)})
         self.ln_f = nn.LayerNorm(cfg.d_model)
         self.head = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
         if cfg.tie_weights:
             self.head.weight = self.tok_emb.weight
+        self.positions = token_positions
         self.apply(self._init_weights)
         for name, param in self.named_parameters():  # GPT-2: residual projections scaled by depth
             if name.endswith(("o_proj.weight", "fc_out.weight")):
@@ -117,43 +126,19 @@ class GPT(nn.Module):
         if isinstance(module, nn.Linear) and module.bias is not None:
             nn.init.zeros_(module.bias)
 
-    def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None):
-        """Logits (B, T, vocab); with targets, also the mean cross-entropy over all B*T targets."""
-        positions = torch.arange(idx.shape[1], device=idx.device)
-        x = self.tok_emb(idx) + self.pos_emb(positions)
-        for block in self.blocks:
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        """Token ids (B, T) -> logits (B, T, vocab); a stage without embeddings or head takes or returns the
+        hidden states (B, T, d_model) instead."""
+        x = idx
+        if self.tok_emb is not None:
+            x = self.tok_emb(idx) + self.pos_emb(self.positions(idx.shape[1], idx.device))
+        for block in self.blocks.values():
             x = block(x)
-        logits = self.head(self.ln_f(x))
-        if targets is None:
-            return logits, None
-        return logits, F.cross_entropy(logits.float().flatten(0, 1), targets.flatten())
-
-    def set_activation_checkpointing(self, mode: str) -> None:
-        """Every block keeps only what it needs to run again (full) or that and its matmul and attention
-        outputs (selective), and recomputes the rest in backward; none: autograd keeps everything."""
-        for block in self.blocks:
-            block.activation_checkpointing = mode
+        return x if self.head is None else self.head(self.ln_f(x))
 
     def configure_optimizers(self, lr: float, weight_decay: float) -> torch.optim.AdamW:
-        """AdamW as nanoGPT sets it up: weight decay on matrices and embeddings (dim >= 2), none on biases
-        and norms. Works on a distributed model too (DDP, FSDP2, DTensor parameters): grouped by shape and kind."""
-        from torch.distributed.tensor import DTensor
-
-        params = {id(p): p for p in self.parameters()}.values()  # a tied weight once
-        # The fused kernel: one pass over each group's tensors. PyTorch's default on CPU steps one parameter at a
-        # time, a dozen ops each, and over DTensor parameters every op pays DTensor's dispatch: measured, one
-        # AdamW step of this GPT on 2 ranks took 25.1 ms on FSDP2's shards, 2.9 fused; 6.2 plain (ddp), 2.1 fused
-        # (benchmarks/optimizer_step.py). Fused takes one kind of tensor per call, and is called per group: tp
-        # mixes DTensor matrices with plain LayerNorms, so DTensors and plain tensors get groups of their own.
-        groups = []
-        for decay in (True, False):
-            for distributed in (True, False):
-                chosen = [
-                    p for p in params if (p.dim() >= 2) == decay and isinstance(p, DTensor) == distributed
-                ]
-                if chosen:
-                    groups.append({"params": chosen, "weight_decay": weight_decay if decay else 0.0})
-        return torch.optim.AdamW(groups, lr=lr, betas=(0.9, 0.95), eps=1e-8, fused=True)
+        """AdamW as nanoGPT sets it up (adamw over this model's parameters)."""
+        return adamw(self.parameters(), lr, weight_decay)
 
     @torch.no_grad()
     def generate(
@@ -166,13 +151,41 @@ class GPT(nn.Module):
     ) -> torch.Tensor:
         """Sample max_new_tokens tokens after idx (B, T), seeded by `generator`."""
         for _ in range(max_new_tokens):
-            logits, _ = self(idx[:, -self.cfg.block_size :])
+            logits = self(idx[:, -self.cfg.block_size :])
             logits = logits[:, -1, :] / temperature
             cutoff = torch.topk(logits, min(top_k, logits.shape[-1])).values[:, [-1]]
             logits[logits < cutoff] = -float("inf")
             next_token = torch.multinomial(F.softmax(logits, dim=-1), 1, generator=generator)
             idx = torch.cat([idx, next_token], dim=1)
         return idx
+
+
+def lm_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """The mean cross-entropy over every target token of the batch (in float32 under bf16 autocast)."""
+    return F.cross_entropy(logits.float().flatten(0, 1), targets.flatten())
+
+
+def adamw(parameters, lr: float, weight_decay: float) -> torch.optim.AdamW:
+    """AdamW as nanoGPT sets it up: weight decay on matrices and embeddings (dim >= 2), none on biases
+    and norms; a tied weight once. Works on distributed parameters too (DDP, FSDP2, DTensor).
+
+    The fused kernel: one pass over each group's tensors. PyTorch's default on CPU steps one parameter at
+    a time, a dozen ops each, and over DTensor parameters every op pays DTensor's dispatch: measured, one
+    AdamW step of this GPT on 2 ranks took 25.1 ms on FSDP2's shards, 2.9 fused; 6.2 plain (ddp), 2.1 fused
+    (benchmarks/optimizer_step.py). Fused takes one kind of tensor per call and is called per group: tensor
+    parallelism mixes DTensor matrices with plain LayerNorms, so each kind gets groups of its own. How the
+    parameters are grouped is a matter of speed only: a checkpoint keeps the state by parameter name
+    (common/checkpoint.py), so any grouping resumes any other's."""
+    from torch.distributed.tensor import DTensor
+
+    params = list({id(p): p for p in parameters}.values())
+    groups = []
+    for decay in (True, False):
+        for distributed in (True, False):
+            chosen = [p for p in params if (p.dim() >= 2) == decay and isinstance(p, DTensor) == distributed]
+            if chosen:
+                groups.append({"params": chosen, "weight_decay": weight_decay if decay else 0.0})
+    return torch.optim.AdamW(groups, lr=lr, betas=(0.9, 0.95), eps=1e-8, fused=True)
 
 
 def build_gpt(cfg: GPTConfig, seed: int) -> GPT:

@@ -25,26 +25,32 @@ def set_lr(optimizer, lr: float) -> None:
         group["lr"] = lr
 
 
-def clip_by_global_norm(model: torch.nn.Module, max_norm: float, local_only: bool = False) -> float:
+def clip_by_global_norm(
+    parameters, max_norm: float, local_only: bool = False, across=None, counted_elsewhere=()
+) -> float:
     """Clip to the norm of the WHOLE gradient; return that norm. A DTensor gradient's squared sum is
     summed over the mesh dimensions it is split on (Shard) and counted once over those it is copied on
-    (Replicate): under fsdp_tp a LayerNorm's gradient is split across "dp" but the same on every "tp"
-    rank. Gradients are grouped by (mesh, which dimensions are split) so that each group costs one
-    all-reduce per split dimension, not one per tensor. Plain tensors (DDP, one process) are the same
-    on every rank and count once. `local_only` is the classic mistake: each rank clips by the norm of
-    its own shard."""
-    for (
-        param
-    ) in model.parameters():  # a partial-sum gradient (sequence parallelism's LayerNorms): summed first
+    (Replicate): under FSDP x TP a LayerNorm's gradient is split across the sharding ranks but the same on
+    every tensor-parallel rank. Gradients are grouped by (mesh, which dimensions are split) so that each
+    group costs one all-reduce per split dimension, not one per tensor. Plain tensors (DDP, one process) are
+    the same on every rank and count once. `across`: a process group whose ranks hold different parameters
+    (a pipeline's stage-ranks): their sums are summed over it; `counted_elsewhere`: parameters whose gradient
+    another rank counts (the tied embedding's copy on the last stage). `local_only` is the classic mistake:
+    each rank clips by the norm of its own piece."""
+    parameters = list({id(p): p for p in parameters}.values())
+    for param in parameters:  # a partial-sum gradient (sequence parallelism's LayerNorms): summed first
         grad = param.grad
         if isinstance(grad, DTensor) and any(p.is_partial() for p in grad.placements):
             param.grad = grad.redistribute(
                 grad.device_mesh, [Replicate() if p.is_partial() else p for p in grad.placements]
             )
-    grads = [p.grad for p in model.parameters() if p.grad is not None]
+    grads = [p.grad for p in parameters if p.grad is not None]
+    skipped = {id(p.grad) for p in counted_elsewhere if p.grad is not None}
     device = (grads[0].to_local() if isinstance(grads[0], DTensor) else grads[0]).device
     squared_sums: dict = {}  # (mesh, split dims) -> this rank's sum of squares
     for grad in grads:
+        if id(grad) in skipped:
+            continue
         # not is_replicate(), not is_shard(): FSDP2 over TP splits with _StridedShard, for which is_shard() is False
         split = tuple(not p.is_replicate() for p in grad.placements) if isinstance(grad, DTensor) else ()
         key = (grad.device_mesh, split) if isinstance(grad, DTensor) else None
@@ -57,6 +63,8 @@ def clip_by_global_norm(model: torch.nn.Module, max_norm: float, local_only: boo
             for dim in (dim for dim, is_split in enumerate(split) if is_split):
                 dist.all_reduce(squared_sum, group=mesh.get_group(dim))
         total += squared_sum
+    if across is not None and not local_only:
+        dist.all_reduce(total, group=across)
     return clip_to(grads, total.sqrt(), max_norm)
 
 

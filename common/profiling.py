@@ -173,6 +173,40 @@ def plot_timeline(rows: list[tuple[str, dict]], kinds: dict[str, str], title: st
     figure.savefig(path, dpi=100)
 
 
+PIPELINE_KINDS = {"forward": "tab:blue", "backward": "tab:orange", "weight gradients": "tab:green"}
+
+
+def pipeline_bubble(
+    timelines: list[list], labels: list[str], from_step: int, title: str, path: str
+) -> dict | None:
+    """A pipeline's bubble, step by step: `timelines[r][k]` is stage-rank r's timed actions in step k, (kind, start,
+    end) with kind F, B or W (forward, backward, weight gradients; perf_counter, one clock for a host's processes).
+    A step's bubble is 1 - the mean busy time / the step's span. The median step from `from_step` (1-based) on
+    is drawn to `path`; None if no step is that late."""
+    import statistics
+
+    steps = []
+    for k in range(from_step - 1, len(timelines[0])):
+        actions = [timeline[k] for timeline in timelines]
+        start = min(a[1] for rank_actions in actions for a in rank_actions)
+        span = max(a[2] for rank_actions in actions for a in rank_actions) - start
+        busy = [sum(a[2] - a[1] for a in rank_actions) for rank_actions in actions]
+        steps.append((1 - statistics.mean(busy) / span, span, [[(kind, s - start, e - start) for kind, s, e in a]
+                                                               for a in actions]))  # fmt: skip
+    if not steps:
+        return None
+    median = sorted(steps, key=lambda step: step[0])[len(steps) // 2]
+    lanes = [(label, {name: [(1e3 * s, 1e3 * e) for kind, s, e in actions if kind == name[0].upper()]
+                      for name in PIPELINE_KINDS})
+             for label, actions in zip(labels, median[2], strict=True)]  # fmt: skip
+    plot_timeline(lanes, PIPELINE_KINDS, f"{title}: the median step, bubble {median[0]:.2f}", path)
+    return {
+        "measured_bubble": statistics.median(step[0] for step in steps),
+        "step_ms": 1e3 * statistics.median(step[1] for step in steps),
+        "steps_measured": len(steps),
+    }
+
+
 STEP_KINDS = {"compute": "tab:blue", "communication": "tab:orange"}
 
 

@@ -112,8 +112,9 @@ class TrainLoop:
 
     def record(self, loss: torch.Tensor, **latest: float) -> None:
         """After each micro-batch: the loss window; after each optimizer step everything else.
-        `latest` (e.g. lr=..., grad_norm=...) goes into the next interval's record as its last value."""
-        self.latest.update(latest)
+        `latest` (e.g. lr=..., grad_norm=...) goes into the next interval's record as its last value (None:
+        not known at this micro-batch)."""
+        self.latest.update({name: value for name, value in latest.items() if value is not None})
         self.window_loss += loss.detach()
         self.window_micro_batches += 1
         self.samples_seen += self.samples_per_micro_batch

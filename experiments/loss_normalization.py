@@ -52,9 +52,10 @@ from common.reference import max_abs_difference, train_single_process
 from common.run import start_run
 from common.runtime import launched_world_size
 from common.text import load_corpus
-from strategies import fsdp
-from strategies.fsdp import set_gradient_sync
-from strategies.layout import Layout
+from strategies import ParallelArgs
+from strategies.layout import Layout, Workload
+from strategies.parallelize import parallelize
+from strategies.shard import set_gradient_sync
 
 EXPERIMENT = "loss_normalization"
 PAD = -100  # F.cross_entropy's ignore_index
@@ -113,21 +114,19 @@ def pad_randomly(
 
 
 def token_losses(model, x: torch.Tensor, y: torch.Tensor, reduction: str) -> torch.Tensor:
-    logits, _ = model(x)
+    logits = model(x)
     return F.cross_entropy(logits.flatten(0, 1), y.flatten(), ignore_index=PAD, reduction=reduction)
 
 
 def train(cfg: Config, variant: str, gpt_cfg: GPTConfig, batches, accelerator) -> tuple[dict, dict]:
     """--max_steps SGD steps of `variant`; returns (step-1 gradients, final parameters), both in full."""
     model = build_gpt(gpt_cfg, cfg.seed)
-    if cfg.strategy == "fsdp":  # ZeRO-3 over every rank (strategies/fsdp.py); ddp: Accelerate's prepare
-        mesh = Layout(accelerator.num_processes, accelerator.num_processes).mesh(accelerator.device.type)[
-            "dp"
-        ]
-        model = fsdp.shard(model.to(accelerator.device), mesh, zero3=True, bf16=False, wrap_root=True)
-    else:
-        model = accelerator.prepare(model)
-    optimizer = accelerator.prepare(torch.optim.SGD(model.parameters(), lr=cfg.lr))
+    # ZeRO-3 over every rank (--dp_shard N), or replicas (--dp_replicate N: Accelerate's DDP): train_gpt's pieces
+    degrees = {"dp_shard" if cfg.strategy == "fsdp" else "dp_replicate": accelerator.num_processes}
+    work = Workload(gpt_cfg, cfg.per_rank_batch_size)
+    job = parallelize(model, Layout(**degrees), ParallelArgs(), work, accelerator,
+                      lambda parameters: torch.optim.SGD(parameters, lr=cfg.lr), max_norm=0.0)  # fmt: skip
+    model, optimizer = job.model, job.optimizer
     world, k = accelerator.num_processes, cfg.gradient_accumulation_steps
     first_gradients = {}
     for step in range(cfg.max_steps):

@@ -1,79 +1,215 @@
-"""Parallelism strategies for the GPT: one module each, a small registry.
+"""Parallelism for the GPT as degrees that compose (torchtitan's shape, with our proofs).
 
-Each module is one strategy, whole: how it is applied to the model, what each rank holds and sends
-by theory (closed forms the checks compare with what the ranks really hold and send, to the byte),
-its wrong variants and its refusals. Every module has:
+A job's shape is five degrees (strategies/layout.py): --pp --dp_replicate --dp_shard --cp --tp, any
+combination, their product the ranks launched. Each dimension is one module that teaches it whole (its
+flags, how it is applied, what each rank holds and sends by theory, its mistakes and refusals) and knows
+nothing of the others:
+    replicate.py   dp_replicate: replicas, gradients all-reduced (Accelerate's DDP, or PyTorch's replicate)
+    shard.py       dp_shard: FSDP2, ZeRO-3 or ZeRO-2 (--reshard_after_forward), HSDP with replicas
+    tp.py          tp: Megatron tensor parallelism over DTensor (and --sequence_parallel)
+    cp.py          cp: each sequence split over ranks, attention over all-gathered keys and values
+    pp.py          pp: stages of blocks, torch.distributed.pipelining's schedules
+    activation_checkpointing.py   full or selective recompute, any layout
+parallelize.py applies them in the canonical order and composes their theory; checks.py holds every layout
+to it; deepspeed.py is DeepSpeed's ZeRO-1/2/3 engine, chosen by the accelerate config.
 
-    NAME, SUMMARY        its flag value and one line of what it does
-    RANKS                the ranks benchmarks/compare_strategies.py launches it on (LAUNCH_CONFIG: the
-                         accelerate config it needs, if not accelerate_configs/cpu_ddp.yaml)
-    AUTOCAST             True: bf16 through Accelerate's autocast; False: the strategy's own (FSDP2's
-                         MixedPrecisionPolicy) or none
-    CHECKPOINT_FORMAT    "dcp" (any strategy resumes it) or the strategy's own (only it resumes it)
-    STEADY_STEP          the first step free of one-time work: the one communication_volume counts
-    WRONG_VARIANTS       the mistakes (--wrong_variant) that are mistakes under this strategy
-    layout(world_size, dp_size, tp_size) -> Layout    how it arranges the ranks (strategies/layout.py)
-    refuse(cfg, layout)  one line (UsageError) for what it cannot do, before anything starts
-    apply(model, layout, accelerator, cfg) -> (model, optimizer)
-    forward(model, x, y) -> loss   one micro-batch's forward (pp: the pipeline's whole step)
-    backward(model, loss, accelerator)     its backward (pp: the gradient all-reduces after the step)
-    clip(model, cfg) -> float      the step's global gradient norm, clipped to --grad_clip
-    checkpointer(model, optimizer, accelerator, cfg)    save / load / full_state / digest
-    held_bytes(model, layout, rank, cfg) -> {"params", "grads", "optimizer",
-                                             "params_between_forward_and_backward"}   (the theory)
-    sent_bytes(model, layout, cfg) -> {"by_kind", "data_parallel", "tensor_parallel", "wire_bytes"}
-    measure_held(model, optimizer) -> {"params", "grads", "optimizer"}; measure_window(model) -> bytes
-                                   what a rank really holds, at rest and between forward and backward
-    quiet()              a context that silences what the strategy says that is expected
-    report(session, model, cfg)    what it measures beyond the common checks, at the end (pp: the bubble)
-(strategies/defaults.py holds the parts most strategies share: forward, backward, clip, checkpointer,
-measure_*, quiet, report.)
+`--strategy NAME` is a preset: it only fills in the degrees the flags leave unset (`PRESETS`), so that
+`--strategy fsdp` on 2 ranks is `--dp_shard 2`, and `--strategy pp --dp_replicate 2` on 4 ranks is two
+pipelines of two stages.
 
-`cfg` is train_gpt's Config (the flags: per_rank_batch_size, block_size, mixed_precision, ...); `model`
-in the theory is the undistributed GPT (common/gpt.py), so the closed forms run without any process
-group (tests/test_strategies.py). Adding a strategy = one module here + its tests + a README row.
+A new dimension plugs in as one module with:
+    Flags                        a dataclass of its flags (folded into ParallelArgs below)
+    WRONG_VARIANTS               {name: what the mistake is} (its --wrong_variant values)
+    refuse(args, layout, work)   one line (UsageError) for what it cannot do, before anything starts
+    apply(stage, mesh, ...)      in place, on one stage (a GPT, or the part a pipeline rank holds)
+    sent(layout, ..., work)      its Traffic of one step for a rank, by its closed form
+and, if it changes what a rank holds, a local_shape(...) that held_pieces composes; then a line in
+parallelize() where its degree is > 1, its tests, and a row in docs/train_gpt.md's layouts table.
 """
 
 from __future__ import annotations
 
-from strategies import cp, ddp, deepspeed, fsdp, fsdp_tp, none, pp, tp, zero2
+from dataclasses import dataclass
+from typing import ClassVar
 
-STRATEGIES = {
-    module.NAME: module
-    for module in (
-        none,
-        ddp,
-        zero2,
-        fsdp,
-        tp,
-        fsdp_tp,
-        pp,
-        cp,
-        deepspeed.ZERO1,
-        deepspeed.ZERO2,
-        deepspeed.ZERO3,
-    )
-}
+from common.config import flag, require
+from common.runtime import deepspeed_stage
+from strategies import activation_checkpointing, cp, deepspeed, pp, replicate, shard, tp  # noqa: F401 (the pieces)
+from strategies.layout import DIMS, Layout, Workload
 
-# The mistakes every strategy can make (the ones a single strategy can make live in its module), and the
-# check that must catch each (README "Each check with the mistake it exists for").
+REST = -1  # a preset's degree that takes the ranks the other degrees leave
+
+
+@dataclass(frozen=True)
+class Preset:
+    summary: str
+    degrees: dict  # {dimension: degree, or REST}
+    ranks: int  # the ranks benchmarks/compare_strategies.py launches it on
+    reshard_after_forward: str = "default"
+    launch_config: str = ""  # the accelerate config it needs (default: accelerate_configs/cpu_ddp.yaml)
+
+
+PRESETS = {
+    "none": Preset("one process: the reference", {}, 1),
+    "ddp": Preset("every rank holds everything; gradients all-reduced (averaged) once per step", {"dp_replicate": REST}, 2),
+    "zero2": Preset("ZeRO-2 (FSDP2, no reshard after forward): gradients and optimizer state 1/N; parameters "
+                    "gathered once", {"dp_shard": REST}, 2, reshard_after_forward="never"),
+    "fsdp": Preset("ZeRO-3 (FSDP2): parameters, gradients, optimizer state 1/N per rank; blocks gathered per use",
+                   {"dp_shard": REST}, 2),
+    "tp": Preset("tensor parallelism (Megatron-style, DTensor): 1/N of every matrix and of the vocabulary per rank",
+                 {"tp": REST}, 2),
+    "fsdp_tp": Preset("2-D: TP inside each group of 2, FSDP2 (ZeRO-3) across groups", {"tp": 2, "dp_shard": REST}, 4),
+    "pp": Preset("pipeline: stages of blocks on ranks, micro-batches through them (every schedule)", {"pp": REST}, 2),
+    "cp": Preset("context parallelism: each sample's sequence split over the ranks, K/V all-gathered per block",
+                 {"cp": REST}, 2),
+    **{
+        f"deepspeed_zero{stage}": Preset(summary, {"dp_shard": REST}, 2,
+                                         launch_config=f"accelerate_configs/deepspeed_zero{stage}.yaml")
+        for stage, summary in (
+            (1, "DeepSpeed ZeRO-1: optimizer state (a float32 master copy + AdamW's moments) 1/N per rank"),
+            (2, "DeepSpeed ZeRO-2: + gradients partitioned (all-reduced every micro-batch)"),
+            (3, "DeepSpeed ZeRO-3: + parameters partitioned, those of <= 100k elements kept whole"),
+        )
+    },
+}  # fmt: skip
+
+
+def _sharded_gradients(layout: Layout) -> bool:
+    return layout.dp_shard > 1 or layout.tp > 1 or layout.pp > 1
+
+
+# Every mistake, what it is, and the layouts under which it is one (a mistake that changes nothing under a
+# layout, seed_per_rank under Accelerate's DDP, which broadcasts rank 0's weights, is refused there). The
+# check each must fail: README "Each check with the mistake it exists for".
 COMMON_WRONG_VARIANTS = {
     "same_data_on_every_rank": "the forgotten sampler: every data-parallel rank reads rank 0's share",
-    "local_grad_norm": "clipping by each rank's own shard's norm, not the global one",
+    "local_grad_norm": "clipping by each rank's own piece's norm, not the global one",
     "seed_per_rank": "every rank builds its own random weights",
     "resume_without_optimizer_state": "a resume that loads the parameters but not AdamW's moments",
     "resume_without_data_position": "a resume that restarts the data stream at its first sample",
 }
 WRONG_VARIANTS = {
     **COMMON_WRONG_VARIANTS,
-    **fsdp.OWN_WRONG_VARIANTS,
-    **tp.OWN_WRONG_VARIANTS,
-    **pp.OWN_WRONG_VARIANTS,
-    **cp.OWN_WRONG_VARIANTS,
-    **deepspeed.OWN_WRONG_VARIANTS,
+    **shard.WRONG_VARIANTS,
+    **tp.WRONG_VARIANTS,
+    **pp.WRONG_VARIANTS,
+    **cp.WRONG_VARIANTS,
+    **deepspeed.WRONG_VARIANTS,
 }
 
 
-def strategies_with(variant: str) -> tuple[str, ...]:
-    """The strategies under which `variant` is a mistake."""
-    return tuple(name for name, module in STRATEGIES.items() if variant in module.WRONG_VARIANTS)
+def is_a_mistake_under(variant: str, layout: Layout, engine_stage: int | None) -> bool:
+    """Whether --wrong_variant `variant` changes what a run under `layout` computes (so that a check can fail)."""
+    if variant in deepspeed.WRONG_VARIANTS:
+        return engine_stage is not None and (variant != "textbook_zero3_theory" or engine_stage == 3)
+    if variant.startswith("resume_"):
+        return True
+    if engine_stage is not None:
+        return variant == "same_data_on_every_rank"
+    whole_world_ddp = layout.world_size > 1 and layout.size(layout.replicate_dims) == layout.world_size
+    applies = {
+        "same_data_on_every_rank": layout.dp > 1,
+        "local_grad_norm": _sharded_gradients(layout),
+        "seed_per_rank": layout.world_size > 1 and not whole_world_ddp,
+        "unwrapped_root": bool(layout.shard_dims),
+        "row_parallel_without_all_reduce": layout.tp > 1,
+        **dict.fromkeys(pp.WRONG_VARIANTS, layout.pp > 1),
+        **dict.fromkeys(cp.WRONG_VARIANTS, layout.cp > 1),
+    }
+    return applies[variant]
+
+
+@dataclass
+class ParallelArgs(
+    replicate.Flags, shard.Flags, cp.Flags, tp.Flags, pp.Flags, activation_checkpointing.Flags
+):  # fmt: skip
+    """The parallelism flags of an experiment: each dimension's own (its Flags), the preset that fills them
+    in, and the deliberate mistake a check must catch. `layout_flags`: what a resume may change (a checkpoint
+    of one layout continues under any other)."""
+
+    layout_flags: ClassVar[tuple[str, ...]] = (
+        "strategy", *DIMS, "reshard_after_forward", "sequence_parallel", "pp_schedule", "pp_microbatches",
+        "cp_load_balance",
+    )  # fmt: skip
+
+    strategy: str = flag("auto", "a preset that fills in the degrees left unset: " + ", ".join(PRESETS) + "; auto: "
+                         "the degrees as given, or none for one process, ddp for several, the DeepSpeed stage of a "
+                         "DeepSpeed accelerate config", choices=("auto", *PRESETS))  # fmt: skip
+    wrong_variant: str = flag("", "a deliberate mistake that a check must catch: " + ", ".join(WRONG_VARIANTS),
+                              choices=("", *WRONG_VARIANTS))  # fmt: skip
+
+    def resolve_layout(self, world_size: int) -> Layout:
+        """The degrees of this launch: the flags', a preset's filling in what they leave, the product checked
+        against the ranks launched; written back into the flags (config.json records what ran)."""
+        for dim in DIMS:
+            require(getattr(self, dim) >= 0, f"--{dim} must be >= 0 (0, 1: off), got {getattr(self, dim)}")
+        given = {dim: getattr(self, dim) for dim in DIMS if getattr(self, dim) > 1}
+        stage = deepspeed_stage()
+        name = self.strategy
+        if name == "auto" and not given:  # nothing asked: the launch decides
+            name = f"deepspeed_zero{stage}" if stage else ("none" if world_size == 1 else "ddp")
+        require(not stage or name in ("auto", f"deepspeed_zero{stage}"),
+                f"--strategy {self.strategy}: this launch's accelerate config is DeepSpeed ZeRO-{stage}, which runs "
+                f"deepspeed_zero{stage}; pass --strategy auto or deepspeed_zero{stage}, or launch with another "
+                "config")  # fmt: skip
+        require(not name.startswith("deepspeed") or stage,
+                f"--strategy {name} runs under a DeepSpeed accelerate config of its stage: launch with --config_file "
+                f"{PRESETS[name].launch_config if name in PRESETS else ''} (this launch has no DeepSpeed config)")  # fmt: skip
+        preset = PRESETS.get(name, Preset("the degrees as given", {}, 0))
+        degrees = dict(given)
+        for dim, degree in preset.degrees.items():
+            if degree != REST:
+                degrees.setdefault(dim, degree)
+        rest = [dim for dim, degree in preset.degrees.items() if degree == REST and dim not in given]
+        taken = Layout(**degrees).world_size
+        if rest:
+            require(world_size % taken == 0 and world_size // taken >= 2,
+                    f"--strategy {name} on {world_size} rank(s): {_product(degrees) or 'nothing else'} leaves "
+                    f"{world_size / taken:g} rank(s) for --{rest[0]}, which needs a whole number >= 2 "
+                    "(accelerate_configs/cpu_ddp.yaml launches 2)")  # fmt: skip
+            degrees[rest[0]] = world_size // taken
+        layout = Layout(**degrees)
+        require(layout.world_size == world_size,
+                f"{_product(degrees) or 'one process'} = {layout.world_size} rank(s), but {world_size} were launched "
+                "(the degrees' product must equal the ranks)")  # fmt: skip
+        if preset.reshard_after_forward != "default":
+            require(self.reshard_after_forward in ("default", preset.reshard_after_forward),
+                    f"--strategy {name} is --reshard_after_forward {preset.reshard_after_forward}, got "
+                    f"{self.reshard_after_forward}: pass one of them")  # fmt: skip
+            self.reshard_after_forward = preset.reshard_after_forward
+        for dim in DIMS:
+            setattr(self, dim, getattr(layout, dim))
+        self.strategy = name  # auto: what the launch decided, or auto (the degrees as given)
+        return layout
+
+    def refuse_layout(self, layout: Layout, work: Workload, max_norm: float) -> None:
+        """Every piece's refusals of this layout and workload, and what the pieces cannot do together, in one
+        line each, before anything starts."""
+        stage = deepspeed_stage()
+        if stage:
+            deepspeed.refuse(self, layout, work, max_norm)
+        for piece in (shard, tp, cp, pp):
+            piece.refuse(self, layout, work)
+        ac = self.activation_checkpointing
+        require(not (ac == "selective" and layout.pp > 1 and self.pp_schedule in pp.SPLIT_BACKWARD),
+                f"--activation_checkpointing selective with --pp_schedule {self.pp_schedule}: a zero-bubble schedule "
+                "runs each backward in two passes (input, then weight gradients) and torch's selective checkpoint "
+                "allows one; use full, or 1f1b / gpipe / interleaved_1f1b")  # fmt: skip
+        require(
+            not (ac != "none" and layout.cp > 1),
+            "--activation_checkpointing with --cp: not built (the recompute would all-gather K and V again)",
+        )
+        require(not (ac == "full" and self.sequence_parallel),
+                "--sequence_parallel with --activation_checkpointing full: not built (its recompute would gather "
+                "the sequence again); use selective")  # fmt: skip
+        require(not (work.mixed_precision == "bf16" and layout.pp > 1 and layout.shard_dims),
+                "--mixed_precision bf16 with --pp and --dp_shard: not built (FSDP2's bf16 copies would make the "
+                "stages send bf16 activations)")  # fmt: skip
+        variant = self.wrong_variant
+        require(not variant or is_a_mistake_under(variant, layout, stage),
+                f"--wrong_variant {variant} changes nothing under {layout.describe()}"
+                + (f" with DeepSpeed ZeRO-{stage}" if stage else "") + ": " + WRONG_VARIANTS.get(variant, ""))  # fmt: skip
+
+
+def _product(degrees: dict) -> str:
+    return " x ".join(f"--{dim} {n}" for dim, n in sorted(degrees.items(), key=lambda kv: DIMS.index(kv[0])))

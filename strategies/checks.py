@@ -1,16 +1,18 @@
-"""The checks every strategy must pass, against its module's theory and against one process:
+"""The checks every layout must pass, against the composed theory (strategies/parallelize.py) and against one
+process:
 
   matches_single_process   the loss at every one of the first --parity_steps steps, and every parameter
                            after them, equal a one-process run (common/reference.py) on the same global
                            batches from the same state;
   grad_norm_is_global      the norm clipping used equals the one-process gradient norm at those steps;
-  memory_per_rank          the bytes each rank really holds (a DTensor's local shard) equal
-                           strategy.held_bytes, per rank;
-  communication_volume     the bytes every collective of one step's forward and backward moved,
-                           counted as they pass the dispatcher (common/comm_counter.py), equal
-                           strategy.sent_bytes, to the byte.
+  memory_per_rank          the bytes each rank really holds (a DTensor's local piece) equal that rank's
+                           theory, rank by rank;
+  communication_volume     the bytes every collective of one step's forwards and backwards moved on each
+                           rank, counted as they pass the dispatcher (common/comm_counter.py), equal that
+                           rank's theory, to the byte, kind by kind.
 
-`Probe` gathers, from inside the training loop, what they need; the comparisons run at the end.
+`Probe` is the job's instruments (parallelize.Instruments): the job reports each phase and each finished
+step to it, and it keeps what the checks need; the comparisons run at the end.
 """
 
 from __future__ import annotations
@@ -25,88 +27,65 @@ import torch
 from common.activations import SavedActivations
 from common.checkpoint import load_full_optimizer_state
 from common.comm_counter import CollectiveCounter
-from common.gpt import GPT, build_gpt
+from common.gpt import build_gpt, lm_loss
 from common.optim import clip_by_global_norm, set_lr
 from common.reference import max_abs_difference, train_single_process
+from strategies.parallelize import Instruments
 
 
 def peak_rss_bytes() -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
 
 
-class Probe:
-    """What the checks need from inside the loop, one call per place: the bytes this rank holds between
-    forward and backward and at rest (first step), each step's loss and gradient norm, the full state
-    right after step --parity_steps (a collective for sharded models: every rank takes it), the seconds
-    spent in forward / backward / optimizer per step, and the collectives of step `count_step`'s
-    forwards and backwards."""
+class Probe(Instruments):
+    """What the checks need, as the job reports it: the bytes this rank holds between forward and backward
+    (first forward) and at rest (first step), each step's loss and gradient norm, the full state right after
+    step `parity_steps` (a collective for sharded models: every rank takes it), the seconds spent in forward /
+    backward / optimizer per step, the collectives of the job's first steady step, and the bytes autograd
+    keeps for backward in that step's first forward (not under a pipeline, whose forward phase is its whole
+    step: its backwards free them as they go)."""
 
-    def __init__(self, accelerator, strategy, checkpointer, cfg, start_step: int):
-        self.accelerator, self.strategy, self.checkpointer = accelerator, strategy, checkpointer
-        self.accumulation = cfg.gradient_accumulation_steps
-        # a resumed run may have fewer steps left than --parity_steps
-        self.parity_steps = min(cfg.parity()["steps"], cfg.max_steps - start_step)
+    def __init__(self, job, start_step: int, parity_steps: int, max_steps: int):
+        self.job, job.instruments = job, self
+        self.step = start_step + 1  # the step in progress
+        self.parity_steps = min(parity_steps, max_steps - start_step)  # a resumed run may have fewer left
         self.parity_step = start_step + self.parity_steps
-        # the first step free of one-time work (strategies/defaults.py STEADY_STEP)
-        self.count_step = min(start_step + strategy.STEADY_STEP, cfg.max_steps)
+        self.count_step = min(start_step + job.steady_step, max_steps)
         self.held: dict = {}
         self.step_losses, self.grad_norms, self.at_parity_step = [], [], None
-        self.step_loss = torch.zeros((), device=accelerator.device)
         self.collectives = {"calls": {}, "bytes": {}}
         self.phase_s: dict[str, float] = {}  # this step's seconds per phase, over its micro-batches
         self.step_times: list[dict] = []
 
     @contextlib.contextmanager
-    def watch(self, phase: str, step: int):
-        """Time a phase; in forward and backward of step count_step, also count its collectives, and in its
-        first forward the bytes autograd keeps for backward (not under pp: its forward phase is the whole
-        pipeline step, whose backwards free them as they go)."""
-        counter = CollectiveCounter() if step == self.count_step and phase != "optimizer" else None
-        saved = None
-        if (
-            counter
-            and phase == "forward"
-            and "saved_activation_bytes" not in self.held
-            and self.strategy.NAME != "pp"
-        ):
-            saved = SavedActivations()
+    def watch(self, phase: str):
+        counting = self.step == self.count_step and phase != "optimizer"
+        counter = CollectiveCounter() if counting else None
+        first_forward = counting and phase == "forward" and "saved_activation_bytes" not in self.held
+        saved = SavedActivations() if first_forward and not self.job.forward_is_whole_step else None
         started = time.perf_counter()
         with counter or contextlib.nullcontext(), saved or contextlib.nullcontext():
             yield
         if saved:
             self.held["saved_activation_bytes"] = saved.bytes
+        if phase == "forward" and "params_between_forward_and_backward" not in self.held:
+            self.held["params_between_forward_and_backward"] = self.job.measure_window()
         self.phase_s[phase] = self.phase_s.get(phase, 0.0) + time.perf_counter() - started
         if counter:
             for kind in counter.calls:
                 self.collectives["calls"][kind] = self.collectives["calls"].get(kind, 0) + counter.calls[kind]
                 self.collectives["bytes"][kind] = self.collectives["bytes"].get(kind, 0) + counter.bytes[kind]
 
-    def after_forward(self, model) -> None:
-        if not self.held:
-            self.held["params_between_forward_and_backward"] = self.strategy.measure_window(model)
-
-    def after_micro_batch(self, model, optimizer, loss: torch.Tensor, step: int) -> None:
-        """After each micro-batch's update; once per optimizer step (the last micro-batch) it also closes
-        the step: its loss, its phase times, the bytes held at rest, the parity snapshot."""
-        self.step_loss += loss.detach() / self.accumulation
-        if not self.accelerator.sync_gradients:
-            return
+    def after_step(self, job, loss: torch.Tensor, grad_norm: float) -> None:
         if "params" not in self.held:
-            self.held.update(self.strategy.measure_held(model, optimizer))
-        self.step_losses.append(self.step_loss.clone())
-        self.step_loss.zero_()
+            self.held.update(job.measure_held())
+        self.step_losses.append(loss)
+        self.grad_norms.append(grad_norm)
         self.step_times.append(self.phase_s)
         self.phase_s = {}
-        if self.parity_steps and step == self.parity_step:
-            self.at_parity_step = self.checkpointer.full_state()[0]
-
-    def latest(self, optimizer) -> dict:
-        """The learning rate and gradient norm of the last optimizer step, for the logged interval."""
-        return (
-            {"lr": optimizer.param_groups[0]["lr"], "grad_norm": self.grad_norms[-1]}
-            if self.grad_norms
-            else {}
-        )
+        if self.parity_steps and self.step == self.parity_step:
+            self.at_parity_step = job.checkpointer().full_state()[0]
+        self.step += 1
 
     def median_step_time_ms(self) -> dict:
         """Median milliseconds per optimizer step in each phase, the first step (warm-up) left out."""
@@ -116,9 +95,9 @@ class Probe:
         }
 
 
-def check_memory(session, strategy, layout, cfg, reference: GPT, every_rank: list[dict], rtol: float) -> None:
-    """Each rank's held bytes against strategy.held_bytes, within rtol."""
-    theories = [strategy.held_bytes(reference, layout, rank, cfg) for rank in range(len(every_rank))]
+def check_memory(session, job, reference, every_rank: list[dict], rtol: float) -> None:
+    """Each rank's held bytes against its theory, within rtol."""
+    theories = [job.held_bytes(reference, rank) for rank in range(len(every_rank))]
     worst = max(
         abs(held[kind] - theory[kind]) / max(theory[kind], 1)  # a theory of 0 bytes: exact
         for held, theory in zip(every_rank, theories, strict=True)
@@ -136,60 +115,67 @@ def check_memory(session, strategy, layout, cfg, reference: GPT, every_rank: lis
     )
 
 
-def check_communication(session, strategy, layout, cfg, reference: GPT, counted: dict) -> None:
-    """The main process's counted collectives of one step against strategy.sent_bytes, to the byte (the main
-    process stands for every rank: each sends the same amount, in every strategy here)."""
-    theory = strategy.sent_bytes(reference, layout, cfg)
-    expected = theory["by_kind"]
-    kinds = [
-        kind for kind in {**expected, **counted["bytes"]} if expected.get(kind) or counted["bytes"].get(kind)
-    ]
-    session.metrics["communication"] = {"counted": counted, "theory": theory}
+def check_communication(session, job, reference, every_rank: list[dict]) -> None:
+    """Every rank's counted collectives of one steady step against its theory, to the byte, kind by kind."""
+    theories = [job.sent_bytes(reference, rank) for rank in range(len(every_rank))]
+    wrong = []
+    for rank, (counted, theory) in enumerate(zip(every_rank, theories, strict=True)):
+        expected = theory["by_kind"]
+        kinds = sorted(
+            k for k in {**expected, **counted["bytes"]} if expected.get(k) or counted["bytes"].get(k)
+        )
+        if any(counted["bytes"].get(kind, 0) != expected.get(kind, 0) for kind in kinds):
+            wrong.append(f"rank {rank}: " + ", ".join(
+                f"{kind} {counted['bytes'].get(kind, 0):,}/{expected.get(kind, 0):,} ({counted['calls'].get(kind, 0)} calls)"
+                for kind in kinds))  # fmt: skip
+    first, theory = every_rank[0], theories[0]
+    kinds = sorted(
+        k
+        for k in {**theory["by_kind"], **first["bytes"]}
+        if theory["by_kind"].get(k) or first["bytes"].get(k)
+    )
+    rank0 = ", ".join(
+        f"{kind} {first['bytes'].get(kind, 0):,}/{theory['by_kind'].get(kind, 0):,} ({first['calls'].get(kind, 0)} calls)"
+        for kind in kinds
+    )
+    session.metrics["communication"] = {"counted": first, "theory": theory, "counted_per_rank": every_rank,
+                                        "theory_per_rank": theories}  # fmt: skip
     session.check(
         "communication_volume",
-        all(counted["bytes"].get(kind, 0) == expected.get(kind, 0) for kind in kinds),
-        "bytes per step, counted/theory: "
-        + ", ".join(
-            f"{kind} {counted['bytes'].get(kind, 0):,}/{expected.get(kind, 0):,} ({counted['calls'].get(kind, 0)} calls)"
-            for kind in kinds
-        )
-        + f"; {theory['wire_bytes']:,.0f} bytes on the wire per rank",
+        not wrong,
+        f"bytes per step, counted/theory: {'; '.join(wrong) if wrong else f'rank 0: {rank0 or chr(8212)}'}; "
+        f"{'every rank equals its theory; ' if not wrong else ''}{theory['wire_bytes']:,.0f} bytes on the wire "
+        "from rank 0",
     )
 
 
-def compare_with_one_process(
-    session, cfg, gpt_cfg, start_state, global_batches, probe: Probe, step_losses, lr_at
-) -> None:
-    """This run's first --parity_steps steps (from its start, or from the checkpoint it resumed) against the
-    same steps in ONE process (common/reference.py), from the same state, on the same global batches: each
-    step one batch holding every rank's micro-batches, one mean loss over all its tokens, the same AdamW,
-    schedule (`lr_at(step)`) and clipping. `start_state`: (model state, optimizer state by name or None)."""
-    budget, n = cfg.parity(), probe.parity_steps
+def compare_with_one_process(session, model_cfg, start_state, global_batches, probe: Probe, step_losses, *,
+                             lr_at, make_optimizer, max_norm: float, accumulation: int, bf16: bool,
+                             budget: dict) -> None:  # fmt: skip
+    """This run's first parity steps (from its start, or from the checkpoint it resumed) against the same steps
+    in ONE process (common/reference.py), from the same state, on the same global batches: each step one batch
+    holding every rank's micro-batches, one mean loss over all its tokens, the same AdamW, schedule
+    (`lr_at(step)`) and clipping. `start_state`: (model state, optimizer state by name or None)."""
+    n = probe.parity_steps
     model_state, optimizer_state = start_state
-    model = build_gpt(gpt_cfg, 0)  # (fork_rng: the process's random state untouched) then the start state
+    model = build_gpt(model_cfg, 0)  # (fork_rng: the process's random state untouched) then the start state
     model.load_state_dict(model_state)
-    optimizer = model.configure_optimizers(cfg.lr, cfg.weight_decay)
+    optimizer = make_optimizer(model.parameters())
     if optimizer_state:  # a resumed run: AdamW's moments and step counts as loaded
         load_full_optimizer_state(optimizer, model, optimizer_state)
 
     def clip_and_schedule(i: int) -> float:
         set_lr(optimizer, lr_at(session.start_step + i))
-        return clip_by_global_norm(model, cfg.grad_clip)
+        return clip_by_global_norm(model.parameters(), max_norm)
 
-    device_type = session.accelerator.device.type
+    device = session.accelerator.device
     reference = train_single_process(
-        model,
-        optimizer,
-        global_batches,
-        n,
-        cfg.gradient_accumulation_steps,
-        loss_fn=lambda m, x, y: m(x, y)[1],
-        device=session.accelerator.device,
-        autocast=lambda: torch.autocast(
-            device_type, dtype=torch.bfloat16, enabled=cfg.mixed_precision == "bf16"
-        ),
+        model, optimizer, global_batches, n, accumulation,
+        loss_fn=lambda m, x, y: lm_loss(m(x), y),
+        device=device,
+        autocast=lambda: torch.autocast(device.type, dtype=torch.bfloat16, enabled=bf16),
         before_update=clip_and_schedule,
-    )
+    )  # fmt: skip
     loss_diff = max(abs(a - b) for a, b in zip(step_losses[:n], reference["losses"], strict=True))
     norm_diff = max(
         abs(a - b) / max(b, 1e-12) for a, b in zip(probe.grad_norms[:n], reference["figures"], strict=True)

@@ -1,8 +1,9 @@
-"""cp: context parallelism. Each sample's sequence is split over the ranks; every rank holds the whole model
-(data parallelism: DDP through Accelerate's prepare(), over every rank) and runs it on its share of the
-tokens only, so the activations each rank keeps fall as 1/N. What cannot be split is attention: a query
-attends to every key before it, wherever that key lives. Written here by hand, as picotron does (PyTorch's
-`context_parallel` maps only CUDA attention kernels):
+"""cp: context parallelism. Each sample's sequence is split over the --cp ranks; each runs its piece of the model
+on its share of the tokens only, so the activations each rank keeps fall as 1/N. Its gradients are averaged
+with the data-parallel ranks' (strategies/layout.py: the cp ranks join dp_shard's sharding or dp_replicate's
+replicas). What cannot be split is attention: a query attends to every key before it, wherever that key
+lives. Written here by hand, as picotron does (PyTorch's `context_parallel` maps only CUDA attention kernels),
+on the GPT's two hooks: each block's `attend` and the model's `positions`:
 
 - **Keys and values all-gathered**, one all-gather each per block (torch's autograd-aware functional
   all-gather: its backward reduce-scatters their gradients to their owners). A ring (each rank passing its
@@ -19,66 +20,44 @@ attends to every key before it, wherever that key lives. Written here by hand, a
   all: without it (--cp_load_balance false: rank r holds chunks 2r, 2r + 1) the last rank does the most.
   A query chunk attends to earlier chunks whole, to its own with the causal mask, to later ones not at all.
 
-Theory: each rank holds what a DDP rank holds; one step all-gathers K and V of every block (the full
-sequence's, B x T x d each: the all-gather's output) and reduce-scatters their gradients (the same bytes),
-per micro-batch, over the cp ranks, and all-reduces every gradient once over all ranks.
+Theory: nothing held changes but the activations. One step all-gathers K and V of every block the rank
+holds (the whole sequence's, B x T x d / tp each: the all-gather's output) and reduce-scatters their gradients
+(the same bytes), per micro-batch, over the cp ranks.
 """
 
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
-import torch.nn.functional as F
-from torch import nn
 
-from common.config import require
-from common.gpt import GPT
-from strategies import ddp
-from strategies.defaults import (  # noqa: F401  # fmt: skip (the interface)
-    STEADY_STEP,
-    backward,
-    checkpointer,
-    clip,
-    forward,
-    measure_held,
-    measure_window,
-    quiet,
-    with_optimizer,
-)
-from strategies.layout import Layout, bus_factor, unique_parameters
+from common.config import flag, require
+from strategies.layout import Layout, Traffic, Workload
 
-NAME = "cp"
-SUMMARY = "context parallelism: each sample's sequence split over the ranks, K/V all-gathered per block"
-RANKS = 2
-CHECKPOINT_FORMAT = "dcp"  # PyTorch's distributed checkpoint: any layout reads it
-AUTOCAST = True
-OWN_WRONG_VARIANTS = {
+WRONG_VARIANTS = {
     "cp_merge_without_lse": "the partial attention outputs averaged, not rescaled by their log-sum-exp",
     "cp_causal_mask_not_shifted": "every (query chunk, key chunk) pair masked as if both started at position 0",
 }
-WRONG_VARIANTS = (*OWN_WRONG_VARIANTS, "resume_without_optimizer_state", "resume_without_data_position")
 
 
-def layout(world_size: int, dp_size: int = 0, tp_size: int = 0) -> Layout:
-    dp = dp_size or 1
-    require(
-        tp_size in (0, 1) and world_size % dp == 0 and world_size // dp >= 2,
-        f"--strategy cp needs >= 2 ranks per sequence and no --tp_size: {world_size} ranks, --dp_size {dp_size}, "
-        f"--tp_size {tp_size} (e.g. 2 ranks, or 4 ranks with --dp_size 2)",
-    )
-    return Layout(world_size, dp, cp=world_size // dp)
+@dataclass
+class Flags:
+    cp: int = flag(0, "context-parallel degree: ranks that split each sample's sequence, attention over keys and "
+                   "values all-gathered per block (0, 1: off)")  # fmt: skip
+    cp_load_balance: bool = flag(True, "with --cp: each rank holds a head and a tail chunk of the sequence (equal "
+                                 "causal attention work); false: neighbouring chunks (the last rank does the most)")  # fmt: skip
 
 
-def refuse(cfg, layout: Layout) -> None:
+def refuse(args, layout: Layout, work: Workload) -> None:
+    if layout.cp == 1:
+        return
     chunks = 2 * layout.cp
-    require(cfg.block_size % chunks == 0, f"--block_size {cfg.block_size} with --strategy cp on {layout.cp} ranks: "
-            f"the sequence is cut into {chunks} equal chunks, so it must be a multiple of {chunks}")  # fmt: skip
-    require(cfg.mixed_precision == "no", "--mixed_precision bf16 with --strategy cp: not built")
-    require(cfg.activation_checkpointing == "none", "--activation_checkpointing with --strategy cp: not built (the "
-            "recompute would all-gather K and V again)")  # fmt: skip
+    require(work.model.block_size % chunks == 0, f"--block_size {work.model.block_size} with --cp {layout.cp}: the "
+            f"sequence is cut into {chunks} equal chunks, so it must be a multiple of {chunks}")  # fmt: skip
+    require(work.mixed_precision == "no", "--mixed_precision bf16 with --cp: not built")
 
 
 def chunks_of(cp_rank: int, cp: int, balanced: bool) -> list[int]:
@@ -176,70 +155,49 @@ class ContextParallelAttention:
         return out
 
 
-class ContextParallelGPT(nn.Module):
-    """The GPT (the same modules under the same names) run on this rank's chunks of each sequence: forward
-    takes whole (batch, T) tokens and targets, as every strategy's, and returns the mean loss over its own."""
+class ChunkPositions:
+    """The GPT's `positions` hook under context parallelism: the positions of this rank's chunks, in order."""
 
-    configure_optimizers = GPT.configure_optimizers
+    def __init__(self, chunks: list[int]):
+        self.chunks = chunks
 
-    def __init__(self, gpt: GPT, chunks: list[int], n_chunks: int):
-        super().__init__()
-        self.tok_emb, self.pos_emb, self.blocks, self.ln_f, self.head = (
-            gpt.tok_emb, gpt.pos_emb, gpt.blocks, gpt.ln_f, gpt.head
-        )  # fmt: skip
-        self.chunks, self.n_chunks = chunks, n_chunks
-
-    def forward(self, idx: torch.Tensor, targets: torch.Tensor):
-        size = idx.shape[1] // self.n_chunks
-        positions = torch.cat(
-            [torch.arange(c * size, (c + 1) * size, device=idx.device) for c in self.chunks]
-        )
-        x = self.tok_emb(idx[:, positions]) + self.pos_emb(positions)
-        for block in self.blocks:
-            x = block(x)
-        logits = self.head(self.ln_f(x))
-        return logits, F.cross_entropy(logits.float().flatten(0, 1), targets[:, positions].flatten())
+    def __call__(self, length: int, device) -> torch.Tensor:
+        size = length // len(self.chunks)
+        return torch.cat([torch.arange(c * size, (c + 1) * size, device=device) for c in self.chunks])
 
 
-def apply(model: GPT, layout: Layout, accelerator, cfg):
-    """Attention by context parallelism in every block, the GPT on this rank's chunks, DDP over every rank."""
-    rank = accelerator.process_index
-    group = layout.mesh(accelerator.device.type)["cp"].get_group()
-    cp_rank, balanced = layout.cp_rank(rank), cfg.cp_load_balance
+def apply(model, cp_mesh, layout: Layout, rank: int, args) -> list[ContextParallelAttention]:
+    """Attention by context parallelism in every block `model` holds, and its positions this rank's chunks.
+    Returns the attentions (their timings, for `report`)."""
+    cp_rank, balanced = layout.coordinate(rank, "cp"), args.cp_load_balance
+    group = cp_mesh.get_group()
     attentions = []
-    for block in model.blocks:
-        block.attn.attend = ContextParallelAttention(group, cp_rank, layout.cp, balanced, cfg.wrong_variant)
+    for block in model.blocks.values():
+        block.attn.attend = ContextParallelAttention(group, cp_rank, layout.cp, balanced, args.wrong_variant)
         attentions.append(block.attn.attend)
-    piece = ContextParallelGPT(
-        model.to(accelerator.device), chunks_of(cp_rank, layout.cp, balanced), 2 * layout.cp
-    )
-    piece.attentions = attentions  # a plain list: their timings, for `report`
-    return with_optimizer(accelerator.prepare(piece), accelerator, cfg)
+    model.positions = ChunkPositions(chunks_of(cp_rank, layout.cp, balanced))
+    return attentions
 
 
-held_bytes = ddp.held_bytes  # every rank holds everything
+def split_batch(x: torch.Tensor, y: torch.Tensor, layout: Layout, rank: int, args) -> tuple:
+    """This rank's tokens of every sample (and their targets): its chunks of each sequence."""
+    chunks = chunks_of(layout.coordinate(rank, "cp"), layout.cp, args.cp_load_balance)
+    positions = ChunkPositions(chunks)(x.shape[1] // layout.cp, x.device)
+    return x[:, positions], y[:, positions]
 
 
-def sent_bytes(model: GPT, layout: Layout, cfg) -> dict:
-    """Per micro-batch, every block all-gathers K and V (the whole sequence's) and reduce-scatters their
-    gradients, over the cp ranks; DDP all-reduces every gradient once per step, over every rank."""
-    k = cfg.gradient_accumulation_steps
-    whole = cfg.per_rank_batch_size * cfg.block_size * model.cfg.d_model * 4
-    context = {
-        "all_gather": k * 2 * model.cfg.n_layer * whole,
-        "reduce_scatter": k * 2 * model.cfg.n_layer * whole,
-    }
-    data = {"all_reduce": sum(p.numel() * 4 for _, p in unique_parameters(model))}
-    wire = sum(bus_factor(kind, layout.cp) * size for kind, size in context.items())
-    wire += bus_factor("all_reduce", layout.world_size) * data["all_reduce"]
-    return {"by_kind": {**context, **data}, "data_parallel": data, "tensor_parallel": {}, "context_parallel": context,
-            "wire_bytes": wire}  # fmt: skip
+def sent(layout: Layout, work: Workload, blocks: int) -> list[Traffic]:
+    """Per micro-batch, every block this rank holds all-gathers K and V (the whole sequence's, this rank's
+    tensor-parallel share of the heads) and reduce-scatters their gradients, over the cp ranks."""
+    if layout.cp == 1:
+        return []
+    whole = work.micro_batches * work.tokens * work.model.d_model // layout.tp * 4
+    return [Traffic(kind, 2 * blocks * whole, layout.cp, "cp") for kind in ("all_gather", "reduce_scatter")]
 
 
-def report(session, model, cfg) -> None:
+def report(session, attentions: list[ContextParallelAttention], balanced: bool) -> None:
     """Each rank's time computing attention (the all-gathers left out), gathered: the load balance."""
-    piece = getattr(model, "module", model)
-    mine = sum(attention.seconds for attention in piece.attentions)
+    mine = sum(attention.seconds for attention in attentions)
     every_rank = [None] * dist.get_world_size()
     dist.all_gather_object(every_rank, mine)
     if session.is_main:
@@ -247,5 +205,5 @@ def report(session, model, cfg) -> None:
         session.metrics["attention_imbalance"] = max(every_rank) / max(min(every_rank), 1e-12)
         session.print(
             f"attention time per rank (s): {', '.join(f'{s:.3f}' for s in every_rank)}; slowest / fastest "
-            f"{session.metrics['attention_imbalance']:.2f} ({'balanced' if cfg.cp_load_balance else 'unbalanced'} chunks)"
+            f"{session.metrics['attention_imbalance']:.2f} ({'balanced' if balanced else 'unbalanced'} chunks)"
         )

@@ -38,22 +38,20 @@ gradient_clipping contradicts the flags (leave those keys out: the flags fill th
 
 from __future__ import annotations
 
-import contextlib
 import math
 import os
-import warnings
 
 import torch
 
 from common.checkpoint import FullState
 from common.config import require
 from common.runtime import deepspeed_stage
-from strategies import defaults
-from strategies.layout import Layout, communication, data_parallel_only, unique_parameters
+from strategies.layout import Layout, Traffic, Workload, unique_parameters
+from strategies.parallelize import Job
 
 PERSISTENCE_THRESHOLD = 100_000  # DeepSpeed's stage3_param_persistence_threshold (elements), its default
 CONFIGS = "accelerate_configs/deepspeed_zero{stage}.yaml"
-OWN_WRONG_VARIANTS = {
+WRONG_VARIANTS = {
     "clip_from_accelerate_default": "gradient_clipping left to Accelerate's 'auto', which it fills with 1.0, "
     "whatever --grad_clip says",
     "textbook_zero3_theory": "expecting textbook ZeRO-3 from DeepSpeed (every parameter sharded): it keeps "
@@ -61,164 +59,74 @@ OWN_WRONG_VARIANTS = {
 }
 
 
-class ZeRO:
-    """One ZeRO stage of DeepSpeed: the strategy interface of strategies/__init__.py, for that stage."""
-
-    RANKS = 2
-    AUTOCAST = False
-    CHECKPOINT_FORMAT = "deepspeed"
-    # the engine's own forward and backward (Accelerate's backward calls it), nothing more to report
-    forward, backward, report = (
-        staticmethod(f) for f in (defaults.forward, defaults.backward, defaults.report)
+def refuse(args, layout: Layout, work: Workload, max_norm: float) -> None:
+    """What DeepSpeed's engine is not asked to do here, and an accelerate config that contradicts the flags."""
+    stage = deepspeed_stage()
+    others = [f"--{dim} {n}" for dim, n in layout.degrees().items() if n > 1 and dim != "dp_shard"]
+    require(not others, f"{', '.join(others)} under a DeepSpeed ZeRO-{stage} accelerate config: DeepSpeed's ZeRO "
+            "is data parallelism over every rank here; compose dimensions without DeepSpeed (accelerate_configs/"
+            "cpu_ddp.yaml)")  # fmt: skip
+    require(work.mixed_precision == "no",
+            f"--mixed_precision {work.mixed_precision} with DeepSpeed ZeRO-{stage}: not built; use no")  # fmt: skip
+    configured = os.environ.get("ACCELERATE_GRADIENT_ACCUMULATION_STEPS")
+    require(
+        configured is None or int(configured) == work.micro_batches,
+        f"the accelerate config sets gradient_accumulation_steps {configured}, --gradient_accumulation_steps is "
+        f"{work.micro_batches}: leave the key out of the config (the flag fills it)",
+    )
+    clipping = os.environ.get("ACCELERATE_GRADIENT_CLIPPING", "auto")
+    require(
+        clipping == "auto" or float(clipping) == max_norm,
+        f"the accelerate config sets gradient_clipping {clipping}, --grad_clip is {max_norm}: leave the key "
+        "out of the config (the flag fills it)",
     )
 
-    def __init__(self, stage: int):
+
+def parallelize(gpt, layout: Layout, args, work: Workload, accelerator, make_optimizer, max_norm: float):
+    """DeepSpeed's engine and its ZeRO optimizer around our AdamW (prepare() needs both at once)."""
+    optimizer = make_optimizer(gpt.parameters())
+    config = accelerator.state.deepspeed_plugin.deepspeed_config
+    config["train_micro_batch_size_per_gpu"] = work.rows  # no DataLoader to infer it from
+    # our torch AdamW: DeepSpeed's own Adam optimizers are compiled ops, which this project does not build
+    config["zero_allow_untested_optimizer"] = True
+    if args.wrong_variant != "clip_from_accelerate_default":  # the mistake: Accelerate fills "auto" with 1.0
+        config["gradient_clipping"] = max_norm
+    engine, optimizer = accelerator.prepare(gpt, optimizer)
+    return DeepSpeedJob(layout, engine, optimizer, accelerator, args, work, max_norm, deepspeed_stage())
+
+
+class DeepSpeedJob(Job):
+    """A rank's part of the GPT under DeepSpeed's ZeRO: `accelerator.backward(loss)` runs the engine's backward
+    AND its optimizer step (the update, the clipping at the config's `gradient_clipping`, the all-gather of the
+    updated parameters), so clipping and the gradient norm are DeepSpeed's (`clip` reads the norm the engine
+    used)."""
+
+    def __init__(self, layout, engine, optimizer, accelerator, args, work, max_norm: float, stage: int):
+        super().__init__(layout, accelerator.process_index, engine, [engine], optimizer, accelerator, args, work,
+                         max_norm, pipeline=None, attentions=[])  # fmt: skip
         self.stage = stage
-        self.NAME = f"deepspeed_zero{stage}"
         # ZeRO-3 traces the order modules run in over the first iterations (the evaluation's forwards count)
         # and settles it with broadcasts in step 3 (measured): steady from step 4
-        self.STEADY_STEP = 4 if stage == 3 else 3
-        self.LAUNCH_CONFIG = CONFIGS.format(stage=stage)
-        self.SUMMARY = {
-            1: "DeepSpeed ZeRO-1: optimizer state (a float32 master copy + AdamW's moments) 1/N per rank",
-            2: "DeepSpeed ZeRO-2: + gradients partitioned (all-reduced every micro-batch)",
-            3: "DeepSpeed ZeRO-3: + parameters partitioned, those of <= 100k elements kept whole",
-        }[stage]
-        self.WRONG_VARIANTS = (
-            "same_data_on_every_rank",
-            "clip_from_accelerate_default",
-            *(("textbook_zero3_theory",) if stage == 3 else ()),
-            "resume_without_optimizer_state",
-            "resume_without_data_position",
-        )
-        self.__doc__ = __doc__
+        self.steady_step = 4 if stage == 3 else 3
 
-    # ---------------------------------------------------------------------------- shape and refusals
-    def layout(self, world_size: int, dp_size: int = 0, tp_size: int = 0) -> Layout:
-        return data_parallel_only(self.NAME, world_size, dp_size, tp_size)
-
-    def refuse(self, cfg, layout: Layout) -> None:
-        stage = deepspeed_stage()
-        require(
-            stage == self.stage,
-            f"--strategy {self.NAME} runs under a DeepSpeed accelerate config of ZeRO stage {self.stage}: launch with "
-            f"--config_file {self.LAUNCH_CONFIG}"
-            + (
-                f" (this launch's config is ZeRO-{stage})"
-                if stage
-                else " (this launch has no DeepSpeed config)"
-            ),
-        )
-        require(
-            cfg.mixed_precision == "no",
-            f"--mixed_precision {cfg.mixed_precision} with --strategy {self.NAME}: not built; use no",
-        )
-        configured = os.environ.get("ACCELERATE_GRADIENT_ACCUMULATION_STEPS")
-        require(
-            configured is None or int(configured) == cfg.gradient_accumulation_steps,
-            f"the accelerate config sets gradient_accumulation_steps {configured}, --gradient_accumulation_steps is "
-            f"{cfg.gradient_accumulation_steps}: leave the key out of the config (the flag fills it)",
-        )
-        clipping = os.environ.get("ACCELERATE_GRADIENT_CLIPPING", "auto")
-        require(
-            clipping == "auto" or float(clipping) == cfg.grad_clip,
-            f"the accelerate config sets gradient_clipping {clipping}, --grad_clip is {cfg.grad_clip}: leave the key "
-            "out of the config (the flag fills it)",
-        )
-
-    # --------------------------------------------------------------------------------------- apply
-    def apply(self, model, layout: Layout, accelerator, cfg):
-        """DeepSpeed's engine and its ZeRO optimizer around our AdamW (prepare() needs both at once)."""
-        optimizer = model.configure_optimizers(cfg.lr, cfg.weight_decay)
-        config = accelerator.state.deepspeed_plugin.deepspeed_config
-        config["train_micro_batch_size_per_gpu"] = cfg.per_rank_batch_size  # no DataLoader to infer it from
-        # our torch AdamW: DeepSpeed's own Adam optimizers are compiled ops, which this project does not build
-        config["zero_allow_untested_optimizer"] = True
-        if (
-            cfg.wrong_variant != "clip_from_accelerate_default"
-        ):  # the mistake: Accelerate fills "auto" with 1.0
-            config["gradient_clipping"] = cfg.grad_clip
-        return accelerator.prepare(model, optimizer)
-
-    @contextlib.contextmanager
-    def quiet(self):
-        """DeepSpeed calls torch.distributed's deprecated all_gather_into_tensor name (FutureWarning on every
-        step): expected, silenced for the run, restored after."""
-        with warnings.catch_warnings():
-            warnings.filterwarnings(
-                "ignore", message=".*all_gather_into_tensor. is deprecated", category=FutureWarning
-            )
-            warnings.filterwarnings(
-                "ignore", message=".*reduce_scatter_tensor. is deprecated", category=FutureWarning
-            )
-            yield
-
-    def clip(self, model, cfg) -> float:
+    def clip(self) -> float:
         """The engine clipped inside accelerator.backward (its optimizer step): the global norm it used."""
-        return float(model.get_global_grad_norm())
+        return float(self.model.get_global_grad_norm())
 
-    def checkpointer(self, model, optimizer, accelerator, cfg):
-        return DeepSpeedCheckpointer(
-            model, optimizer, accelerator, cfg.wrong_variant != "resume_without_optimizer_state"
-        )
+    def checkpointer(self, restore_optimizer: bool = True):
+        return DeepSpeedCheckpointer(self.model, self.optimizer, self.accelerator, restore_optimizer)
 
-    # --------------------------------------------------------------------------------- theory: held
-    def partitions(self, model, layout: Layout) -> int:
-        """Elements of the partition each rank owns: ZeRO-1/2 split each flat parameter group, padded to a
-        multiple of 2N (DeepSpeed's alignment of 2 elements per rank); ZeRO-3 splits each parameter."""
-        if self.stage == 3:
-            return sum(math.ceil(p.numel() / layout.dp) for _, p in unique_parameters(model))
-        groups = group_sizes(model)
-        return sum(math.ceil(numel / (2 * layout.dp)) * 2 for numel in groups)
+    def held_bytes(self, model, rank: int) -> dict:
+        return held_bytes(model, self.layout, self.stage, self.args.wrong_variant)
 
-    def held_bytes(self, model, layout: Layout, rank: int, cfg) -> dict:
-        parameters = unique_parameters(model)
-        partition = 4 * self.partitions(model, layout)
-        optimizer = 3 * partition + 4 * len(group_sizes(model))  # master + 2 moments; a step count per group
-        if self.stage < 3:  # every parameter whole; gradients only during backward
-            full = sum(4 * p.numel() for _, p in parameters)
-            return {
-                "params": full,
-                "grads": 0,
-                "optimizer": optimizer,
-                "params_between_forward_and_backward": full,
-            }
-        threshold = 0 if cfg.wrong_variant == "textbook_zero3_theory" else PERSISTENCE_THRESHOLD
-        resident = sum(4 * p.numel() for _, p in parameters if p.numel() <= threshold)
-        # the gathered copies of the others are freed after each use, in forward and again in backward
-        params = partition + resident
-        return {
-            "params": params,
-            "grads": partition,
-            "optimizer": optimizer,
-            "params_between_forward_and_backward": params,
-        }
-
-    # --------------------------------------------------------------------------------- theory: sent
-    def sent_bytes(self, model, layout: Layout, cfg) -> dict:
-        parameters = unique_parameters(model)
-        k, full = cfg.gradient_accumulation_steps, sum(4 * p.numel() for _, p in parameters)
-        if self.stage < 3:
-            reductions = 1 if self.stage == 1 else k  # ZeRO-2 reduces every micro-batch
-            return communication({"all_reduce": reductions * full + 2 * 4, "all_gather": full}, {}, layout)
-        threshold = 0 if cfg.wrong_variant == "textbook_zero3_theory" else PERSISTENCE_THRESHOLD
-        padded = {name: 4 * math.ceil(p.numel() / layout.dp) * layout.dp for name, p in parameters}
-        resident = sum(4 * p.numel() for _, p in parameters if p.numel() <= threshold)
-        gathered = sum(
-            padded[name] for name, p in parameters if p.numel() > threshold
-        )  # for forward and backward
-        sent = {
-            "reduce_scatter": k * sum(padded.values()),
-            "all_gather": 2 * k * gathered + resident,
-            "all_reduce": 2 * 8,
-        }
-        return communication(sent, {}, layout)
+    def sent_bytes(self, model, rank: int) -> dict:
+        return sent_bytes(model, self.layout, self.stage, self.work, self.args.wrong_variant)
 
     # ------------------------------------------------------------------------------ measured: held
-    def measure_held(self, model, optimizer) -> dict:
+    def measure_held(self) -> dict:
         """What this rank really holds, read from the engine and its ZeRO optimizer at rest (after a step)."""
-        zero = model.optimizer
-        parameters = [p for _, p in unique_parameters(model.module)]
+        zero = self.model.optimizer
+        parameters = [p for _, p in unique_parameters(self.model.module)]
         master = flat_partitions(zero)
         if self.stage < 3:
             params = sum(nbytes(p.data) for p in parameters)
@@ -231,12 +139,70 @@ class ZeRO:
         )
         return {"params": params, "grads": grads, "optimizer": sum(nbytes(t) for t in master) + moments}
 
-    def measure_window(self, model) -> int:
+    def measure_window(self) -> int:
         """Parameter bytes held between forward and backward (ZeRO-3: resident + partitions + gathered)."""
-        parameters = [p for _, p in unique_parameters(model.module)]
+        parameters = [p for _, p in unique_parameters(self.model.module)]
         return sum(
             nbytes(p.data) + (nbytes(p.ds_tensor) if hasattr(p, "ds_tensor") else 0) for p in parameters
         )
+
+
+# ----------------------------------------------------------------------------------------- theory
+def partitions(model, layout: Layout, stage: int) -> int:
+    """Elements of the partition each rank owns: ZeRO-1/2 split each flat parameter group, padded to a multiple
+    of 2N (DeepSpeed's alignment of 2 elements per rank); ZeRO-3 splits each parameter."""
+    if stage == 3:
+        return sum(math.ceil(p.numel() / layout.dp) for _, p in unique_parameters(model))
+    return sum(math.ceil(numel / (2 * layout.dp)) * 2 for numel in group_sizes(model))
+
+
+def held_bytes(model, layout: Layout, stage: int, variant: str = "") -> dict:
+    """What each rank holds at rest, by the module docstring (`model`: the undistributed GPT)."""
+    parameters = unique_parameters(model)
+    partition = 4 * partitions(model, layout, stage)
+    optimizer = 3 * partition + 4 * len(group_sizes(model))  # master + 2 moments; a step count per group
+    if stage < 3:  # every parameter whole; gradients only during backward
+        full = sum(4 * p.numel() for _, p in parameters)
+        return {
+            "params": full,
+            "grads": 0,
+            "optimizer": optimizer,
+            "params_between_forward_and_backward": full,
+        }
+    threshold = 0 if variant == "textbook_zero3_theory" else PERSISTENCE_THRESHOLD
+    resident = sum(4 * p.numel() for _, p in parameters if p.numel() <= threshold)
+    # the gathered copies of the others are freed after each use, in forward and again in backward
+    params = partition + resident
+    return {
+        "params": params,
+        "grads": partition,
+        "optimizer": optimizer,
+        "params_between_forward_and_backward": params,
+    }
+
+
+def sent_bytes(model, layout: Layout, stage: int, work: Workload, variant: str = "") -> dict:
+    """One step's bytes by kind, by the module docstring."""
+    parameters = unique_parameters(model)
+    n, k, full = layout.dp, work.micro_batches, sum(4 * p.numel() for _, p in parameters)
+    if stage < 3:
+        reductions = 1 if stage == 1 else k  # ZeRO-2 reduces every micro-batch
+        sizes = {"all_reduce": reductions * full + 2 * 4, "all_gather": full}
+    else:
+        threshold = 0 if variant == "textbook_zero3_theory" else PERSISTENCE_THRESHOLD
+        padded = {name: 4 * math.ceil(p.numel() / n) * n for name, p in parameters}
+        resident = sum(4 * p.numel() for _, p in parameters if p.numel() <= threshold)
+        gathered = sum(
+            padded[name] for name, p in parameters if p.numel() > threshold
+        )  # forward and backward
+        sizes = {"reduce_scatter": k * sum(padded.values()), "all_gather": 2 * k * gathered + resident,
+                 "all_reduce": 2 * 8}  # fmt: skip
+    traffic = [Traffic(kind, size, n, "dp_shard") for kind, size in sizes.items()]
+    return {
+        "by_kind": sizes,
+        "by_dimension": {"dp_shard": sizes},
+        "wire_bytes": sum(t.wire_bytes for t in traffic),
+    }
 
 
 def nbytes(tensor: torch.Tensor) -> int:
@@ -337,6 +303,3 @@ def unmapped_parameters(zero) -> int:
         for p in group
         if getattr(p, "_hp_mapping", None) is not None and not p._hp_mapping.optim_fragment
     )
-
-
-ZERO1, ZERO2, ZERO3 = ZeRO(1), ZeRO(2), ZeRO(3)

@@ -1,12 +1,22 @@
-"""How the ranks are arranged: one place for the shape of the job and its refusals (torchtitan's
-`ParallelDims`). A Layout is pp x dp x cp x tp ranks: `pp` pipeline stages (ranks that each hold some of
-the blocks), `dp` data-parallel groups that each read their own share of the data, `cp` ranks that split
-each sample's sequence, `tp` ranks per tensor-parallel group that read the same data and each hold a
-piece of every layer. Ranks are numbered tp fastest, then cp, dp, pp (torchtitan's order: the pipeline
-outermost, its sends cross the slowest links; tensor parallelism innermost, on the fastest).
+"""The shape of the job (torchtitan's `ParallelDims`): how many ranks each dimension of parallelism takes,
+where a rank sits in each, and the arithmetic of how a tensor is split, in which every piece's theory of
+bytes held and sent is written.
 
-Also the arithmetic of how a tensor is split (`piece_shape`), which every strategy's theory of bytes
-held and sent is written in: torch.chunk's split, as DTensor and FSDP2 split dim 0.
+Five degrees, outermost first (torchtitan's order: the pipeline outermost, its sends cross the slowest
+links; tensor parallelism innermost, on the fastest), their product the world size:
+  pp            pipeline stages: ranks that each hold some of the blocks (strategies/pp.py)
+  dp_replicate  data-parallel replicas: whole copies of what the other dimensions split (replicate.py)
+  dp_shard      data-parallel shards: ranks that split parameters, gradients, AdamW state (shard.py)
+  cp            context parallelism: ranks that split each sample's sequence (cp.py)
+  tp            tensor parallelism: ranks that split every matrix (tp.py)
+Ranks are numbered tp fastest, then cp, dp_shard, dp_replicate, pp. The dp_replicate x dp_shard ranks each
+read their own share of the data; the tp, cp and pp ranks of one data-parallel rank read the same samples.
+
+The gradient of a piece of the model is averaged over every rank that computed part of it: the data-parallel
+ranks and the cp ranks (each saw its own tokens). When dp_shard > 1, FSDP shards over dp_shard x cp and
+replicates over dp_replicate (HSDP); otherwise every one of those ranks holds the piece whole and the
+gradients are all-reduced over dp_replicate x cp (`shard_dims`, `replicate_dims`, as torchtitan's
+"dp_shard_cp").
 """
 
 from __future__ import annotations
@@ -17,85 +27,103 @@ from dataclasses import dataclass
 import torch
 
 from common.comm_counter import bus_factor
-from common.config import require
+
+DIMS = ("pp", "dp_replicate", "dp_shard", "cp", "tp")  # outermost first
 
 
 @dataclass(frozen=True)
 class Layout:
-    world_size: int
-    dp: int
-    tp: int = 1
     pp: int = 1
-    cp: int = 1  # context-parallel ranks: the ranks that split each sample's sequence (strategies/cp.py)
+    dp_replicate: int = 1
+    dp_shard: int = 1
+    cp: int = 1
+    tp: int = 1
 
-    def __post_init__(self):
-        require(
-            self.pp * self.dp * self.cp * self.tp == self.world_size,
-            f"{'--pp_size ' + str(self.pp) + ' x ' if self.pp > 1 else ''}--dp_size {self.dp} x "
-            f"{'--cp_size ' + str(self.cp) + ' x ' if self.cp > 1 else ''}--tp_size {self.tp} "
-            f"must equal the {self.world_size} ranks launched",
-        )
+    @property
+    def world_size(self) -> int:
+        return math.prod(self.degrees().values())
+
+    def degrees(self) -> dict[str, int]:
+        return {dim: getattr(self, dim) for dim in DIMS}
+
+    def describe(self) -> str:
+        """'dp_shard 2 x tp 2 x pp 2 (8 ranks)', the dimensions that are on, or 'one process'."""
+        on = [f"{dim} {n}" for dim, n in self.degrees().items() if n > 1]
+        return f"{' x '.join(on)} ({self.world_size} ranks)" if on else "one process"
+
+    # ------------------------------------------------------------------------- where a rank sits
+    def coordinate(self, rank: int, dim: str) -> int:
+        """Rank `rank`'s index along `dim` (tp fastest)."""
+        stride = math.prod(getattr(self, inner) for inner in DIMS[DIMS.index(dim) + 1 :])
+        return (rank // stride) % getattr(self, dim)
+
+    def rank_at(self, **coordinates: int) -> int:
+        """The rank at these coordinates (the others 0)."""
+        rank = 0
+        for dim in DIMS:
+            rank = rank * getattr(self, dim) + coordinates.get(dim, 0)
+        return rank
+
+    def group(self, rank: int, dims: tuple[str, ...]) -> list[int]:
+        """The ranks that share every coordinate of `rank` but those of `dims` (its group over `dims`)."""
+        mine = {dim: self.coordinate(rank, dim) for dim in DIMS}
+        return [
+            r
+            for r in range(self.world_size)
+            if all(self.coordinate(r, d) == mine[d] for d in DIMS if d not in dims)
+        ]
+
+    @property
+    def dp(self) -> int:
+        """Data-parallel ranks: each reads its own share of every global batch."""
+        return self.dp_replicate * self.dp_shard
 
     def dp_rank(self, rank: int) -> int:
-        """Which share of the data rank `rank` reads: the ranks of one tensor-parallel or context-parallel
-        group, and the stages of one pipeline, read the same samples."""
-        return (rank // (self.cp * self.tp)) % self.dp
+        """Which share of the data rank `rank` reads."""
+        return self.coordinate(rank, "dp_replicate") * self.dp_shard + self.coordinate(rank, "dp_shard")
 
-    def tp_rank(self, rank: int) -> int:
-        return rank % self.tp
+    # ------------------------------------------------------------------ how data parallelism covers cp
+    @property
+    def shard_dims(self) -> tuple[str, ...]:
+        """The dimensions FSDP shards over (empty: nothing sharded)."""
+        return tuple(d for d in ("dp_shard", "cp") if getattr(self, d) > 1) if self.dp_shard > 1 else ()
 
-    def cp_rank(self, rank: int) -> int:
-        return (rank // self.tp) % self.cp
+    @property
+    def replicate_dims(self) -> tuple[str, ...]:
+        """The dimensions whose ranks hold the same piece whole and average its gradient."""
+        dims = ("dp_replicate",) + (() if self.dp_shard > 1 else ("cp",))
+        return tuple(d for d in dims if getattr(self, d) > 1)
 
-    def pp_rank(self, rank: int) -> int:
-        return rank // (self.dp * self.cp * self.tp)
+    def size(self, dims: tuple[str, ...]) -> int:
+        return math.prod(getattr(self, d) for d in dims)
 
     def mesh(self, device_type: str):
-        """A DeviceMesh over every rank, of the accelerator's device type (gloo on CPU, NCCL on GPU), inside
-        the process group Accelerate made: ("dp", "tp"), with "pp" first for a pipeline and "cp" before "tp"
-        for context parallelism."""
-        from torch.distributed.tensor import init_device_mesh
+        """A DeviceMesh over every rank, of the accelerator's device type (gloo on CPU, NCCL on GPU), inside the
+        process group Accelerate made: one mesh dimension per degree > 1, in DIMS order."""
+        from torch.distributed.device_mesh import init_device_mesh
 
-        dims = [("pp", self.pp)] * (self.pp > 1) + [("dp", self.dp)] + [("cp", self.cp)] * (self.cp > 1)
-        dims += [("tp", self.tp)]
+        dims = [dim for dim, n in self.degrees().items() if n > 1]
         return init_device_mesh(
-            device_type, tuple(n for _, n in dims), mesh_dim_names=tuple(d for d, _ in dims)
+            device_type, tuple(getattr(self, d) for d in dims), mesh_dim_names=tuple(dims)
         )
 
 
-def data_parallel_only(strategy: str, world_size: int, dp_size: int, tp_size: int) -> Layout:
-    """Every rank a data-parallel rank (ddp, zero2, fsdp): >= 2 ranks, and no --dp_size / --tp_size."""
-    require_ranks(strategy, world_size)
-    require(
-        not (dp_size or tp_size), f"--dp_size / --tp_size are for --strategy tp and fsdp_tp, not {strategy}"
-    )
-    return Layout(world_size, world_size)
+def submesh(mesh, dims: tuple[str, ...]):
+    """The mesh over `dims` (several dimensions flattened into one, named by joining theirs)."""
+    if len(dims) == 1:
+        return mesh[dims[0]]
+    name = "_".join(dims)
+    try:
+        return mesh[name]
+    except KeyError:
+        return mesh[dims]._flatten(name)
 
 
-def require_ranks(strategy: str, world_size: int) -> None:
-    require(
-        (strategy == "none") == (world_size == 1),
-        f"--strategy {strategy} with {world_size} rank(s): 'none' is one process, the others need >= 2 ranks "
-        "(accelerate_configs/cpu_ddp.yaml)",
-    )
-
-
+# ----------------------------------------------------------------------------- the split arithmetic
 def chunk_rows(rows: int, parts: int, index: int) -> int:
     """How many of `rows` rows torch.chunk gives part `index` of `parts` (DTensor and FSDP2 split so)."""
     chunks = torch.chunk(torch.empty(rows, device="meta"), parts)
     return chunks[index].shape[0] if index < len(chunks) else 0
-
-
-def piece_shape(shape, layout: Layout, rank: int, tp_split_dim: int | None, dp_sharded: bool) -> list[int]:
-    """The shape of the piece of a parameter that rank `rank` holds: first tensor parallelism's split of
-    dimension `tp_split_dim` (None: replicated) across the tp ranks, then, if `dp_sharded`, FSDP2's split
-    of dim 0 of that piece across the data-parallel groups (torch.chunk of a chunk)."""
-    shape = list(shape)
-    if tp_split_dim is not None:
-        shape[tp_split_dim] = chunk_rows(shape[tp_split_dim], layout.tp, layout.tp_rank(rank))
-    if dp_sharded:
-        shape[0] = chunk_rows(shape[0], layout.dp, layout.dp_rank(rank))
-    return shape
 
 
 def padded_numel(shape, parts: int) -> int:
@@ -109,32 +137,37 @@ def unique_parameters(model: torch.nn.Module) -> list[tuple[str, torch.nn.Parame
     return list({id(p): (name, p) for name, p in model.named_parameters()}.values())
 
 
-def held(params: int, tensors: int, between_forward_and_backward: int | None = None) -> dict:
-    """A rank's bytes by theory, from the bytes of the parameters it holds at rest (`tensors` of them):
-    gradients shaped like them; AdamW's exp_avg and exp_avg_sq shaped like them plus a 4-byte step count
-    per tensor; the parameters held between forward and backward (default: as at rest)."""
-    return {
-        "params": params,
-        "grads": params,
-        "optimizer": 2 * params + 4 * tensors,
-        "params_between_forward_and_backward": params
-        if between_forward_and_backward is None
-        else between_forward_and_backward,
-    }
+@dataclass(frozen=True)
+class Workload:
+    """What a run asks of its layout, all the pieces' theory needs besides their own flags: the model's shape
+    (common/gpt.GPTConfig), the rows each data-parallel rank takes per micro-batch, the micro-batches per
+    optimizer step, the precision."""
+
+    model: object  # GPTConfig
+    rows: int
+    micro_batches: int = 1
+    mixed_precision: str = "no"
+
+    @property
+    def tokens(self) -> int:
+        """Tokens a data-parallel rank takes per micro-batch."""
+        return self.rows * self.model.block_size
 
 
-def communication(data_parallel: dict, tensor_parallel: dict, layout: Layout) -> dict:
-    """The bytes of one step by kind (what common/comm_counter.py counts: each call's full tensor), split by
-    the group that sends them, and what each rank puts on the wire (the bus factor of that group's size)."""
-    by_kind = {
-        kind: data_parallel.get(kind, 0) + tensor_parallel.get(kind, 0)
-        for kind in {**data_parallel, **tensor_parallel}
-    }
-    wire = sum(bus_factor(kind, layout.dp) * size for kind, size in data_parallel.items() if layout.dp > 1)
-    wire += sum(bus_factor(kind, layout.tp) * size for kind, size in tensor_parallel.items() if layout.tp > 1)
-    return {
-        "by_kind": by_kind,
-        "data_parallel": data_parallel,
-        "tensor_parallel": tensor_parallel,
-        "wire_bytes": wire,
-    }
+@dataclass(frozen=True)
+class Traffic:
+    """Bytes of one kind of collective in one step, counted as common/comm_counter.py counts them (each call's
+    whole tensor), on a group of `ranks` ranks, sent by the piece of parallelism named `by`."""
+
+    kind: str
+    bytes: int
+    ranks: int
+    by: str
+
+    @property
+    def wire_bytes(self) -> float:
+        """What this rank puts on the wire for it (the nccl-tests bus factor of its group's size; what it receives
+        point to point it does not send)."""
+        if self.kind == "recv" or self.ranks == 1:
+            return 0.0
+        return bus_factor(self.kind, self.ranks) * self.bytes

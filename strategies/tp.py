@@ -1,6 +1,6 @@
 """tp: tensor parallelism, Megatron-style, with DTensor's `parallelize_module` (as PyTorch's TP tutorial
-plans it; its sequence parallelism with --sequence_parallel). Each rank holds 1/N of every block's heads and MLP units
-and of the vocabulary, and every rank reads the SAME data:
+plans it; its sequence parallelism with --sequence_parallel). Each rank of a tensor-parallel group holds 1/N
+of every block's heads and MLP units and of the vocabulary, and every rank of the group reads the SAME data:
   q/k/v and fc_in column-parallel  weight split by output rows: each rank computes its own heads /
                                    hidden units from the full (replicated) input, no communication;
   o_proj and fc_out row-parallel   weight split by input columns: each rank's product is a partial sum
@@ -13,12 +13,12 @@ and of the vocabulary, and every rank reads the SAME data:
                                    (all-gathered). Both weights are split on dim 0, so the tied weight
                                    stays one tensor (re-tied after parallelizing).
 LayerNorms and the position embedding are replicated: every rank computes them on the same data, and
-their gradients come out equal everywhere. The sharded weights come from rank 0 of the mesh
+their gradients come out equal everywhere. The sharded weights come from rank 0 of the group
 (distribute_tensor's src_data_rank); the replicated ones are whatever each rank built, so every rank
 must build the same model (seed_per_rank shows what happens otherwise).
 
 Why PyTorch's API: Accelerate's TP path needs a transformers model (FIELD_NOTES). Refused: heads that do
-not divide the TP degree (each rank must hold whole heads), bf16 (not built for TP here).
+not divide the degree (each rank must hold whole heads), bf16 (not built for TP here).
 
 --sequence_parallel (Megatron's sequence parallelism): between the sub-layers each rank holds 1/N of the
 tokens (the LayerNorms, the residual stream: SequenceParallel on a Shard(1) DTensor); entering attention or
@@ -27,15 +27,18 @@ tokens' owners instead of all-reduced: the same bytes on the wire (an all-reduce
 an all-gather), the activations between the sub-layers 1/N. The LayerNorm weights' gradients then come out
 as partial sums (each rank's own tokens): clipping sums them first (common/optim.py).
 
-Theory per step, batch B x context T x width d, k micro-batches: all-reduce the activations (B T d x 4
-bytes) 4 x n_layer + 2 times per micro-batch (the embedding's output, 2 per block in forward and 2 in
-backward, the head's input gradient), and all-gather the logits (B T x vocabulary padded to a multiple
-of N, x 4 bytes) once per micro-batch.
+Theory per step of a rank holding L blocks (its pipeline stage's, or all), t tokens per micro-batch (its
+share of the batch and, under context parallelism, of the sequence), width d, k micro-batches: all-reduce
+the activations (t d x 4 bytes) 4 L times per micro-batch (2 per block in forward, 2 in backward), once
+more for the embedding's output if it holds the embedding and once for the head's input gradient if it
+holds the head; all-gather the logits (t x the vocabulary padded to a multiple of N, x 4 bytes) if it holds
+the head.
 """
 
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 from torch.distributed.tensor import Partial, Replicate, Shard
 from torch.distributed.tensor.parallel import (
@@ -46,44 +49,12 @@ from torch.distributed.tensor.parallel import (
     parallelize_module,
 )
 
-from common.config import require
-from strategies.defaults import (  # noqa: F401  # fmt: skip (the interface)
-    STEADY_STEP,
-    backward,
-    checkpointer,
-    clip,
-    forward,
-    measure_held,
-    measure_window,
-    quiet,
-    report,
-    with_optimizer,
-)
-from strategies.layout import (
-    Layout,
-    communication,
-    held,
-    piece_shape,
-    require_ranks,
-    unique_parameters,
-)
+from common.config import flag, require
+from strategies.layout import Layout, Traffic, Workload, chunk_rows
 
-NAME = "tp"
-SUMMARY = "tensor parallelism (Megatron-style, DTensor): 1/N of every matrix and of the vocabulary per rank"
-RANKS = 2
-CHECKPOINT_FORMAT = "dcp"  # PyTorch's distributed checkpoint: any layout reads it
-AUTOCAST = False
-WRONG_VARIANTS = (
-    "local_grad_norm",
-    "seed_per_rank",
-    "row_parallel_without_all_reduce",
-    "resume_without_optimizer_state",
-    "resume_without_data_position",
-)
-OWN_WRONG_VARIANTS = {
+WRONG_VARIANTS = {
     "row_parallel_without_all_reduce": "the row-parallel layers' partial sums used as if they were the output",
 }
-
 # Which dimension the plan splits, by parameter name (None: replicated), for the theory of bytes held.
 SPLIT_DIM = {
     "attn.q_proj.weight": 0,
@@ -100,49 +71,54 @@ SPLIT_DIM = {
 }
 
 
+@dataclass
+class Flags:
+    tp: int = flag(
+        0, "tensor-parallel degree: ranks that split every matrix and read the same data (0, 1: off)"
+    )
+    sequence_parallel: bool = flag(False, "with --tp: Megatron's sequence parallelism: LayerNorms and residuals on "
+                                   "1/N of the tokens, all-reduces replaced by reduce-scatter + all-gather")  # fmt: skip
+
+
+def refuse(args, layout: Layout, work: Workload) -> None:
+    require(
+        not args.sequence_parallel or layout.tp > 1, "--sequence_parallel is tensor parallelism's: add --tp N"
+    )
+    if layout.tp == 1:
+        return
+    require(work.model.n_head % layout.tp == 0,
+            f"--n_head {work.model.n_head} is not divisible by --tp {layout.tp}: each rank must hold whole heads")  # fmt: skip
+    require(
+        work.mixed_precision == "no", f"--mixed_precision {work.mixed_precision} with --tp: not built; use no"
+    )
+    require(not args.sequence_parallel or (layout.pp == 1 and layout.cp == 1),
+            "--sequence_parallel with --pp or --cp: not built (a stage would send, and context parallelism would "
+            "gather, a sequence already split over the tensor-parallel ranks)")  # fmt: skip
+
+
 def split_dim(name: str) -> int | None:
     return next((dim for suffix, dim in SPLIT_DIM.items() if name.endswith(suffix)), None)
 
 
-def layout(world_size: int, dp_size: int = 0, tp_size: int = 0) -> Layout:
-    require_ranks(NAME, world_size)
-    require(
-        dp_size in (0, 1),
-        f"--strategy tp puts all {world_size} ranks in one tensor-parallel group, got --dp_size {dp_size}; "
-        "for data parallelism across groups use --strategy fsdp_tp",
-    )
-    return Layout(world_size, 1, tp_size or world_size)
+def local_shape(name: str, shape, layout: Layout, rank: int) -> list[int]:
+    """The shape of the piece of parameter `name` a rank holds after tensor parallelism (torch.chunk's split)."""
+    shape, dim = list(shape), split_dim(name)
+    if dim is not None:
+        shape[dim] = chunk_rows(shape[dim], layout.tp, layout.coordinate(rank, "tp"))
+    return shape
 
 
-def refuse(cfg, layout: Layout) -> None:
-    require(
-        cfg.n_head % layout.tp == 0,
-        f"--n_head {cfg.n_head} is not divisible by the tensor-parallel degree {layout.tp}: each rank must hold whole heads",
-    )
-    require(
-        cfg.mixed_precision == "no",
-        f"--mixed_precision {cfg.mixed_precision} with --strategy {cfg.strategy}: not built; use no",
-    )
-
-
-def apply(model, layout: Layout, accelerator, cfg):
-    mesh = layout.mesh(accelerator.device.type)
-    row_all_reduce = cfg.wrong_variant != "row_parallel_without_all_reduce"
-    model = parallelize(model.to(accelerator.device), mesh["tp"], row_all_reduce, cfg.sequence_parallel)
-    return with_optimizer(model, accelerator, cfg)
-
-
-def parallelize(model, tp_mesh, row_all_reduce: bool = True, sequence_parallel: bool = False):
-    """The plan above on `tp_mesh`. row_all_reduce=False leaves the row-parallel outputs as partial sums:
-    the classic missing all-reduce (`row_parallel_without_all_reduce`). sequence_parallel: Megatron's
-    sequence parallelism between the sub-layers (the module docstring)."""
-    if sequence_parallel:
-        return parallelize_sequence(model, tp_mesh)
-    row_output = Replicate() if row_all_reduce else Partial()
+def apply(model, tp_mesh, args) -> None:
+    """The plan of the module docstring on `tp_mesh`, for the blocks, embedding and head `model` holds (a
+    pipeline stage holds some). row_parallel_without_all_reduce leaves the row-parallel outputs as partial
+    sums: the classic missing all-reduce."""
+    if args.sequence_parallel:
+        return apply_sequence_parallel(model, tp_mesh)
+    row_output = Partial() if args.wrong_variant == "row_parallel_without_all_reduce" else Replicate()
     replicated_input = PrepareModuleInput(
         input_layouts=(Replicate(),), desired_input_layouts=(Replicate(),), use_local_output=False
     )
-    for block in model.blocks:
+    for block in model.blocks.values():
         parallelize_module(
             block,
             tp_mesh,
@@ -157,53 +133,35 @@ def parallelize(model, tp_mesh, row_all_reduce: bool = True, sequence_parallel: 
                 "mlp.fc_out": RowwiseParallel(output_layouts=row_output),
             },
         )
-    parallelize_module(
-        model,
-        tp_mesh,
-        {
-            "tok_emb": RowwiseParallel(input_layouts=Replicate(), output_layouts=Replicate()),
-            "head": ColwiseParallel(output_layouts=Replicate()),
-        },
-    )
-    if model.cfg.tie_weights:
+    plan = {}
+    if model.tok_emb is not None:
+        plan["tok_emb"] = RowwiseParallel(input_layouts=Replicate(), output_layouts=Replicate())
+    if model.head is not None:
+        plan["head"] = ColwiseParallel(output_layouts=Replicate())
+    _parallelize_ends(model, tp_mesh, plan)
+
+
+def _parallelize_ends(model, tp_mesh, plan: dict) -> None:
+    tied = model.tok_emb is not None and model.head is not None and model.head.weight is model.tok_emb.weight
+    if plan:
+        parallelize_module(model, tp_mesh, plan)
+    if tied:  # both split on dim 0 alike: one tensor again
         model.head.weight = model.tok_emb.weight
-    return model
 
 
-def held_bytes(model, layout: Layout, rank: int, cfg) -> dict:
-    parameters = unique_parameters(model)
-    params = sum(
-        math.prod(piece_shape(p.shape, layout, rank, split_dim(name), dp_sharded=False)) * p.element_size()
-        for name, p in parameters
-    )
-    return held(params, len(parameters))
+def align_gradients(model) -> None:
+    """Each DTensor gradient on its parameter's placement. DTensor's embedding backward may hand back the
+    vocabulary-split weight's gradient replicated (its sharding propagation's choice for a pipeline's small
+    micro-batches, measured: the first stage held the whole 512 x 32 gradient): right values, twice the bytes
+    held, and a shape the tied embedding's all-reduce does not expect. Taking the rank's own rows is a slice,
+    with no communication."""
+    for param in model.parameters():
+        grad = param.grad
+        if hasattr(grad, "placements") and grad.placements != param.placements:
+            param.grad = grad.redistribute(param.device_mesh, param.placements)
 
 
-def activation_traffic(model, layout: Layout, cfg) -> dict:
-    """The tensor-parallel group's bytes per step (see the module docstring)."""
-    k, tokens = cfg.gradient_accumulation_steps, cfg.per_rank_batch_size * cfg.block_size
-    padded_vocab = math.ceil(model.cfg.vocab_size / layout.tp) * layout.tp
-    # full activation checkpointing runs each block's forward again in backward, up to the attention output's
-    # all-reduce (the MLP's output is needed by nothing backward uses: the recompute stops before it)
-    recomputed = cfg.n_layer if cfg.activation_checkpointing == "full" else 0
-    activation, logits = tokens * cfg.d_model * 4, k * tokens * padded_vocab * 4
-    if cfg.sequence_parallel:
-        # every sub-layer's all-reduce becomes its input's all-gather (forward; its reduce-scatter in backward)
-        # and its output's reduce-scatter (forward; its all-gather in backward); the head's input is gathered
-        # too, and the block-0 slice of the embeddings' sum gathers its gradient back
-        return {
-            "all_reduce": k * activation,  # the embedding's output, as tp
-            "all_gather": k * (4 * cfg.n_layer + 2) * activation + logits,
-            "reduce_scatter": k * (4 * cfg.n_layer + 1) * activation,
-        }
-    return {"all_reduce": k * (4 * cfg.n_layer + 2 + recomputed) * activation, "all_gather": logits}
-
-
-def sent_bytes(model, layout: Layout, cfg) -> dict:
-    return communication({}, activation_traffic(model, layout, cfg), layout)
-
-
-def parallelize_sequence(model, tp_mesh):
+def apply_sequence_parallel(model, tp_mesh) -> None:
     """tp's plan with Megatron's sequence parallelism: between the sub-layers (LayerNorms, residual adds)
     each rank holds 1/N of the tokens; entering attention or the MLP the sequence is all-gathered, and the
     row-parallel outputs are reduce-scattered to the tokens' owners instead of all-reduced."""
@@ -211,7 +169,7 @@ def parallelize_sequence(model, tp_mesh):
     gathered_input = PrepareModuleInput(
         input_layouts=(sequence,), desired_input_layouts=(Replicate(),), use_local_output=False
     )
-    for index, block in enumerate(model.blocks):
+    for index, block in enumerate(model.blocks.values()):
         plan = {
             "ln_1": SequenceParallel(),
             "attn": gathered_input,
@@ -228,7 +186,7 @@ def parallelize_sequence(model, tp_mesh):
         if index == 0:  # the embeddings' sum enters whole: each rank keeps its own tokens (a slice, no send)
             parallelize_module(block, tp_mesh, PrepareModuleInput(input_layouts=(Replicate(),),
                                                                   desired_input_layouts=(sequence,)))  # fmt: skip
-    parallelize_module(
+    _parallelize_ends(
         model,
         tp_mesh,
         {
@@ -237,6 +195,32 @@ def parallelize_sequence(model, tp_mesh):
             "head": ColwiseParallel(input_layouts=sequence, output_layouts=Replicate()),
         },
     )
-    if model.cfg.tie_weights:
-        model.head.weight = model.tok_emb.weight
-    return model
+
+
+def sent(
+    layout: Layout, args, work: Workload, blocks: int, embeds: bool, heads: bool, recomputed_blocks: int = 0
+) -> list[Traffic]:
+    """One step's bytes of a rank's tensor-parallel group (the module docstring): `blocks` it holds, whether
+    it holds the embedding (`embeds`) and the head (`heads`); `recomputed_blocks` run their forward again in
+    backward (full activation checkpointing), up to the attention output's all-reduce (the MLP's output is
+    needed by nothing backward uses: the recompute stops before it)."""
+    if layout.tp == 1:
+        return []
+    k, tokens = work.micro_batches, work.tokens // layout.cp
+    activation = k * tokens * work.model.d_model * 4
+    logits = k * tokens * math.ceil(work.model.vocab_size / layout.tp) * layout.tp * 4 if heads else 0
+    if args.sequence_parallel:
+        # every sub-layer's all-reduce becomes its input's all-gather (forward; its reduce-scatter in backward)
+        # and its output's reduce-scatter (forward; its all-gather in backward); the head's input is gathered,
+        # and the block-0 slice of the embeddings' sum gathers its gradient back
+        sizes = {
+            "all_reduce": activation * embeds,  # the embedding's output, as without SP
+            "all_gather": (4 * blocks + embeds + heads) * activation + logits,
+            "reduce_scatter": (4 * blocks + heads) * activation,
+        }
+    else:
+        sizes = {
+            "all_reduce": (4 * blocks + embeds + heads + recomputed_blocks) * activation,
+            "all_gather": logits,
+        }
+    return [Traffic(kind, size, layout.tp, "tp") for kind, size in sizes.items() if size]

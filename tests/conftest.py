@@ -30,6 +30,7 @@ LONGEST_FIRST = (
     "test_reliability.py",
     "test_benchmarks.py",
     "test_ddp_linear.py",
+    "test_train_gpt_layouts.py",
     "test_train_gpt_pipeline.py",
     "test_train_gpt_tensor_parallel.py",
     "test_train_gpt.py",

@@ -341,11 +341,12 @@ def tiny_gpt_kept_bytes(mode: str = "none", data_parallel_ranks: int = 1) -> int
     import torch
 
     from common.activations import SavedActivations
-    from common.gpt import GPTConfig, build_gpt
+    from common.gpt import GPTConfig, build_gpt, lm_loss
+    from strategies import activation_checkpointing
 
     model = build_gpt(GPTConfig(vocab_size=512, block_size=32, n_layer=2, n_head=2, d_model=32), 0)
-    model.set_activation_checkpointing(mode)
+    activation_checkpointing.apply(model, mode)
     x, y = (torch.zeros(4 * data_parallel_ranks, 32, dtype=torch.long) for _ in "xy")
     with SavedActivations() as saved:
-        model(x[:4], y[:4])
+        lm_loss(model(x[:4]), y[:4])
     return saved.bytes

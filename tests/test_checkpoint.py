@@ -258,7 +258,7 @@ def test_the_schedule_length_is_part_of_a_resumes_settings():
 def test_an_interrupt_is_recognised_where_a_library_wrapped_it():
     from torch.distributed.checkpoint.api import CheckpointException
 
-    from common.run import is_interrupt
+    from common.reliability import is_interrupt
 
     assert is_interrupt(KeyboardInterrupt())
     assert is_interrupt(CheckpointException("save", {0: (KeyboardInterrupt(), None)}))

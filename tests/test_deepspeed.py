@@ -143,12 +143,14 @@ def test_each_deepspeed_mistake_is_caught(tmp_path, stage, args, failing):
         ({"ACCELERATE_USE_DEEPSPEED": "false"}, ["--strategy", "deepspeed_zero2"],
          "launch with --config_file accelerate_configs/deepspeed_zero2.yaml (this launch has no DeepSpeed config)"),
         ({"ACCELERATE_DEEPSPEED_ZERO_STAGE": "1"}, ["--strategy", "deepspeed_zero1", "--mixed_precision", "bf16"],
-         "--mixed_precision bf16 with --strategy deepspeed_zero1: not built"),
+         "--mixed_precision bf16 with DeepSpeed ZeRO-1: not built"),
         ({"ACCELERATE_GRADIENT_ACCUMULATION_STEPS": "4"}, [],
          "the accelerate config sets gradient_accumulation_steps 4, --gradient_accumulation_steps is 1"),
         ({"ACCELERATE_GRADIENT_CLIPPING": "1.0"}, ["--grad_clip", "0.5"],
          "the accelerate config sets gradient_clipping 1.0, --grad_clip is 0.5"),
-        ({}, ["--wrong_variant", "textbook_zero3_theory"], "is a mistake only under --strategy deepspeed_zero3"),
+        ({}, ["--wrong_variant", "textbook_zero3_theory"],
+         "--wrong_variant textbook_zero3_theory changes nothing under dp_shard 2 (2 ranks) with DeepSpeed ZeRO-2"),
+        ({}, ["--tp", "2"], "--tp 2 under a DeepSpeed ZeRO-2 accelerate config: DeepSpeed's ZeRO is data parallelism"),
     ],
 )  # fmt: skip
 def test_a_contradiction_between_flags_and_config_is_one_line(
@@ -165,20 +167,27 @@ def test_a_contradiction_between_flags_and_config_is_one_line(
     assert code == 2 and message in stderr and stderr.strip().count("\n") == 0, stderr
 
 
-def test_a_deepspeed_checkpoint_resumes_only_under_its_own_stage_and_world_size():
+def test_a_deepspeed_checkpoint_resumes_only_under_its_own_stage_and_world_size(monkeypatch):
     from common.config import UsageError
     from experiments.train_gpt import Config
 
-    meta = {"layout": {"strategy": "deepspeed_zero3"}, "world_size": 2}
-    Config(strategy="deepspeed_zero3").refuse_resume(meta, 2)
-    for strategy, ranks in (("fsdp", 2), ("deepspeed_zero2", 2), ("deepspeed_zero3", 3)):
-        with pytest.raises(UsageError, match="own format, resumed only by deepspeed_zero3 on as many ranks"):
-            Config(strategy=strategy).refuse_resume(meta, ranks)
-    with pytest.raises(UsageError, match="deepspeed_zero2's checkpoints are its own format"):
-        Config(strategy="deepspeed_zero2").refuse_resume({"layout": {"strategy": "fsdp"}, "world_size": 2}, 2)
-    Config(strategy="ddp").refuse_resume(
-        {"layout": {"strategy": "fsdp"}, "world_size": 3}, 2
-    )  # DCP: any layout
+    deepspeed_3 = {
+        "layout": {"strategy": "deepspeed_zero3", "checkpoint_format": "deepspeed"},
+        "world_size": 2,
+    }
+    dcp = {"layout": {"strategy": "fsdp", "checkpoint_format": "dcp"}, "world_size": 3}
+    Config(strategy="ddp").refuse_resume(dcp, 2)  # DCP: any layout, any world size
+    with pytest.raises(UsageError, match="DeepSpeed's checkpoints are its own format"):
+        Config(strategy="fsdp").refuse_resume(deepspeed_3, 2)
+    monkeypatch.setenv("ACCELERATE_USE_DEEPSPEED", "true")
+    monkeypatch.setenv("ACCELERATE_DEEPSPEED_ZERO_STAGE", "3")
+    Config(strategy="deepspeed_zero3").refuse_resume(deepspeed_3, 2)
+    for strategy, ranks, checkpoint in (("deepspeed_zero3", 3, deepspeed_3), ("deepspeed_zero3", 2, dcp)):
+        with pytest.raises(UsageError, match="resumed only by the same stage on as many ranks"):
+            Config(strategy=strategy).refuse_resume(checkpoint, ranks)
+    monkeypatch.setenv("ACCELERATE_DEEPSPEED_ZERO_STAGE", "2")
+    with pytest.raises(UsageError, match="written by deepspeed_zero3 on 2 rank"):
+        Config(strategy="deepspeed_zero2").refuse_resume(deepspeed_3, 2)
 
 
 # ------------------------------------------------------------------- what the workarounds exist for

@@ -25,7 +25,7 @@ def test_counted_flops_are_the_formula_without_attention_and_non_matrix_paramete
 @pytest.mark.launch  # times GEMMs for seconds: the slow tier
 def test_quick_run_writes_peaks_and_mfu(tmp_path, capsys):
     comparison = tmp_path / "comparison.json"
-    rows = [{"strategy": "none", "ranks": "1", "tokens_per_s": 1000.0}, {"strategy": "ddp", "ranks": "2 x 1",
+    rows = [{"strategy": "none", "ranks": 1, "tokens_per_s": 1000.0}, {"strategy": "ddp", "ranks": 2,
             "tokens_per_s": 1500.0}, {"strategy": "tp", "error": "timed out"}]  # fmt: skip
     comparison.write_text(json.dumps(rows))
     output = tmp_path / "mfu.json"

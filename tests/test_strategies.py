@@ -1,76 +1,144 @@
-"""strategies/: every module has the whole interface, and its closed forms give, without launching a
-rank, the bytes held and sent that train_gpt's runs counted (README's strategies table, default model:
-1,063,168 parameters, per-rank batch 4 x 64 tokens). The runs themselves check the same theory against
-what ranks really hold and send (communication_volume, memory_per_rank)."""
+"""strategies/: each dimension is one whole module; the presets only fill in degrees; and the composed closed
+forms give, without launching a rank, the bytes held and sent that train_gpt's runs counted (README's
+strategies table, default model: 1,063,168 parameters, per-rank batch 4 x 64 tokens), for every rank of any
+layout. The runs check the same theory against what ranks really hold and send (communication_volume,
+memory_per_rank)."""
 
 from __future__ import annotations
+
+import dataclasses
+import itertools
 
 import pytest
 
 from common.config import UsageError
 from common.gpt import GPTConfig, build_gpt
-from experiments.train_gpt import Config
-from strategies import COMMON_WRONG_VARIANTS, STRATEGIES, WRONG_VARIANTS, strategies_with
-from strategies.layout import Layout, chunk_rows
+from strategies import (
+    COMMON_WRONG_VARIANTS,
+    WRONG_VARIANTS,
+    ParallelArgs,
+    activation_checkpointing,
+    cp,
+    deepspeed,
+    is_a_mistake_under,
+    pp,
+    replicate,
+    shard,
+    tp,
+)
+from strategies.layout import DIMS, Layout, Workload, chunk_rows
+from strategies.parallelize import held_bytes, sent_bytes
 
 MODEL = build_gpt(GPTConfig(), 0)  # 1,063,168 parameters: 4,252,672 bytes in float32
 FULL = 4_252_672
-INTERFACE = (
-    "NAME",
-    "SUMMARY",
-    "RANKS",
-    "AUTOCAST",
-    "WRONG_VARIANTS",
-    "layout",
-    "refuse",
-    "apply",
-    "held_bytes",
-    "sent_bytes",
-    "STEADY_STEP",
-    "CHECKPOINT_FORMAT",
-    "forward",
-    "backward",
-    "clip",
-    "checkpointer",
-    "measure_held",
-    "measure_window",
-    "quiet",
-    "report",
-)
-
-
-@pytest.mark.parametrize("name", STRATEGIES)
-def test_every_strategy_is_one_whole_module(name):
-    module = STRATEGIES[name]
-    assert all(hasattr(module, attribute) for attribute in INTERFACE) and module.NAME == name, name
-    assert module.__doc__ and len(module.__doc__) > 100  # it teaches what it is
-    assert set(module.WRONG_VARIANTS) <= set(WRONG_VARIANTS)
-    assert {"resume_without_optimizer_state", "resume_without_data_position"} <= set(module.WRONG_VARIANTS)
-
-
-def test_every_mistake_belongs_to_a_strategy_and_says_what_it_is():
-    assert all(strategies_with(variant) for variant in WRONG_VARIANTS)
-    assert set(COMMON_WRONG_VARIANTS) < set(WRONG_VARIANTS)  # and the strategies add their own
-    assert strategies_with("unwrapped_root") == ("zero2", "fsdp", "fsdp_tp")
-    assert "seed_per_rank" not in STRATEGIES["ddp"].WRONG_VARIANTS  # prepare() broadcasts rank 0's weights
-
-
-# (strategy, ranks) -> rank 0's params / grads / optimizer bytes, and one step's bytes per kind and on the
-# wire (the README's table; the DeepSpeed rows as their runs counted them: docs/train_gpt.md)
 HALF, EMBEDDING = FULL // 2, 4 * 2048 * 128
+WORK = Workload(GPTConfig(), 4)
+PIECES = (replicate, shard, tp, cp, pp, activation_checkpointing)
+
+
+def layout_of(preset: str, ranks: int, **flags) -> tuple[Layout, ParallelArgs]:
+    args = ParallelArgs(strategy=preset, **flags)
+    return args.resolve_layout(ranks), args
+
+
+def theory(layout: Layout, args: ParallelArgs, rank: int = 0, work: Workload = WORK) -> tuple[dict, dict]:
+    return held_bytes(MODEL, layout, rank, args, work), sent_bytes(MODEL, layout, rank, args, work)
+
+
+@pytest.mark.parametrize("piece", PIECES, ids=lambda p: p.__name__.split(".")[-1])
+def test_every_dimension_is_one_whole_module(piece):
+    assert piece.__doc__ and len(piece.__doc__) > 500  # it teaches what it is
+    # a pipeline is applied before the others, by cutting the model: its Pipeline; the others apply in place
+    assert dataclasses.is_dataclass(piece.Flags) and callable(
+        getattr(piece, "apply", getattr(piece, "Pipeline", None))
+    )
+    flags = {f.name for f in dataclasses.fields(piece.Flags)}
+    assert flags <= {f.name for f in dataclasses.fields(ParallelArgs)}  # folded into the CLI
+    if piece is not activation_checkpointing:
+        assert callable(piece.sent)
+    if piece in (shard, tp, cp, pp):
+        assert callable(piece.refuse) and isinstance(piece.WRONG_VARIANTS, dict)
+
+
+def test_every_mistake_says_what_it_is_and_is_one_under_some_layout():
+    assert set(COMMON_WRONG_VARIANTS) < set(WRONG_VARIANTS) and all(WRONG_VARIANTS.values())
+    layouts = [Layout(dp_shard=2, tp=2, pp=2, cp=2), Layout(dp_replicate=2)]
+    for variant in WRONG_VARIANTS:
+        assert any(is_a_mistake_under(variant, layout, stage) for layout in layouts for stage in (None, 3)), (
+            variant
+        )
+    ddp = Layout(
+        dp_replicate=2
+    )  # Accelerate's DDP broadcasts rank 0's weights: seed_per_rank changes nothing
+    assert not is_a_mistake_under("seed_per_rank", ddp, None) and is_a_mistake_under(
+        "seed_per_rank", Layout(tp=2), None
+    )
+    assert is_a_mistake_under(
+        "seed_per_rank", Layout(dp_replicate=2, tp=2), None
+    )  # PyTorch's replicate does not
+    assert not is_a_mistake_under("unwrapped_root", Layout(dp_replicate=2, cp=2), None)
+
+
+@pytest.mark.parametrize(
+    ("preset", "ranks", "degrees"),
+    [
+        ("none", 1, {}),
+        ("ddp", 2, {"dp_replicate": 2}),
+        ("zero2", 3, {"dp_shard": 3}),
+        ("fsdp_tp", 4, {"dp_shard": 2, "tp": 2}),
+        ("fsdp_tp", 8, {"dp_shard": 4, "tp": 2}),
+        ("pp", 2, {"pp": 2}),
+        ("cp", 2, {"cp": 2}),
+    ],
+)
+def test_a_preset_only_fills_in_degrees(preset, ranks, degrees):
+    layout, args = layout_of(preset, ranks)
+    assert {dim: n for dim, n in layout.degrees().items() if n > 1} == degrees
+    assert args.reshard_after_forward == ("never" if preset == "zero2" else "default")
+
+
+def test_degrees_the_flags_give_take_precedence_and_the_preset_takes_the_rest():
+    layout, args = layout_of("pp", 4, dp_replicate=2)  # two pipelines of two stages
+    assert (layout.pp, layout.dp_replicate) == (2, 2) and args.pp == 2
+    layout, _ = layout_of("auto", 8, dp_shard=2, tp=2, pp=2)
+    assert layout.describe() == "pp 2 x dp_shard 2 x tp 2 (8 ranks)"
+
+
+@pytest.mark.parametrize(
+    ("preset", "ranks", "flags", "message"),
+    [
+        ("fsdp", 1, {}, "--strategy fsdp on 1 rank(s): nothing else leaves 1 rank(s) for --dp_shard"),
+        ("none", 2, {}, "one process = 1 rank(s), but 2 were launched"),
+        ("auto", 4, {"dp_shard": 3, "tp": 2}, "--dp_shard 3 x --tp 2 = 6 rank(s), but 4 were launched"),
+        ("fsdp_tp", 2, {}, "--strategy fsdp_tp on 2 rank(s): --tp 2 leaves 1 rank(s) for --dp_shard"),
+        (
+            "pp",
+            4,
+            {"dp_replicate": 4},
+            "--strategy pp on 4 rank(s): --dp_replicate 4 leaves 1 rank(s) for --pp",
+        ),
+        ("auto", 2, {"cp": -2}, "--cp must be >= 0"),
+        (
+            "zero2",
+            2,
+            {"reshard_after_forward": "always"},
+            "--strategy zero2 is --reshard_after_forward never",
+        ),
+    ],
+)
+def test_layouts_refuse_shapes_they_cannot_run(preset, ranks, flags, message):
+    with pytest.raises(UsageError, match=message.replace("(", r"\(").replace(")", r"\)")):
+        layout_of(preset, ranks, **flags)
+
+
+# (preset, ranks) -> rank 0's params / grads / optimizer bytes, and one step's bytes per kind and on the wire,
+# as the runs counted them (the README's table; docs/train_gpt.md)
 THEORY = {
     ("none", 1): (FULL, FULL, 8_505_600, {}, 0),
     ("ddp", 2): (FULL, FULL, 8_505_600, {"all_reduce": FULL}, FULL),
     ("zero2", 2): (HALF, HALF, 4_252_928, {"all_gather": FULL, "reduce_scatter": FULL}, FULL),
     ("fsdp", 2): (HALF, HALF, 4_252_928, {"all_gather": 7_422_976, "reduce_scatter": FULL}, 5_837_824),
     ("tp", 2): (2_149_376, 2_149_376, 4_299_008, {"all_gather": 2_097_152, "all_reduce": 2_359_296}, 3_407_872),
-    # a float32 master partition + 2 moments (12 bytes per partitioned parameter) + a step per group
-    ("deepspeed_zero1", 2): (FULL, 0, 3 * HALF + 8, {"all_reduce": FULL + 8, "all_gather": FULL}, FULL + 8 + HALF),
-    ("deepspeed_zero2", 2): (FULL, 0, 3 * HALF + 8, {"all_reduce": FULL + 8, "all_gather": FULL}, FULL + 8 + HALF),
-    # every parameter but the embedding (1,048,576 bytes) stays whole; the embedding gathered twice
-    ("deepspeed_zero3", 2): (HALF + FULL - EMBEDDING, HALF, 3 * HALF + 8,
-                             {"reduce_scatter": FULL, "all_gather": 2 * EMBEDDING + FULL - EMBEDDING, "all_reduce": 16},
-                             HALF + (2 * EMBEDDING + FULL - EMBEDDING) // 2 + 16),
     # stage 0 of 2 (1f1b, m 4): the embeddings and blocks 0-1 (666,624 parameters in 32 tensors); 4 micro-batch
     # activations of 1 x 64 x 128 floats each way, the loss, the tied embedding's gradient with stage 1
     ("pp", 2): (2_666_496, 2_666_496, 2 * 2_666_496 + 4 * 32,
@@ -85,151 +153,173 @@ THEORY = {
 }  # fmt: skip
 
 
-@pytest.mark.parametrize(("name", "ranks"), THEORY)
-def test_the_closed_forms_give_the_counted_bytes(name, ranks):
-    params, grads, optimizer, sent, wire = THEORY[(name, ranks)]
-    strategy, cfg = STRATEGIES[name], Config(strategy=name)
-    layout = strategy.layout(ranks)
-    held = strategy.held_bytes(MODEL, layout, 0, cfg)
+@pytest.mark.parametrize(("preset", "ranks"), THEORY)
+def test_the_composed_closed_forms_give_the_counted_bytes(preset, ranks):
+    params, grads, optimizer, sent, wire = THEORY[(preset, ranks)]
+    held, theory_sent = theory(*layout_of(preset, ranks))
     assert (held["params"], held["grads"], held["optimizer"]) == (params, grads, optimizer)
-    theory = strategy.sent_bytes(MODEL, layout, cfg)
-    assert {kind: size for kind, size in theory["by_kind"].items() if size} == sent
-    assert theory["wire_bytes"] == wire
+    assert {kind: size for kind, size in theory_sent["by_kind"].items() if size} == sent
+    assert theory_sent["wire_bytes"] == wire
+
+
+def test_deepspeed_stages_hold_and_send_what_their_runs_counted():
+    layout = Layout(dp_shard=2)
+    zero1, zero3 = deepspeed.held_bytes(MODEL, layout, 1), deepspeed.held_bytes(MODEL, layout, 3)
+    assert (zero1["params"], zero1["grads"], zero1["optimizer"]) == (FULL, 0, 3 * HALF + 8)
+    # every parameter but the embedding (1,048,576 bytes) stays whole
+    assert (zero3["params"], zero3["grads"]) == (HALF + FULL - EMBEDDING, HALF)
+    assert deepspeed.sent_bytes(MODEL, layout, 2, WORK)["by_kind"] == {
+        "all_reduce": FULL + 8,
+        "all_gather": FULL,
+    }
+    sent3 = deepspeed.sent_bytes(MODEL, layout, 3, WORK)["by_kind"]
+    assert sent3 == {"reduce_scatter": FULL, "all_gather": 2 * EMBEDDING + FULL - EMBEDDING, "all_reduce": 16}
+
+
+LAYOUTS = [
+    Layout(**dict(zip(pair, (2, 2), strict=True)))
+    for pair in itertools.combinations(("dp_replicate", "dp_shard", "tp", "pp", "cp"), 2)
+] + [Layout(dp_shard=2, tp=2, pp=2), Layout(dp_shard=2, tp=2, pp=2, cp=2), Layout(dp_replicate=2, dp_shard=3, tp=2),
+     Layout(pp=4, tp=2), Layout(dp_shard=3)]  # fmt: skip
+
+
+@pytest.mark.parametrize("layout", LAYOUTS, ids=lambda layout: layout.describe())
+def test_the_ranks_of_any_layout_hold_each_parameter_as_often_as_it_is_copied(layout):
+    """Over all ranks, each parameter's elements are held once per copy: tensor parallelism and FSDP split
+    (their pieces add up to the whole), the pipeline places each block on one stage-rank (the tied embedding's
+    copy once more, with the head), and replicas, tensor-parallel ranks (for what TP does not split) and
+    unsharded context-parallel ranks copy. Every rank of a tensor-parallel group sends what the others send."""
+    args = ParallelArgs()
+    held = sum(held_bytes(MODEL, layout, rank, args, WORK)["params"] for rank in range(layout.world_size))
+    copies_of_all = layout.dp_replicate * (1 if "cp" in layout.shard_dims else layout.cp)
+    expected = 0
+    for name, param in MODEL.named_parameters():
+        copies = copies_of_all * (1 if tp.split_dim(name) is not None else layout.tp)
+        expected += 4 * param.numel() * copies * (1 + (name == "tok_emb.weight" and layout.pp > 1))
+    assert held == expected
+    for rank in range(layout.world_size):
+        group = layout.group(rank, ("tp",))
+        sent = [sent_bytes(MODEL, layout, r, args, WORK)["by_dimension"].get("tp") for r in group]
+        assert all(s == sent[0] for s in sent)
+
+
+def test_pipeline_and_replicas_compose_per_stage():
+    layout, args = layout_of("pp", 4, dp_replicate=2)  # ranks 0, 1: stage 0 of pipelines 0, 1
+    assert [layout.coordinate(r, "pp") for r in range(4)] == [0, 0, 1, 1]
+    assert [layout.dp_rank(r) for r in range(4)] == [0, 1, 0, 1]
+    sent = theory(layout, args)[1]["by_dimension"]
+    assert sent["dp_replicate"] == {"all_reduce": 2_666_496}  # stage 0's gradients over its 2 replicas
+    assert sent["pp"]["all_reduce"] == EMBEDDING  # the tied embedding's gradient with stage 1
 
 
 def test_accumulation_multiplies_what_each_micro_batch_sends_not_the_gradients():
-    layout = STRATEGIES["fsdp"].layout(2)
-    once = STRATEGIES["fsdp"].sent_bytes(MODEL, layout, Config(strategy="fsdp"))["by_kind"]
-    twice = STRATEGIES["fsdp"].sent_bytes(
-        MODEL, layout, Config(strategy="fsdp", gradient_accumulation_steps=2)
-    )["by_kind"]
+    layout, args = layout_of("fsdp", 2)
+    once = theory(layout, args)[1]["by_kind"]
+    twice = theory(layout, args, work=dataclasses.replace(WORK, micro_batches=2))[1]["by_kind"]
     assert twice["all_gather"] == 2 * once["all_gather"] and twice["reduce_scatter"] == once["reduce_scatter"]
-    ddp = STRATEGIES["ddp"].sent_bytes(MODEL, layout, Config(strategy="ddp", gradient_accumulation_steps=4))
-    assert ddp["by_kind"] == {"all_reduce": FULL}  # no_sync on all but the last micro-batch
+    ddp, ddp_args = layout_of("ddp", 2)
+    assert theory(ddp, ddp_args, work=dataclasses.replace(WORK, micro_batches=4))[1]["by_kind"] == {
+        "all_reduce": FULL
+    }
 
 
 def test_three_ranks_hold_torch_chunks_uneven_shards():
-    layout, cfg = STRATEGIES["fsdp"].layout(3), Config(strategy="fsdp")
-    held = [STRATEGIES["fsdp"].held_bytes(MODEL, layout, rank, cfg)["params"] for rank in range(3)]
+    layout, args = layout_of("fsdp", 3)
+    held = [theory(layout, args, rank)[0]["params"] for rank in range(3)]
     assert held[0] == held[1] > held[2] and sum(held) == FULL
     assert [chunk_rows(2048, 3, r) for r in range(3)] == [683, 683, 682]
     # FSDP2 gathers into a buffer padded to a multiple of 3 ranks: more than the parameters
-    gathered = STRATEGIES["fsdp"].sent_bytes(MODEL, layout, cfg)["by_kind"]["all_gather"]
-    assert gathered > 7_422_976
+    assert theory(layout, args)[1]["by_kind"]["all_gather"] > 7_422_976
 
 
 def test_bf16_gathers_two_byte_copies_under_fsdp():
-    layout = STRATEGIES["fsdp"].layout(2)
-    bf16 = STRATEGIES["fsdp"].sent_bytes(MODEL, layout, Config(strategy="fsdp", mixed_precision="bf16"))[
-        "by_kind"
-    ]
+    layout, args = layout_of("fsdp", 2)
+    bf16 = theory(layout, args, work=dataclasses.replace(WORK, mixed_precision="bf16"))[1]["by_kind"]
     assert bf16["all_gather"] == 7_422_976 // 2 and bf16["reduce_scatter"] == FULL  # reduced in float32
 
 
+def test_hsdp_all_reduces_each_shard_over_the_replicas():
+    layout, args = layout_of("auto", 4, dp_replicate=2, dp_shard=2)
+    held, sent = theory(layout, args)
+    assert held["params"] == HALF and sent["by_dimension"]["dp_replicate"] == {"all_reduce": HALF}
+
+
+def test_ranks_are_numbered_tp_fastest_then_cp_dp_shard_dp_replicate_pp():
+    layout = Layout(pp=2, dp_replicate=1, dp_shard=2, cp=1, tp=2)
+    assert [layout.dp_rank(r) for r in range(4)] == [0, 0, 1, 1]
+    assert [layout.coordinate(r, "tp") for r in range(4)] == [0, 1, 0, 1]
+    assert [layout.coordinate(r, "pp") for r in range(8)] == [0] * 4 + [1] * 4
+    assert layout.group(5, ("tp",)) == [4, 5] and layout.group(5, ("pp",)) == [1, 5]
+    assert layout.rank_at(pp=1, dp_shard=1, tp=1) == 7 and DIMS[0] == "pp" and DIMS[-1] == "tp"
+
+
+def test_context_parallel_ranks_join_the_data_parallel_gradient_group():
+    assert Layout(dp_shard=2, cp=2).shard_dims == ("dp_shard", "cp")
+    assert Layout(dp_replicate=2, cp=2).replicate_dims == ("dp_replicate", "cp")
+    assert Layout(dp_replicate=2, dp_shard=2, cp=2).replicate_dims == ("dp_replicate",)
+    layout = Layout(dp_replicate=2, cp=2)  # 2 groups of 2 ranks, each group splitting its own samples
+    assert [layout.dp_rank(r) for r in range(4)] == [0, 0, 1, 1]
+    assert [layout.coordinate(r, "cp") for r in range(4)] == [0, 1, 0, 1]
+
+
 @pytest.mark.parametrize(
-    ("name", "world", "dp", "tp", "message"),
+    ("piece", "layout", "flags", "work", "message"),
     [
-        ("fsdp", 1, 0, 0, "--strategy fsdp with 1 rank(s): 'none' is one process"),
-        ("none", 2, 0, 0, "--strategy none with 2 rank(s)"),
-        ("ddp", 2, 0, 2, "--dp_size / --tp_size are for --strategy tp and fsdp_tp, not ddp"),
-        ("tp", 4, 2, 0, "--strategy tp puts all 4 ranks in one tensor-parallel group"),
-        ("fsdp_tp", 4, 3, 2, "--dp_size 3 x --tp_size 2 must equal the 4 ranks launched"),
-        ("fsdp_tp", 2, 0, 0, "--strategy fsdp_tp needs --dp_size >= 2 and --tp_size >= 2, got 1 x 2"),
-        (
-            "pp",
-            4,
-            4,
-            0,
-            "--strategy pp needs >= 2 stage ranks per pipeline and no --tp_size: 4 ranks, --dp_size 4",
-        ),
-        ("pp", 4, 0, 2, "--strategy pp needs >= 2 stage ranks per pipeline and no --tp_size"),
-        ("cp", 2, 2, 0, "--strategy cp needs >= 2 ranks per sequence and no --tp_size: 2 ranks, --dp_size 2"),
+        (tp, Layout(tp=4), {}, dataclasses.replace(WORK, model=GPTConfig(n_head=2)),
+         "--n_head 2 is not divisible by --tp 4"),
+        (tp, Layout(tp=2), {}, dataclasses.replace(WORK, mixed_precision="bf16"), "--mixed_precision bf16 with --tp"),
+        (tp, Layout(tp=2, pp=2), {"sequence_parallel": True}, WORK, "--sequence_parallel with --pp or --cp"),
+        (cp, Layout(cp=2), {}, dataclasses.replace(WORK, model=GPTConfig(block_size=30)),
+         "--block_size 30 with --cp 2: .* a multiple of 4"),
+        (shard, Layout(dp_shard=2, pp=2), {"reshard_after_forward": "always"}, WORK,
+         "--reshard_after_forward always with --pp: not built"),
+        (pp, Layout(pp=2), {}, dataclasses.replace(WORK, micro_batches=2), "the pipeline's micro-batches are its accumulation"),
+        (pp, Layout(pp=2), {"pp_microbatches": 3}, WORK, "--per_rank_batch_size 4 must split evenly into --pp_microbatches 3"),
+        (pp, Layout(pp=2), {"pp_schedule": "interleaved_1f1b"}, dataclasses.replace(WORK, model=GPTConfig(n_layer=3)),
+         "cuts the GPT into 4 stages: --n_layer 3 must be >= 4"),
+        (pp, Layout(pp=2), {"pp_microbatches": 1}, dataclasses.replace(WORK, rows=1),
+         "--pp_microbatches 1 with --pp_schedule 1f1b on 2 stage ranks"),
+        (pp, Layout(pp=2), {"pp_schedule": "dualpipev", "pp_microbatches": 2}, WORK, "it needs >= 4"),
     ],
-)
-def test_layouts_refuse_shapes_they_cannot_run(name, world, dp, tp, message):
+)  # fmt: skip
+def test_each_dimension_refuses_what_it_cannot_run(piece, layout, flags, work, message):
     with pytest.raises(UsageError, match=message.replace("(", r"\(").replace(")", r"\)")):
-        STRATEGIES[name].layout(world, dp, tp)
+        piece.refuse(ParallelArgs(**flags), layout, work)
 
 
-def test_tensor_parallelism_refuses_split_heads_and_bf16():
-    with pytest.raises(UsageError, match="--n_head 2 is not divisible by the tensor-parallel degree 4"):
-        STRATEGIES["tp"].refuse(Config(strategy="tp", n_head=2), Layout(4, 1, 4))
-    with pytest.raises(UsageError, match="--mixed_precision bf16 with --strategy fsdp_tp: not built"):
-        STRATEGIES["fsdp_tp"].refuse(Config(strategy="fsdp_tp", mixed_precision="bf16"), Layout(4, 2, 2))
-
-
-def test_ranks_are_numbered_tp_major():
-    layout = Layout(4, 2, 2)
-    assert [layout.dp_rank(r) for r in range(4)] == [0, 0, 1, 1] and [
-        layout.tp_rank(r) for r in range(4)
-    ] == [0, 1, 0, 1]
+def test_pieces_that_cannot_work_together_are_refused_together():
+    with pytest.raises(UsageError, match="torch's selective checkpoint allows one"):
+        ParallelArgs(pp_schedule="zbv", activation_checkpointing="selective").refuse_layout(
+            Layout(pp=2), WORK, 1.0
+        )
 
 
 def test_pipeline_stages_sit_looped_or_in_a_v_and_split_the_blocks_evenly():
-    from strategies.pp import block_bounds, holder, stages_of
-
-    assert [stages_of(r, 2, "1f1b") for r in range(2)] == [[0], [1]]
-    assert [stages_of(r, 2, "interleaved_1f1b") for r in range(2)] == [[0, 2], [1, 3]]  # looped
-    assert [stages_of(r, 3, "zbv") for r in range(3)] == [
+    assert [pp.stages_of(r, 2, "1f1b") for r in range(2)] == [[0], [1]]
+    assert [pp.stages_of(r, 2, "interleaved_1f1b") for r in range(2)] == [[0, 2], [1, 3]]  # looped
+    assert [pp.stages_of(r, 3, "zbv") for r in range(3)] == [
         [0, 5],
         [1, 4],
         [2, 3],
-    ]  # the V: rank 0 holds both ends
-    assert holder(3, 2, "dualpipev") == 0 and holder(3, 2, "interleaved_zero_bubble") == 1
-    assert block_bounds(4, 2) == [0, 2, 4] and block_bounds(6, 4) == [0, 2, 3, 4, 6]
+    ]  # a V: rank 0 holds both ends
+    assert pp.holder(3, 2, "dualpipev") == 0 and pp.holder(3, 2, "interleaved_zero_bubble") == 1
+    assert pp.block_bounds(4, 2) == [0, 2, 4] and pp.block_bounds(6, 4) == [0, 2, 3, 4, 6]
 
 
 def test_pipeline_ranks_hold_the_model_between_them_and_the_tie_once_more():
-    pp, cfg = STRATEGIES["pp"], Config(strategy="pp")
-    for schedule, copies in (("1f1b", 1), ("zbv", 0)):  # a V holds both ends of the tie on rank 0
-        cfg.pp_schedule = schedule
-        held = [pp.held_bytes(MODEL, pp.layout(2), rank, cfg)["params"] for rank in range(2)]
-        assert sum(held) == FULL + copies * EMBEDDING, schedule
-    # 2 pipelines x 2 stages: rank 0 also all-reduces its stage's gradients with rank 1, its replica
-    layout = pp.layout(4, 2)
-    assert layout.pp_rank(2) == 1 and [layout.dp_rank(r) for r in range(4)] == [0, 1, 0, 1]
-    sent = pp.sent_bytes(MODEL, layout, Config(strategy="pp"))
-    assert sent["data_parallel"] == {"all_reduce": 2_666_496}
+    for schedule in ("1f1b", "zbv"):  # the head keeps its own copy of the tied embedding, wherever it sits
+        layout, args = layout_of("pp", 2, pp_schedule=schedule)
+        held = [theory(layout, args, rank)[0]["params"] for rank in range(2)]
+        assert sum(held) == FULL + EMBEDDING, schedule
+    # a V holds both ends on rank 0: the tie is summed in place, nothing all-reduced
+    layout, args = layout_of("pp", 2, pp_schedule="zbv")
+    assert "all_reduce" not in theory(layout, args)[1]["by_kind"]
 
 
 def test_pipeline_bubble_theory_falls_with_micro_batches_and_interleaving():
-    from strategies.pp import bubble_theory
-
-    assert bubble_theory("gpipe", 2, 4) == bubble_theory("1f1b", 2, 4) == pytest.approx(1 / 5)
-    assert bubble_theory("interleaved_1f1b", 2, 4) == pytest.approx(1 / 9)  # (p - 1) / (v m + p - 1)
-    assert bubble_theory("zbv", 2, 4) == 0 and bubble_theory("zbv", 4, 4) is None  # zero only with m >= 2p
-    assert bubble_theory("dualpipev", 2, 4) is None
-
-
-@pytest.mark.parametrize(
-    ("flags", "message"),
-    [
-        ({"gradient_accumulation_steps": 2}, "the pipeline's micro-batches are its accumulation"),
-        ({"pp_microbatches": 3}, "--per_rank_batch_size 4 must split evenly into --pp_microbatches 3"),
-        (
-            {"pp_schedule": "interleaved_1f1b", "n_layer": 3},
-            "cuts the GPT into 4 stages: --n_layer 3 must be >= 4",
-        ),
-        (
-            {"pp_schedule": "1f1b", "pp_microbatches": 1},
-            "--pp_microbatches 1 with --pp_schedule 1f1b on 2 stage ranks",
-        ),
-        ({"pp_schedule": "dualpipev", "pp_microbatches": 2}, "it needs >= 4"),
-        (
-            {"pp_schedule": "zbv", "activation_checkpointing": "selective"},
-            "torch's selective checkpoint allows one",
-        ),
-    ],
-)
-def test_pipeline_refuses_what_its_schedules_cannot_run(flags, message):
-    with pytest.raises(UsageError, match=message.replace("(", r"\(").replace(")", r"\)")):
-        STRATEGIES["pp"].refuse(Config(strategy="pp", **flags), Layout(2, 1, 1, 2))
-
-
-def test_context_parallel_ranks_split_each_sequence_inside_a_data_parallel_group():
-    layout = STRATEGIES["cp"].layout(4, 2)  # 2 groups of 2 ranks, each group splitting its own samples
-    assert [layout.dp_rank(r) for r in range(4)] == [0, 0, 1, 1] and [
-        layout.cp_rank(r) for r in range(4)
-    ] == [0, 1, 0, 1]
-    with pytest.raises(UsageError, match="--block_size 30 with --strategy cp on 2 ranks: .* a multiple of 4"):
-        STRATEGIES["cp"].refuse(Config(strategy="cp", block_size=30), layout)
+    assert pp.bubble_theory("gpipe", 2, 4) == pp.bubble_theory("1f1b", 2, 4) == pytest.approx(1 / 5)
+    assert pp.bubble_theory("interleaved_1f1b", 2, 4) == pytest.approx(1 / 9)  # (p - 1) / (v m + p - 1)
+    assert (
+        pp.bubble_theory("zbv", 2, 4) == 0 and pp.bubble_theory("zbv", 4, 4) is None
+    )  # zero only with m >= 2p
+    assert pp.bubble_theory("dualpipev", 2, 4) is None

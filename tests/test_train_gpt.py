@@ -92,10 +92,16 @@ def test_a_model_that_does_not_learn_fails_loss_decreased(tmp_path, capsys):
     ("args", "message"),
     [
         (["--n_head", "3"], "--n_head 3 must divide --d_model 32"),
-        (["--strategy", "fsdp"], "--strategy fsdp with 1 rank(s): 'none' is one process"),
+        (
+            ["--strategy", "fsdp"],
+            "--strategy fsdp on 1 rank(s): nothing else leaves 1 rank(s) for --dp_shard",
+        ),
         (["--text_files", "no/such.txt"], "--text_files: 'no/such.txt' is not a file"),
         (["--parity_steps", "50"], "--parity_steps must be in [0, --max_steps], got 50"),
-        (["--wrong_variant", "local_grad_norm"], "--wrong_variant local_grad_norm is a mistake only under"),
+        (
+            ["--wrong_variant", "local_grad_norm"],
+            "--wrong_variant local_grad_norm changes nothing under one process",
+        ),
         (
             ["--wrong_variant", "resume_without_data_position"],
             "is a mistake made when resuming: add --resume_from",
@@ -109,28 +115,57 @@ def test_a_model_that_does_not_learn_fails_loss_decreased(tmp_path, capsys):
                 "--expected_world_size",
                 "2",
             ],
-            "is a mistake only under --strategy tp, fsdp_tp, not ddp",
+            "--wrong_variant row_parallel_without_all_reduce changes nothing under dp_replicate 2 (2 ranks)",
+        ),
+        (
+            ["--strategy", "ddp", "--wrong_variant", "seed_per_rank", "--expected_world_size", "2"],
+            "--wrong_variant seed_per_rank changes nothing under dp_replicate 2",
         ),
         (
             ["--strategy", "tp", "--n_head", "2", "--expected_world_size", "4"],
-            "--n_head 2 is not divisible by the tensor-parallel degree 4",
+            "--n_head 2 is not divisible by --tp 4: each rank must hold whole heads",
         ),
         (
-            ["--strategy", "fsdp_tp", "--dp_size", "3", "--tp_size", "2", "--expected_world_size", "4"],
-            "--dp_size 3 x --tp_size 2 must equal the 4 ranks launched",
-        ),
-        (["--strategy", "fsdp_tp", "--expected_world_size", "2"], "--strategy fsdp_tp needs --dp_size >= 2"),
-        (
-            ["--strategy", "tp", "--dp_size", "2", "--expected_world_size", "4"],
-            "--strategy tp puts all 4 ranks",
+            ["--dp_shard", "3", "--tp", "2", "--expected_world_size", "4"],
+            "--dp_shard 3 x --tp 2 = 6 rank(s), but 4 were launched",
         ),
         (
-            ["--strategy", "ddp", "--tp_size", "2", "--expected_world_size", "2"],
-            "--dp_size / --tp_size are for",
+            ["--strategy", "fsdp_tp", "--expected_world_size", "2"],
+            "--strategy fsdp_tp on 2 rank(s): --tp 2 leaves 1 rank(s) for --dp_shard",
+        ),
+        (
+            ["--strategy", "tp", "--dp_shard", "3", "--expected_world_size", "4"],
+            "--strategy tp on 4 rank(s): --dp_shard 3 leaves 1.33333 rank(s) for --tp",
+        ),
+        (["--tp", "-1"], "--tp must be >= 0 (0, 1: off), got -1"),
+        (
+            ["--strategy", "zero2", "--reshard_after_forward", "always", "--expected_world_size", "2"],
+            "--strategy zero2 is --reshard_after_forward never, got always",
+        ),
+        (
+            ["--reshard_after_forward", "never"],
+            "--reshard_after_forward never is for sharded data parallelism",
+        ),
+        (["--sequence_parallel"], "--sequence_parallel is tensor parallelism's: add --tp N"),
+        (
+            ["--pp", "2", "--n_layer", "1", "--expected_world_size", "2"],
+            "cuts the GPT into 2 stages: --n_layer 1",
+        ),
+        (
+            ["--cp", "2", "--activation_checkpointing", "full", "--expected_world_size", "2"],
+            "--activation_checkpointing with --cp: not built",
+        ),
+        (
+            ["--cp", "3", "--expected_world_size", "3"],
+            "--block_size 32 with --cp 3: the sequence is cut into 6",
         ),
         (
             ["--strategy", "tp", "--mixed_precision", "bf16", "--expected_world_size", "2"],
-            "--mixed_precision bf16 with --strategy tp: not built",
+            "--mixed_precision bf16 with --tp: not built",
+        ),
+        (
+            ["--pp", "2", "--dp_shard", "2", "--mixed_precision", "bf16", "--expected_world_size", "4"],
+            "--mixed_precision bf16 with --pp and --dp_shard: not built",
         ),
         (["--vocab_size", "100"], "--vocab_size must be >= 260"),
         (["--profile_steps", "6"], "--profile_steps 6: must be 0 (off) or 1..5 with --max_steps 12"),

@@ -1,8 +1,9 @@
 """train_gpt's sharded checkpoints (torch.distributed.checkpoint), for real on CPU ranks:
 - killed twice (-9, every process), resumed twice, mid-epoch: bitwise the uninterrupted run;
 - fsdp on 2 ranks (the uninterrupted run every other test resumes) passes every check;
-- resharding: a chain of resumes fsdp@2 -> fsdp@3 -> ddp@2 -> pp@2 -> fsdp@2 -> none@1, each loading
-  the previous one's checkpoint bitwise (full-state digest) and then matching one process;
+- resharding: a chain of resumes fsdp@2 -> fsdp@3 -> tp@2 -> ddp@2 -> pp@2 -> fsdp@2 -> none@1, each loading
+  the previous one's checkpoint bitwise (full-state digest) and then matching one process, the global batch
+  (12 samples) kept by each link's rows per rank;
 - the two classic half-resumes (optimizer state or data position not restored) fail their checks;
 - the DCP <-> safetensors converter round-trips bitwise and refuses a checkpoint missing a shard.
 The corpus is a small piece of pydoc topics, so that an epoch is a few steps and checkpoints fall
@@ -33,9 +34,12 @@ from helpers import (
     start_and_kill_every_process,
 )
 
-# the learning-rate schedule is the 12-step run's in every resume, whatever its --max_steps
+# the learning-rate schedule is the 12-step run's in every resume, whatever its --max_steps; a global batch of
+# 12 samples, which 1, 2 and 3 data-parallel ranks can each make
 CHECKPOINTED = [
     *GPT_TINY,
+    "--per_rank_batch_size",
+    "6",
     "--checkpoint_every",
     "3",
     "--keep_checkpoints",
@@ -49,7 +53,7 @@ CHECKPOINTED = [
 
 @pytest.fixture(scope="module")
 def small_text(tmp_path_factory) -> str:
-    """3,600 characters of pydoc topics: 34 training blocks of 33 tokens, an epoch every 4.25 steps of 8."""
+    """3,600 characters of pydoc topics: 34 training blocks of 33 tokens, an epoch every 2.8 steps of 12."""
     from pydoc_data.topics import topics
 
     path = tmp_path_factory.mktemp("text") / "topics.txt"
@@ -100,7 +104,7 @@ def test_killed_twice_mid_epoch_then_resumed_is_bitwise_the_uninterrupted_run(
     final = launch("train_gpt.py", [*args, *resume], out, env=env)
     assert final.returncode == 0, final.stderr[-3000:]
     metrics, clean = final.summary["metrics"], uninterrupted.summary["metrics"]
-    assert metrics["resumed_from_step"] == 6  # sample 48 of the stream: 14 samples into the second epoch
+    assert metrics["resumed_from_step"] == 6  # sample 72 of the stream: 4 samples into the third epoch
     assert metrics["resumed_state_digest"] == clean["state_digests"]["6"]
     assert metrics["final_state_digest"] == clean["final_state_digest"]
     assert final.summary["checks"]["resume_restored_state"]["passed"]
@@ -118,18 +122,19 @@ def finished_step(run_dir: Path, rank: int) -> float:
 @pytest.mark.launch
 def test_resharding_chain_loads_bitwise_and_matches_one_process(uninterrupted, small_text, tmp_path):
     """Each link resumes the previous link's checkpoint under another layout, trains 3-5 steps, checkpoints."""
-    chain = [  # (strategy, ranks, max_steps): checkpoints every 3 steps
-        ("fsdp", 3, 8),  # 2 -> 3 ranks
-        ("ddp", 2, 11),  # 3 shards -> every rank whole
-        ("pp", 2, 14),  # whole -> a pipeline stage each (and the tied embedding's copy on the last)
-        ("fsdp", 2, 17),  # pipeline stages -> 2 shards
-        ("none", 1, 19),  # any -> one process
+    chain = [  # (strategy, ranks, rows per data-parallel rank, max_steps): checkpoints every 3 steps
+        ("fsdp", 3, 4, 8),  # 2 -> 3 ranks
+        ("tp", 2, 12, 11),  # 3 shards -> the matrices split by tensor parallelism (AdamW grouped by kind)
+        ("ddp", 2, 6, 14),  # tensor-parallel pieces -> every rank whole
+        ("pp", 2, 12, 17),  # whole -> a pipeline stage each (and the tied embedding's copy on the last)
+        ("fsdp", 2, 6, 20),  # pipeline stages -> 2 shards
+        ("none", 1, 12, 22),  # any -> one process
     ]
     source, step = Path(uninterrupted.output_dir), 3
-    for index, (strategy, ranks, max_steps) in enumerate(chain):
+    for index, (strategy, ranks, rows, max_steps) in enumerate(chain):
         out = tmp_path / f"link{index}_{strategy}{ranks}"
         args = [*CHECKPOINTED, "--text_files", small_text, "--strategy", strategy, "--max_steps", str(max_steps),
-                "--resume_from_checkpoint", checkpoint(source, step)]  # fmt: skip
+                "--per_rank_batch_size", str(rows), "--resume_from_checkpoint", checkpoint(source, step)]  # fmt: skip
         if ranks > 1:
             finished = fork_launch(main, args, out, num_processes=ranks)
         else:
@@ -164,6 +169,9 @@ def test_resharding_chain_loads_bitwise_and_matches_one_process(uninterrupted, s
 def test_half_resumes_fail_their_check(uninterrupted, small_text, tmp_path, variant, strategy, failing):
     args = [*CHECKPOINTED, "--text_files", small_text, "--strategy", strategy, "--wrong_variant", variant,
             "--resume_from_checkpoint", checkpoint(Path(uninterrupted.output_dir), 6)]  # fmt: skip
+    args += (
+        ["--per_rank_batch_size", "12"] if strategy == "none" else []
+    )  # the global batch of 12 on one rank
     if strategy == "none":
         finished = run_in_process(main, args, tmp_path / "run", capsys=None)
     else:

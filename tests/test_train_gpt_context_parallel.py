@@ -97,7 +97,7 @@ def test_the_long_context_benchmark_refuses_a_context_it_cannot_split(capsys):
 def test_two_context_parallel_groups_read_their_own_samples(tmp_path):
     """cp x dp on 4 ranks: ranks 0, 1 split the sequences of data-parallel group 0, ranks 2, 3 those of group 1."""
     finished = fork_launch(
-        main, [*GPT_TINY, "--strategy", "cp", "--dp_size", "2"], tmp_path / "run", num_processes=4
+        main, [*GPT_TINY, "--strategy", "cp", "--dp_replicate", "2"], tmp_path / "run", num_processes=4
     )
     metrics = assert_gpt_passed(finished, 4)["metrics"]
-    assert metrics["dp_size"] == 2 and len(metrics["attention_s_per_rank"]) == 4
+    assert metrics["layout"]["dp_replicate"] == 2 and len(metrics["attention_s_per_rank"]) == 4

@@ -41,16 +41,16 @@ def test_every_schedule_matches_one_process_and_sends_the_theory(
     summary = assert_gpt_passed(finished, 2)
     assert set(summary["checks"]) == GPT_DISTRIBUTED_CHECKS
     metrics = summary["metrics"]
-    assert (metrics["pp_size"], metrics["dp_size"], metrics["tp_size"]) == (2, 1, 1)
+    assert metrics["layout"]["pp"] == 2 and metrics["layout"]["dp_shard"] == metrics["layout"]["tp"] == 1
     counted = metrics["communication"]["counted"]
     m = 4
     assert counted["calls"]["send"] == counted["calls"]["recv"] == boundaries * m
     assert counted["bytes"]["send"] == counted["bytes"]["recv"] == boundaries * m * ACTIVATION
     assert counted["bytes"]["broadcast"] == 4  # the step's loss, from the last stage
     assert counted["bytes"].get("all_reduce", 0) == (TIED if tied_all_reduce else 0)
-    # the two ranks hold the whole model between them, plus the head's copy of the tied embedding if apart
+    # the two ranks hold the whole model between them, plus the head's copy of the tied embedding
     held = [h["params"] for h in metrics["bytes_per_rank"]]
-    assert sum(held) == 4 * metrics["parameters"] + (TIED if tied_all_reduce else 0)
+    assert sum(held) == 4 * metrics["parameters"] + TIED
     pipeline = metrics["pipeline"]
     assert pipeline["schedule"] == schedule and pipeline["steps_measured"] == 8 - 2
     assert 0 < pipeline["measured_bubble"] < 1 and pipeline["step_ms"] > 0
@@ -59,12 +59,13 @@ def test_every_schedule_matches_one_process_and_sends_the_theory(
 
 @pytest.mark.launch
 def test_two_pipelines_of_two_stages_average_their_gradients(tmp_path):
-    """pp x dp on 4 ranks: ranks 0, 1 hold stage 0 of pipelines 0, 1; ranks 2, 3 stage 1."""
+    """pp x dp_replicate on 4 ranks (--strategy pp --dp_replicate 2: the preset takes the ranks left): ranks 0, 1
+    hold stage 0 of pipelines 0, 1; ranks 2, 3 stage 1. Each stage is one unit of PyTorch's replicate."""
     finished = fork_launch(
-        main, [*GPT_TINY, "--strategy", "pp", "--dp_size", "2"], tmp_path / "run", num_processes=4
+        main, [*GPT_TINY, "--strategy", "pp", "--dp_replicate", "2"], tmp_path / "run", num_processes=4
     )
     metrics = assert_gpt_passed(finished, 4)["metrics"]
-    assert (metrics["pp_size"], metrics["dp_size"]) == (2, 2)
+    assert (metrics["layout"]["pp"], metrics["layout"]["dp_replicate"]) == (2, 2)
     held = [h["params"] for h in metrics["bytes_per_rank"]]
     assert held[0] == held[1] and held[2] == held[3]  # replicas hold the same stage
     counted = metrics["communication"]["counted"]

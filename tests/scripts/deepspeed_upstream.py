@@ -12,7 +12,7 @@ import torch
 from accelerate import Accelerator
 from accelerate.state import AcceleratorState
 
-from common.gpt import GPTConfig, build_gpt
+from common.gpt import GPTConfig, build_gpt, lm_loss
 from common.runtime import deepspeed_on_cpu
 from strategies.deepspeed import unmapped_parameters
 
@@ -33,7 +33,7 @@ config = accelerator.state.deepspeed_plugin.deepspeed_config
 config.update(train_micro_batch_size_per_gpu=2, zero_allow_untested_optimizer=True, gradient_clipping=1.0)
 model, optimizer = accelerator.prepare(model, optimizer)
 x = torch.randint(0, 512, (2, 32))
-_, loss = model(x, x)
+loss = lm_loss(model(x), x)
 accelerator.backward(loss)
 if accelerator.is_main_process:
     print(json.dumps({"num_processes_plain_accelerator": seen_by_plain, "num_processes_with_gloo": accelerator.num_processes,
