@@ -188,6 +188,19 @@ def adamw(parameters, lr: float, weight_decay: float) -> torch.optim.AdamW:
     return torch.optim.AdamW(groups, lr=lr, betas=(0.9, 0.95), eps=1e-8, fused=True)
 
 
+def sample_text(
+    cfg: GPTConfig, state: dict, tokenizer, prompt: torch.Tensor, tokens: int, seed: int, device
+) -> str:
+    """`tokens` tokens from a GPT of `state`, after `prompt` (token ids), decoded; seeded."""
+    if not tokens:
+        return ""
+    model = build_gpt(cfg, seed).to(device)
+    model.load_state_dict(state)
+    generated = model.generate(prompt.unsqueeze(0).to(device), tokens,
+                               generator=torch.Generator(device=device).manual_seed(seed))  # fmt: skip
+    return tokenizer.decode(generated[0].tolist())
+
+
 def build_gpt(cfg: GPTConfig, seed: int) -> GPT:
     """The same initial weights on every rank and in the reference: seeded, on the CPU. The process's
     own random state is left as it was (fork_rng)."""

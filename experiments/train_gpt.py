@@ -43,6 +43,7 @@ python -m benchmarks.performance
 from __future__ import annotations
 
 import copy
+import dataclasses
 import functools
 import os
 import sys
@@ -55,21 +56,23 @@ import torch
 from common.checkpoint import ResumableArgs
 from common.config import flag, parse_config, require, require_positive, run_cli
 from common.data import iterate_sample_stream, shard_rows
-from common.gpt import PER_RANK_BATCH_SIZE, GPTConfig, adamw, build_gpt, count_parameters, require_trainable
+from common.gpt import (
+    PER_RANK_BATCH_SIZE,
+    GPTConfig,
+    adamw,
+    build_gpt,
+    count_parameters,
+    require_trainable,
+    sample_text,
+)
 from common.optim import cosine_lr, set_lr
 from common.profiling import StepProfiler, report_profile
 from common.run import start_run
-from common.runtime import deepspeed_stage, launched_world_size
+from common.runtime import launched_world_size
 from common.text import load_corpus
 from common.training import TrainLoop
 from strategies import ParallelArgs
-from strategies.checks import (
-    Probe,
-    check_communication,
-    check_memory,
-    compare_with_one_process,
-    peak_rss_bytes,
-)
+from strategies.checks import CheckArgs, Probe, check_layout
 from strategies.layout import DIMS, Layout, Workload
 from strategies.parallelize import parallelize, quiet
 
@@ -82,25 +85,16 @@ MODEL = GPTConfig()  # the default model
 
 
 @dataclass
-class Config(ResumableArgs, ParallelArgs):
+class Config(ResumableArgs, ParallelArgs, CheckArgs):
     sweep_metrics = ("loss", "tokens_per_s", "val_loss")
-    # Checkpoints are DCP (any layout reads any other's) and the data position is in samples: a resume may
-    # change the layout and the world size.
+    # Checkpoints are DCP (any layout reads any other's) and the data position is in samples: a resume may change
+    # the layout and the world size. The global batch (samples per step) is part of the run; how it is made
+    # (per-rank rows x accumulation x data-parallel ranks) is the layout's, and a resume may remake it.
     reshardable = True
-    # The global batch (samples per step) is part of the run; how it is made (per-rank rows x accumulation x
-    # data-parallel ranks) is the layout's, and a resume may remake it.
-    layout_flags = (
-        *ParallelArgs.layout_flags,
-        "checkpoint_format",
-        "per_rank_batch_size",
-        "gradient_accumulation_steps",
-    )
-    # How close a check wants its figures; they change no result, so a resume may change them.
-    tolerances = ("loss_atol", "param_atol", "grad_norm_rtol", "loss_atol_bf16", "param_atol_bf16", "grad_norm_rtol_bf16",
-                  "memory_rtol")  # fmt: skip
+    layout_flags = (*ParallelArgs.layout_flags, "per_rank_batch_size", "gradient_accumulation_steps")
     # --text_files is known by its content (the corpus's and its tokenizer's sha256, in every checkpoint)
-    result_neutral = (*ResumableArgs.result_neutral, *tolerances, "parity_steps", "parity_steps_bf16", "min_loss_drop",
-                      "sample_tokens", "profile_steps", "text_files", "activation_checkpointing")  # fmt: skip
+    result_neutral = (*ResumableArgs.result_neutral, *CheckArgs.tolerances, "parity_steps", "parity_steps_bf16",
+                      "min_loss_drop", "sample_tokens", "profile_steps", "text_files", "activation_checkpointing")  # fmt: skip
 
     text_files: str = flag("", "comma-separated text files to train on (default: CPython's pydoc topics)")
     vocab_size: int = flag(MODEL.vocab_size, "BPE vocabulary trained on the corpus")
@@ -125,25 +119,6 @@ class Config(ResumableArgs, ParallelArgs):
     grad_clip: float = flag(1.0, "clip gradients to this global norm (0: off)")
     mixed_precision: str = flag("no", "no or bf16 (Accelerate's autocast; FSDP2's MixedPrecisionPolicy under "
                                 "--dp_shard)", choices=("no", "bf16"))  # fmt: skip
-    # Parity with one process, float32: measured ~1e-6 (loss) and ~1e-5 (parameters) over 15 steps. Why 15:
-    # FSDP x TP rounds differently in every forward (split matmuls, partial sums all-reduced) and AdamW
-    # amplifies it: its loss difference was <= 9.5e-07 up to step 18, then 4.3e-06 and 9.1e-06 at 19-20.
-    parity_steps: int = flag(15, "float32: steps compared with the one-process run (0: none)")
-    loss_atol: float = flag(1e-5, "float32: largest |distributed - one process| loss in those steps")
-    param_atol: float = flag(1e-4, "float32: largest |distributed - one process| parameter after them")
-    grad_norm_rtol: float = flag(
-        1e-3, "float32: largest relative |clipping norm - one-process gradient norm|"
-    )
-    # bf16 rounds to ~3 digits, and the differences grow faster: measured ~1e-3 over 12 steps, 0.1 at step 19.
-    parity_steps_bf16: int = flag(10, "bf16: steps compared with the one-process run (0: none)")
-    loss_atol_bf16: float = flag(5e-3, "bf16: largest |distributed - one process| loss in those steps")
-    param_atol_bf16: float = flag(1e-2, "bf16: largest |distributed - one process| parameter after them")
-    grad_norm_rtol_bf16: float = flag(
-        1e-2, "bf16: largest relative |clipping norm - one-process gradient norm|"
-    )
-    memory_rtol: float = flag(0.01, "allowed relative difference of bytes held per rank from the theory")
-    min_loss_drop: float = flag(0.3, "validation loss must fall by more than this (nats) from the initialisation; "
-                                "a resumed run's must fall")  # fmt: skip
     sample_tokens: int = flag(40, "tokens of text generated at the end (0: none)")
     profile_steps: int = flag(0, "torch.profiler traces this many steps (0: off) after the one-time work (the first 3 "
                               "steps and the --parity_steps snapshot) and one warm-up step: <output_dir>/profile/"
@@ -174,15 +149,12 @@ class Config(ResumableArgs, ParallelArgs):
                 f"--profile_steps {self.profile_steps}: must be 0 (off) or 1..{most} with --max_steps {self.max_steps}: "
                 f"profiling starts after {self.steps_before_profiling()} steps of one-time work (the first 3, the "
                 "--parity_steps snapshot) and one warm-up step")  # fmt: skip
-        require(0 <= self.parity()["steps"] <= self.max_steps,
+        require(0 <= self.budget()["steps"] <= self.max_steps,
                 f"--parity_steps{'_bf16' * (self.mixed_precision == 'bf16')} must be in [0, --max_steps], "
-                f"got {self.parity()['steps']}")  # fmt: skip
-        sizes = ("d_model", "n_layer", "vocab_size", "block_size", "per_rank_batch_size")
-        require_trainable(
-            self.model_config(),
-            self.per_rank_batch_size,
-            " ".join(f"--{n} {getattr(self, n)}" for n in sizes),
-        )
+                f"got {self.budget()['steps']}")  # fmt: skip
+        sizes = " ".join(f"--{n} {getattr(self, n)}" for n in ("d_model", "n_layer", "vocab_size", "block_size",
+                                                                "per_rank_batch_size"))  # fmt: skip
+        require_trainable(self.model_config(), self.per_rank_batch_size, sizes)
 
     def model_config(self, vocab_size: int = 0) -> GPTConfig:
         """The model of these flags (the vocabulary the tokenizer really has, once it is trained)."""
@@ -197,13 +169,13 @@ class Config(ResumableArgs, ParallelArgs):
     def layout(self) -> Layout:
         return Layout(**{dim: max(1, getattr(self, dim)) for dim in DIMS})
 
-    @property
-    def checkpoint_format(self) -> str:
-        """DeepSpeed's own, or PyTorch's distributed checkpoint (any layout reads it)."""
-        return "deepspeed" if deepspeed_stage() else "dcp"
-
     def make_optimizer(self, parameters) -> torch.optim.Optimizer:
         return adamw(parameters, self.lr, self.weight_decay)
+
+    def lr_schedule(self):
+        """step -> learning rate: warm-up, then cosine over --lr_decay_steps (0: --max_steps), then flat."""
+        return functools.partial(cosine_lr, lr=self.lr, warmup_steps=self.warmup_steps, min_lr_ratio=self.min_lr_ratio,
+                                 decay_steps=self.lr_decay_steps or self.max_steps)  # fmt: skip
 
     def trajectory(self, world_size: int) -> dict:
         """As RunArgs', except that a mistake made only while resuming (resume_*) is not the checkpoint's,
@@ -220,16 +192,6 @@ class Config(ResumableArgs, ParallelArgs):
         """Samples per optimizer step: per-rank rows x accumulation x data-parallel ranks."""
         return self.per_rank_batch_size * self.gradient_accumulation_steps * self.layout().dp
 
-    def refuse_resume(self, meta: dict, world_size: int) -> None:
-        """A checkpoint in DeepSpeed's own format resumes only under DeepSpeed at the same world size and stage;
-        a DCP checkpoint resumes under any layout at any world size, but not under DeepSpeed."""
-        saved = meta["layout"].get("checkpoint_format", "dcp")
-        same = saved == self.checkpoint_format and (saved == "dcp" or meta["world_size"] == world_size)
-        require(same and (saved == "dcp" or meta["layout"].get("strategy") == self.strategy),
-                f"the checkpoint was written by {meta['layout'].get('strategy')} on {meta['world_size']} rank(s) in "
-                f"{saved} format, this run is {self.strategy} on {world_size} ({self.checkpoint_format}): DeepSpeed's "
-                "checkpoints are its own format, resumed only by the same stage on as many ranks")  # fmt: skip
-
     def resume_hint(self, difference: str) -> str:
         """Said after a refused resume's difference, where the fix is not obvious."""
         if difference.startswith("global_batch_size"):
@@ -245,71 +207,77 @@ class Config(ResumableArgs, ParallelArgs):
     def steps_before_profiling(self) -> int:
         """Steps of one-time work, left out of --profile_steps: the first 3 (after the evaluation FSDP2's root
         stays gathered; DDP rebuilds its buckets in the 2nd; the 3rd is counted) and the --parity_steps snapshot."""
-        return max(3, self.parity()["steps"])
+        return max(3, self.budget()["steps"])
 
-    def parity(self) -> dict:
-        """How many steps are compared with one process, and within what, for this run's precision."""
-        suffix = "_bf16" if self.mixed_precision == "bf16" else ""
-        names = (("steps", "parity_steps"), ("loss_atol", "loss_atol"), ("param_atol", "param_atol"),
-                 ("grad_norm_rtol", "grad_norm_rtol"))  # fmt: skip
-        return {name: getattr(self, f"{flag_name}{suffix}") for name, flag_name in names}
-
-
-def lr_at(step: int, cfg: Config) -> float:
-    return cosine_lr(step, cfg.lr, cfg.warmup_steps, cfg.lr_decay_steps or cfg.max_steps, cfg.min_lr_ratio)
+    def budget(self) -> dict:
+        """The parity steps and tolerances of this run's precision."""
+        return self.parity(bf16=self.mixed_precision == "bf16")
 
 
 def run(cfg: Config) -> int:
-    # The corpus first, before the run starts: its content hashes tie every checkpoint to this data (a resume
-    # on other text is refused before anything is written). The token cache is built once, under a file lock.
+    layout, work, budget, variant = cfg.layout(), cfg.workload(), cfg.budget(), cfg.wrong_variant
+    lr_at = cfg.lr_schedule()
+    # The corpus first, before the run starts: its content hashes tie every checkpoint to this data (a resume on
+    # other text is refused before anything is written). The token cache is built once, under a file lock.
     corpus = load_corpus(cfg.text_files, cfg.vocab_size, cfg.block_size, cfg.val_fraction, cfg.dist_timeout_s)
-    layout, work = cfg.layout(), cfg.workload(corpus["vocab_size"])
-    autocast = "no" if layout.shard_dims else cfg.mixed_precision  # FSDP2 casts by its own policy
+    model_cfg = dataclasses.replace(
+        work.model, vocab_size=corpus["vocab_size"]
+    )  # what the tokenizer really has
+    work = dataclasses.replace(work, model=model_cfg)
     with (
         start_run(cfg, EXPERIMENT, data_identity=corpus["identity"], gradient_accumulation_steps=work.micro_batches,
-                  mixed_precision=autocast) as session,
-        quiet(),  # what the pieces say that is expected
+                  mixed_precision="no" if layout.shard_dims else cfg.mixed_precision) as session,  # FSDP2: its policy
+        quiet(),  # what the parallelism says that is expected
     ):  # fmt: skip
         accelerator, rank = session.accelerator, session.accelerator.process_index
 
         # The data: one stream of samples; each data-parallel rank takes its rows of every global micro-batch
         # (4 blocks per rank x 2 data-parallel ranks = 8 blocks of 64 tokens); the tp, cp and pp ranks of a
         # data-parallel rank read the same rows. The position is in samples, so a resume at another world size
-        # (another global batch) continues at the same place.
-        start_sample = 0 if cfg.wrong_variant == "resume_without_data_position" else session.samples_seen
-        data_rank = 0 if cfg.wrong_variant == "same_data_on_every_rank" else layout.dp_rank(rank)
+        # continues at the same place.
+        start_sample = 0 if variant == "resume_without_data_position" else session.samples_seen
+        data_rank = 0 if variant == "same_data_on_every_rank" else layout.dp_rank(rank)
         global_rows = cfg.per_rank_batch_size * layout.dp
         stream = iterate_sample_stream(*corpus["train"], global_rows, cfg.seed, start_sample)
         batches = (shard_rows(batch, data_rank, layout.dp) for batch in stream)
-        val_shard = shard_rows(corpus["val"], layout.dp_rank(rank), layout.dp)
+        val_rows = shard_rows(corpus["val"], layout.dp_rank(rank), layout.dp)
+        # the one-process reference replays the same global batches, from where the data stream really was
+        replayed = functools.partial(
+            iterate_sample_stream, *corpus["train"], global_rows, cfg.seed, session.samples_seen
+        )
 
         # The model: the same initial weights on every rank and in the reference (unless seed_per_rank); then the
         # layout decides who holds what (strategies/parallelize.py), and AdamW steps on whatever each rank holds.
-        gpt = build_gpt(work.model, cfg.seed + rank * (cfg.wrong_variant == "seed_per_rank"))
+        gpt = build_gpt(model_cfg, cfg.seed + rank * (variant == "seed_per_rank"))
         initial_state, n_parameters = copy.deepcopy(gpt.state_dict()), count_parameters(gpt)
         job = parallelize(gpt, layout, cfg, work, accelerator, cfg.make_optimizer, cfg.grad_clip)
-        checkpointer = job.checkpointer(
-            restore_optimizer=cfg.wrong_variant != "resume_without_optimizer_state"
-        )
-        # tokens/s is the steady state's: the first steps, the parity snapshot and any profiled steps are left out
-        one_time_steps = cfg.steps_before_profiling() + (1 + cfg.profile_steps if cfg.profile_steps else 0)
-        loop = TrainLoop(session, job.model, job.optimizer, global_rows, checkpointer, tokens_per_sample=cfg.block_size,
-                         one_time_steps=one_time_steps)  # fmt: skip
+        checkpointer = job.checkpointer(restore_optimizer=variant != "resume_without_optimizer_state")
         # what the checks need, reported by the job as it runs: bytes held, losses and norms, the parity snapshot,
         # the collectives of one steady step (strategies/checks.py)
-        probe = Probe(job, session.start_step, cfg.parity()["steps"], cfg.max_steps)
+        probe = Probe(job, session.start_step, budget["steps"], cfg.max_steps)
+        # tokens/s is the steady state's: the first steps, the parity snapshot and any profiled steps are left out
+        one_time_steps = max(3, budget["steps"]) + (1 + cfg.profile_steps if cfg.profile_steps else 0)
+        loop = TrainLoop(
+            session,
+            job.model,
+            job.optimizer,
+            global_rows,
+            checkpointer,
+            tokens_per_sample=cfg.block_size,
+            one_time_steps=one_time_steps,
+        )  # fmt: skip (it resumes the checkpoint, if any)
         eval_rows = max(cfg.per_rank_batch_size, EVAL_TOKENS // cfg.block_size)
-        val_loss_before = evaluate(job, val_shard, eval_rows)  # after any resume
+        val_loss_before = job.evaluate_rows(val_rows, eval_rows)  # after any resume
         session.print(f"{n_parameters:,} parameters, {corpus['tokens']:,} tokens of {corpus['name']}, {cfg.strategy}: "
                       f"{layout.describe()}, validation loss {val_loss_before:.3f}")  # fmt: skip
 
         profiler = StepProfiler(cfg.profile_steps, os.path.join(session.output_dir, "profile"), rank,
-                                accelerator.device.type, cfg.steps_before_profiling())  # fmt: skip
+                                accelerator.device.type, max(3, budget["steps"]))  # fmt: skip
         with profiler:
             for x, y in loop.micro_batches(batches):
                 # Accelerate's accumulate(): DDP's no_sync and loss / k on all but a step's last micro-batch
                 with accelerator.accumulate(job.model):
-                    lr = lr_at(loop.step + 1, cfg)
+                    lr = lr_at(loop.step + 1)
                     set_lr(job.optimizer, lr)  # before backward: DeepSpeed steps inside it
                     loss = job.forward_backward(x, y)
                     grad_norm = job.clip() if accelerator.sync_gradients else None  # by the GLOBAL norm
@@ -320,76 +288,35 @@ def run(cfg: Config) -> int:
         if cfg.profile_steps:
             report_profile(session, profiler.breakdown(), f"{layout.describe()}: each rank's median profiled step",
                            f"--profile_steps {cfg.profile_steps}: nothing profiled; this run trained too few steps")  # fmt: skip
-        job.report(session)  # what the pieces measure beyond the checks (a pipeline's bubble, cp's balance)
 
-        # The checks
-        val_loss = evaluate(job, val_shard, eval_rows)
-        step_losses = accelerator.reduce(torch.stack(probe.step_losses), "mean").tolist()  # global, per step
-        final_state = checkpointer.full_state()  # every tensor whole, on the main process (a collective)
-        every_rank = accelerator.gather_for_metrics([probe.held | {"peak_rss_bytes": peak_rss_bytes()}],
-                                                    use_gather_object=True)  # fmt: skip
-        counted = accelerator.gather_for_metrics([probe.collectives], use_gather_object=True)
-        corpus_facts = ("name", "sha256", "characters", "tokens", "characters_per_token", "vocab_size")
-        session.metrics.update(
-            loop.metrics(final_state), val_loss_before=val_loss_before, val_loss=val_loss, step_losses=step_losses,
-            grad_norms=probe.grad_norms, bytes_per_rank=every_rank, step_time_ms=probe.median_step_time_ms(),
-            layout=layout.degrees(), parameters=n_parameters, corpus={k: corpus[k] for k in corpus_facts},
-        )  # fmt: skip
+        # The checks: the experiment's own (the loss falls), then the layout's (strategies/checks.py): every rank's
+        # bytes held and sent against the composed theory, and the first steps against one process
+        val_loss = job.evaluate_rows(val_rows, eval_rows)
+        job.report(session)  # what the pieces measure beyond the checks (a pipeline's bubble, cp's balance)
         # from where THIS run started: the initialisation, or a checkpoint that has learned (it must only fall)
-        resumed = session.checkpoint is not None
-        min_drop = 0.0 if resumed else cfg.min_loss_drop
+        min_drop = 0.0 if session.checkpoint else cfg.min_loss_drop
         session.check("loss_decreased", val_loss < val_loss_before - min_drop,
                       f"validation loss {val_loss_before:.3f} -> {val_loss:.3f} (from "
-                      f"{'the loaded checkpoint' if resumed else 'the initialisation'}), must fall by more "
+                      f"{'the loaded checkpoint' if session.checkpoint else 'the initialisation'}), must fall by more "
                       f"than {min_drop}")  # fmt: skip
+        replay = lambda: dict(start_state=loop.resumed_full_state or (initial_state, None), global_batches=replayed(),  # noqa: E731
+                              lr_at=lr_at, make_optimizer=cfg.make_optimizer, max_norm=cfg.grad_clip,
+                              accumulation=work.micro_batches, bf16=cfg.mixed_precision == "bf16")  # fmt: skip
+        check_layout(session, job, probe, model_cfg, budget, cfg.memory_rtol, replay)
+        final_state = checkpointer.full_state()  # every tensor whole, on the main process (a collective)
+        corpus_facts = {
+            k: corpus[k]
+            for k in ("name", "sha256", "characters", "tokens", "characters_per_token", "vocab_size")
+        }
+        session.metrics.update(loop.metrics(final_state), val_loss_before=val_loss_before, val_loss=val_loss,
+                               parameters=n_parameters, corpus=corpus_facts)  # fmt: skip
         if session.is_main:
-            reference = build_gpt(work.model, cfg.seed)  # the undistributed model the theory is written for
-            check_memory(session, job, reference, every_rank, cfg.memory_rtol)
-            if layout.world_size > 1:
-                check_communication(session, job, reference, counted)
-            if layout.world_size > 1 and probe.at_parity_step is not None:
-                # the reference replays the same global batches, from where the data stream really was
-                reference_batches = iterate_sample_stream(
-                    *corpus["train"], global_rows, cfg.seed, session.samples_seen
-                )
-                compare_with_one_process(
-                    session, work.model, loop.resumed_full_state or (initial_state, None), reference_batches, probe,
-                    step_losses, lr_at=functools.partial(lr_at, cfg=cfg), make_optimizer=cfg.make_optimizer,
-                    max_norm=cfg.grad_clip, accumulation=work.micro_batches, bf16=cfg.mixed_precision == "bf16",
-                    budget=cfg.parity(),
-                )  # fmt: skip
-            session.metrics["sample"] = generate_sample(
-                cfg, work.model, final_state[0], corpus, accelerator.device
-            )
+            prompt = corpus["val"][0][0][:8]  # the start of the validation text
+            session.metrics["sample"] = sample_text(model_cfg, final_state[0], corpus["tokenizer"], prompt,
+                                                    cfg.sample_tokens, cfg.seed, accelerator.device)  # fmt: skip
             session.print(f"sample: {session.metrics['sample']!r}")
         session.log(loop.step, {**loop.last_interval, "val_loss": val_loss})
     return session.exit_code
-
-
-def evaluate(job, shard: tuple[torch.Tensor, torch.Tensor], batch_size: int) -> float:
-    """Mean validation loss over every rank's shard (the shards are equal, so every rank runs the same number of
-    forwards: FSDP all-gathers in each; the ranks that split a sample each weigh their mean alike)."""
-    device = job.accelerator.device
-    total = torch.zeros(2, dtype=torch.float64, device=device)
-    for start in range(0, len(shard[0]), batch_size):
-        x, y = (t[start : start + batch_size].to(device) for t in shard)
-        loss = job.evaluate(x, y)
-        total += torch.stack([loss.double() * y.numel(), torch.tensor(float(y.numel()), dtype=torch.float64)])
-    total = job.accelerator.reduce(total, "sum")
-    return (total[0] / total[1]).item()
-
-
-def generate_sample(cfg: Config, model_cfg: GPTConfig, state: dict, corpus: dict, device) -> str:
-    """A few tokens from the trained model, prompted with the start of the validation text."""
-    if not cfg.sample_tokens:
-        return ""
-    model = build_gpt(model_cfg, cfg.seed).to(device)
-    model.load_state_dict(state)
-    prompt = corpus["val"][0][0][:8].unsqueeze(0).to(device)
-    tokens = model.generate(
-        prompt, cfg.sample_tokens, generator=torch.Generator(device=device).manual_seed(cfg.seed)
-    )
-    return corpus["tokenizer"].decode(tokens[0].tolist())
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -128,7 +128,7 @@ class ParallelArgs(
     of one layout continues under any other)."""
 
     layout_flags: ClassVar[tuple[str, ...]] = (
-        "strategy", *DIMS, "reshard_after_forward", "sequence_parallel", "pp_schedule", "pp_microbatches",
+        "strategy", "checkpoint_format", *DIMS, "reshard_after_forward", "sequence_parallel", "pp_schedule", "pp_microbatches",
         "cp_load_balance",
     )  # fmt: skip
 
@@ -181,6 +181,21 @@ class ParallelArgs(
             setattr(self, dim, getattr(layout, dim))
         self.strategy = name  # auto: what the launch decided, or auto (the degrees as given)
         return layout
+
+    @property
+    def checkpoint_format(self) -> str:
+        """DeepSpeed's own (its stage's), or PyTorch's distributed checkpoint ("dcp": any layout reads it)."""
+        stage = deepspeed_stage()
+        return f"deepspeed ZeRO-{stage}" if stage else "dcp"
+
+    def refuse_resume(self, meta: dict, world_size: int) -> None:
+        """A checkpoint in DeepSpeed's own format resumes only under the same stage on as many ranks; a DCP
+        checkpoint under any layout at any world size, but not under DeepSpeed."""
+        saved = meta["layout"].get("checkpoint_format", "dcp")
+        require(saved == self.checkpoint_format and (saved == "dcp" or meta["world_size"] == world_size),
+                f"the checkpoint is in {saved} format on {meta['world_size']} rank(s), this run writes "
+                f"{self.checkpoint_format} on {world_size}: DeepSpeed's checkpoints are its own format, resumed only "
+                "by the same stage on as many ranks; PyTorch's (dcp) by any layout without DeepSpeed")  # fmt: skip
 
     def refuse_layout(self, layout: Layout, work: Workload, max_norm: float) -> None:
         """Every piece's refusals of this layout and workload, and what the pieces cannot do together, in one

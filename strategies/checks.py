@@ -21,16 +21,54 @@ import contextlib
 import resource
 import statistics
 import time
+from dataclasses import dataclass
+from typing import ClassVar
 
 import torch
 
 from common.activations import SavedActivations
 from common.checkpoint import load_full_optimizer_state
 from common.comm_counter import CollectiveCounter
+from common.config import flag
 from common.gpt import build_gpt, lm_loss
 from common.optim import clip_by_global_norm, set_lr
 from common.reference import max_abs_difference, train_single_process
 from strategies.parallelize import Instruments
+
+
+@dataclass
+class CheckArgs:
+    """How close each check wants its figures (the flags of the checks; they change no result, so a resume may
+    change them) and how many steps are compared with one process."""
+
+    tolerances: ClassVar[tuple[str, ...]] = ("loss_atol", "param_atol", "grad_norm_rtol", "loss_atol_bf16",
+                                             "param_atol_bf16", "grad_norm_rtol_bf16", "memory_rtol")  # fmt: skip
+    # Parity with one process, float32: measured ~1e-6 (loss) and ~1e-5 (parameters) over 15 steps. Why 15:
+    # FSDP x TP rounds differently in every forward (split matmuls, partial sums all-reduced) and AdamW
+    # amplifies it: its loss difference was <= 9.5e-07 up to step 18, then 4.3e-06 and 9.1e-06 at 19-20.
+    parity_steps: int = flag(15, "float32: steps compared with the one-process run (0: none)")
+    loss_atol: float = flag(1e-5, "float32: largest |distributed - one process| loss in those steps")
+    param_atol: float = flag(1e-4, "float32: largest |distributed - one process| parameter after them")
+    grad_norm_rtol: float = flag(
+        1e-3, "float32: largest relative |clipping norm - one-process gradient norm|"
+    )
+    # bf16 rounds to ~3 digits, and the differences grow faster: measured ~1e-3 over 12 steps, 0.1 at step 19.
+    parity_steps_bf16: int = flag(10, "bf16: steps compared with the one-process run (0: none)")
+    loss_atol_bf16: float = flag(5e-3, "bf16: largest |distributed - one process| loss in those steps")
+    param_atol_bf16: float = flag(1e-2, "bf16: largest |distributed - one process| parameter after them")
+    grad_norm_rtol_bf16: float = flag(
+        1e-2, "bf16: largest relative |clipping norm - one-process gradient norm|"
+    )
+    memory_rtol: float = flag(0.01, "allowed relative difference of bytes held per rank from the theory")
+    min_loss_drop: float = flag(0.3, "validation loss must fall by more than this (nats) from the initialisation; "
+                                "a resumed run's must fall")  # fmt: skip
+
+    def parity(self, bf16: bool) -> dict:
+        """How many steps are compared with one process, and within what, for this precision."""
+        suffix = "_bf16" if bf16 else ""
+        names = (("steps", "parity_steps"), ("loss_atol", "loss_atol"), ("param_atol", "param_atol"),
+                 ("grad_norm_rtol", "grad_norm_rtol"))  # fmt: skip
+        return {name: getattr(self, f"{flag_name}{suffix}") for name, flag_name in names}
 
 
 def peak_rss_bytes() -> int:
@@ -95,6 +133,28 @@ class Probe(Instruments):
         }
 
 
+def check_layout(session, job, probe: Probe, model_cfg, budget: dict, memory_rtol: float, replay) -> None:
+    """The layout's checks at the end of a run (every rank calls it: it gathers what each rank held and counted):
+    each rank's bytes held and sent against its theory, and, on several ranks, the first parity steps against one
+    process. `replay(start_state)` runs the one-process reference (compare_with_one_process's keyword arguments
+    bound by the experiment) and returns what it needs."""
+    accelerator = session.accelerator
+    step_losses = accelerator.reduce(torch.stack(probe.step_losses), "mean").tolist()  # global, per step
+    every_rank = accelerator.gather_for_metrics([probe.held | {"peak_rss_bytes": peak_rss_bytes()}],
+                                                use_gather_object=True)  # fmt: skip
+    counted = accelerator.gather_for_metrics([probe.collectives], use_gather_object=True)
+    session.metrics.update(step_losses=step_losses, grad_norms=probe.grad_norms, bytes_per_rank=every_rank,
+                           step_time_ms=probe.median_step_time_ms(), layout=job.layout.degrees())  # fmt: skip
+    if not session.is_main:
+        return
+    reference = build_gpt(model_cfg, 0)  # the undistributed model the theory is written for (its shapes)
+    check_memory(session, job, reference, every_rank, memory_rtol)
+    if job.layout.world_size > 1:
+        check_communication(session, job, reference, counted)
+    if job.layout.world_size > 1 and probe.at_parity_step is not None:
+        compare_with_one_process(session, model_cfg, probe, step_losses, budget=budget, **replay())
+
+
 def check_memory(session, job, reference, every_rank: list[dict], rtol: float) -> None:
     """Each rank's held bytes against its theory, within rtol."""
     theories = [job.held_bytes(reference, rank) for rank in range(len(every_rank))]
@@ -149,9 +209,8 @@ def check_communication(session, job, reference, every_rank: list[dict]) -> None
     )
 
 
-def compare_with_one_process(session, model_cfg, start_state, global_batches, probe: Probe, step_losses, *,
-                             lr_at, make_optimizer, max_norm: float, accumulation: int, bf16: bool,
-                             budget: dict) -> None:  # fmt: skip
+def compare_with_one_process(session, model_cfg, probe: Probe, step_losses, *, start_state, global_batches, lr_at,
+                             make_optimizer, max_norm: float, accumulation: int, bf16: bool, budget: dict) -> None:  # fmt: skip
     """This run's first parity steps (from its start, or from the checkpoint it resumed) against the same steps
     in ONE process (common/reference.py), from the same state, on the same global batches: each step one batch
     holding every rank's micro-batches, one mean loss over all its tokens, the same AdamW, schedule

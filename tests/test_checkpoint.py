@@ -230,7 +230,7 @@ def test_overwrite_and_latest_contradict(capsys):
 
 
 def test_the_schedule_length_is_part_of_a_resumes_settings():
-    from experiments.train_gpt import Config, lr_at
+    from experiments.train_gpt import Config
 
     short, grown = (
         Config(max_steps=12, warmup_steps=2),
@@ -239,8 +239,8 @@ def test_the_schedule_length_is_part_of_a_resumes_settings():
     assert short.trajectory(1)["lr_decay_steps"] == 12 and grown.trajectory(1)["lr_decay_steps"] == 300
     kept = Config(max_steps=300, warmup_steps=2, lr_decay_steps=12, strategy="none")
     assert kept.trajectory(1)["lr_decay_steps"] == 12  # what a resume of the 12-step run must pass
-    assert [lr_at(s, kept) for s in (9, 10, 12)] == [lr_at(s, short) for s in (9, 10, 12)]
-    assert lr_at(200, kept) == pytest.approx(kept.lr * kept.min_lr_ratio)  # flat after the decay
+    assert [kept.lr_schedule()(s) for s in (9, 10, 12)] == [short.lr_schedule()(s) for s in (9, 10, 12)]
+    assert kept.lr_schedule()(200) == pytest.approx(kept.lr * kept.min_lr_ratio)  # flat after the decay
     meta = {
         "step": 6,
         "trajectory": short.trajectory(1),

@@ -172,7 +172,7 @@ def test_a_deepspeed_checkpoint_resumes_only_under_its_own_stage_and_world_size(
     from experiments.train_gpt import Config
 
     deepspeed_3 = {
-        "layout": {"strategy": "deepspeed_zero3", "checkpoint_format": "deepspeed"},
+        "layout": {"strategy": "deepspeed_zero3", "checkpoint_format": "deepspeed ZeRO-3"},
         "world_size": 2,
     }
     dcp = {"layout": {"strategy": "fsdp", "checkpoint_format": "dcp"}, "world_size": 3}
@@ -186,7 +186,10 @@ def test_a_deepspeed_checkpoint_resumes_only_under_its_own_stage_and_world_size(
         with pytest.raises(UsageError, match="resumed only by the same stage on as many ranks"):
             Config(strategy=strategy).refuse_resume(checkpoint, ranks)
     monkeypatch.setenv("ACCELERATE_DEEPSPEED_ZERO_STAGE", "2")
-    with pytest.raises(UsageError, match="written by deepspeed_zero3 on 2 rank"):
+    with pytest.raises(
+        UsageError,
+        match="the checkpoint is in deepspeed ZeRO-3 format on 2 rank.* this run writes deepspeed ZeRO-2",
+    ):
         Config(strategy="deepspeed_zero2").refuse_resume(deepspeed_3, 2)
 
 
