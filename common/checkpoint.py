@@ -61,6 +61,18 @@ REJECTED_FOLDER = (
 STATE_FOLDER = "state"  # inside a DCP checkpoint: one .distcp per rank + .metadata
 
 
+class CheckpointUnreadable(UsageError):
+    """A checkpoint that could not be READ (a permission, an I/O error): not a damaged one. The run stops in one
+    line naming what could not be read, and nothing is passed over or moved to rejected/."""
+
+    def __init__(self, what: str, error: OSError):
+        super().__init__(
+            f"cannot read {what} ({error.strerror or type(error).__name__}): a read error, not a damaged checkpoint; "
+            "nothing was passed over or moved. Fix the permissions or the disk, then run again",
+            same_on_every_rank=True,
+        )
+
+
 @dataclass
 class ResumableArgs(FaultArgs):
     checkpoint_every: int = flag(0, "save a checkpoint every N optimizer steps (0: never)")
@@ -113,10 +125,25 @@ def full_state_digest(model_state: dict, optimizer_state: dict) -> str:
 
 def file_sha256(path: str) -> str:
     digest = hashlib.sha256()
-    with open(path, "rb") as handle:
-        while chunk := handle.read(1 << 20):
-            digest.update(chunk)
+    try:
+        with open(path, "rb") as handle:
+            while chunk := handle.read(1 << 20):
+                digest.update(chunk)
+    except FileNotFoundError:
+        raise
+    except OSError as error:
+        raise CheckpointUnreadable(path, error) from None
     return digest.hexdigest()
+
+
+def _size(path: str) -> int | None:
+    """The file's size; None if there is no such file; CheckpointUnreadable if it cannot be looked at."""
+    try:
+        return os.stat(path).st_size
+    except FileNotFoundError:
+        return None
+    except OSError as error:
+        raise CheckpointUnreadable(path, error) from None
 
 
 def files_manifest(folder: str) -> dict:
@@ -147,7 +174,10 @@ def checkpoint_folders(output_dir: str) -> list[str]:
     root = checkpoint_root(output_dir)
     if not os.path.isdir(root):
         return []
-    return sorted(name for name in os.listdir(root) if CHECKPOINT_NAME.match(name))
+    try:
+        return sorted(name for name in os.listdir(root) if CHECKPOINT_NAME.match(name))
+    except OSError as error:
+        raise CheckpointUnreadable(root, error) from None
 
 
 def _whole_number(meta: dict, key: str, least: int) -> str | None:
@@ -165,8 +195,10 @@ def read_sealed(folder: str, name: str = STEP_FILE) -> tuple[dict | None, str | 
             meta = json.load(handle)
     except FileNotFoundError:
         return None, f"no {name}: not a checkpoint folder, or one whose writing never finished"
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as error:
-        return None, f"{name} is unreadable ({type(error).__name__})"
+    except (UnicodeDecodeError, json.JSONDecodeError) as error:
+        return None, f"{name} is not the JSON that was written ({type(error).__name__})"
+    except OSError as error:  # a permission or an I/O error: the checkpoint may be whole
+        raise CheckpointUnreadable(os.path.join(folder, name), error) from None
     if not isinstance(meta, dict):
         return None, f"{name} is not a JSON object"
     if meta.get("format") != FORMAT:
@@ -185,12 +217,16 @@ def verify_files(folder: str, files) -> str | None:
         return "no files recorded"
     for relative, record in files.items():
         path = os.path.join(folder, relative)
-        if not isinstance(record, dict) or not os.path.isfile(path):
+        size = _size(path)
+        if not isinstance(record, dict) or size is None:
             return f"{relative} is missing"
-        if os.path.getsize(path) != record.get("bytes"):
-            return f"{relative} has {os.path.getsize(path):,} bytes, {record.get('bytes')!r} were written"
-        if file_sha256(path) != record.get("sha256"):
-            return f"{relative} differs from what was written (sha256 mismatch)"
+        if size != record.get("bytes"):
+            return f"{relative} has {size:,} bytes, {record.get('bytes')!r} were written"
+        try:
+            if file_sha256(path) != record.get("sha256"):
+                return f"{relative} differs from what was written (sha256 mismatch)"
+        except FileNotFoundError:
+            return f"{relative} is missing"
     return None
 
 
@@ -200,6 +236,10 @@ def verify_checkpoint(path: str) -> tuple[dict | None, str | None]:
     to the record, or step.json edited, each fails here, before anything is loaded."""
     if not os.path.isdir(path):
         return None, "not a folder"
+    try:
+        os.listdir(path)
+    except OSError as error:
+        raise CheckpointUnreadable(path, error) from None
     meta, problem = read_sealed(path)
     if problem:
         return None, problem
@@ -479,8 +519,33 @@ def tidy_checkpoints(output_dir: str, rejected: list[tuple[str, str]]) -> None:
     for name, _why in rejected:
         target = os.path.join(root, REJECTED_FOLDER, name)
         os.makedirs(os.path.dirname(target), exist_ok=True)
-        _remove(target)
+        copies = 1
+        while os.path.exists(target):  # an earlier rejection of this step is kept too
+            copies += 1
+            target = os.path.join(root, REJECTED_FOLDER, f"{name}.{copies}")
         os.replace(os.path.join(root, name), target)
+
+
+def load_checkpoint(checkpointer, path: str, same_layout: bool) -> None:
+    """checkpointer.load(path), a checkpoint verified moments ago. If it is gone by now (another run pruned it,
+    someone deleted it), one line saying so, not the loader's traceback."""
+    try:
+        checkpointer.load(path, same_layout)
+    except (Exception, _checkpoint_exception()) as error:  # noqa: B014 (DCP wraps each rank's FileNotFoundError in its CheckpointException, a BaseException)
+        causes, seen = [], error
+        while seen is not None:
+            causes.append(seen)
+            seen = seen.__cause__ or seen.__context__
+        failures = getattr(error, "failures", None)
+        if isinstance(failures, dict):
+            causes += [f[0] if isinstance(f, tuple) else f for f in failures.values()]
+        if os.path.isdir(path) and not any(isinstance(c, FileNotFoundError) for c in causes):
+            raise
+        raise UsageError(
+            f"the checkpoint {path} was verified, then disappeared while it was loaded (another run pruning its "
+            "folder?); nothing was trained: run again (--resume_from_checkpoint latest takes the newest left)",
+            same_on_every_rank=True,
+        ) from None
 
 
 # ------------------------------------------------------------------------------------- checkpointers

@@ -172,7 +172,9 @@ class _OneLineParser(argparse.ArgumentParser):
     """argparse prints usage + error; we print the error alone, on one line, and exit 2."""
 
     def error(self, message: str):  # noqa: D401 - argparse API
-        self.exit(2, f"{self.prog}: error: {message} (see --help)\n")
+        # every rank of a launch parses the same flags and refuses them alike: the main process says it, once
+        said = f"{self.prog}: error: {message} (see --help)\n" if os.environ.get("RANK", "0") == "0" else None
+        self.exit(2, said)
 
 
 def _parse_bool(text: str) -> bool:

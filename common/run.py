@@ -35,6 +35,7 @@ import torch
 
 from common.checkpoint import (
     Found,
+    checkpoint_folders,
     find_checkpoint,
     first_difference,
     newest_verified,
@@ -104,13 +105,19 @@ class Run:
         self.heartbeat = None  # set by a TrainLoop, read when a collective times out
         self.progress_bar = None  # set by a TrainLoop, cleared when the run stops on an error
         self.accelerator = self.recorder = None
-        self.own_group = self.finished = False
+        self.own_group = self.finished = self.ended_early = False
         self.lock: OutputLock | None = None
 
     # ------------------------------------------------------------------------------------------ start
     def __enter__(self) -> Run:
         try:
             self._start()
+        except UsageError as error:
+            # refused before the run started: every rank read the same flags and files and refused alike
+            if self.accelerator is None:
+                error.same_on_every_rank = True
+            self._abort()
+            raise
         except BaseException:
             self._abort()
             raise
@@ -194,10 +201,29 @@ class Run:
                   "checkpoints/rejected/", file=sys.stderr, flush=True)  # fmt: skip
 
     def _refuse_finished_run(self, world_size: int) -> None:
+        """A folder holding a finished run: refused (unless --overwrite), or, asked to resume it with the same
+        trajectory and data, a no-op that says so (exit 0). A folder holding an earlier run that never
+        finished (its config.json or metrics.jsonl, no checkpoint to continue from) is refused too: a fresh
+        run would overwrite them without a word (unless it resumes: with no checkpoint yet, an elastic restart)."""
         summary_path = os.path.join(self.output_dir, "summary.json")
-        if not os.path.exists(summary_path) or self.cfg.overwrite:
+        resuming = bool(getattr(self.cfg, "resume_from_checkpoint", ""))
+        if self.cfg.overwrite:
             return
-        if not getattr(self.cfg, "resume_from_checkpoint", ""):
+        if not os.path.exists(summary_path):
+            earlier = [
+                name
+                for name in ("config.json", "metrics.jsonl")
+                if os.path.isfile(os.path.join(self.output_dir, name))  # regular files, as a run leaves them
+            ]
+            # (a folder with checkpoints: refuse_mixed_lineage says how to continue; resuming with none to resume:
+            # an elastic restart of this very run)
+            if earlier and not resuming and not checkpoint_folders(self.output_dir):
+                raise UsageError(
+                    f"--output_dir {self.output_dir} holds an earlier run that did not finish ({', '.join(earlier)}, "
+                    "no checkpoint to continue from); pass --overwrite (it is moved aside) or another --output_dir"
+                )
+            return
+        if not resuming:
             raise UsageError(
                 f"--output_dir {self.output_dir} already holds a finished run (summary.json); "
                 "pass --overwrite or another --output_dir"
@@ -209,11 +235,13 @@ class Run:
             raise UsageError(
                 f"--output_dir {self.output_dir}: its summary.json is unreadable; pass --overwrite or another --output_dir"
             ) from None
-        then = {
-            **{k: v for k, v in finished.get("config", {}).items() if k not in self.cfg.result_neutral},
-            "world_size": finished.get("world_size"),
-            "data": finished.get("data", {}),
-        }
+        then = {**finished.get("trajectory", {}), "data": finished.get("data", {})}
+        if (
+            "trajectory" not in finished
+        ):  # written before summaries recorded it: the flags, less the neutral ones
+            config = finished.get("config", {})
+            then = {**{k: v for k, v in config.items() if k not in self.cfg.result_neutral},
+                    "world_size": finished.get("world_size"), "data": finished.get("data", {})}  # fmt: skip
         now = {**self.cfg.trajectory(world_size), "data": self.data_identity}
         difference = first_difference(then, now, where="in that run")
         if difference:
@@ -251,7 +279,9 @@ class Run:
     # ------------------------------------------------------------------------------------------- end
     def end_now(self) -> None:
         """End the run here, cleanly: summary.json with the checks so far, shutdown, exit code. For a
-        check whose failure makes the rest meaningless (`distributed`, `resume_restored_state`)."""
+        check whose failure makes the rest meaningless (`distributed`, `resume_restored_state`). summary.json
+        says the run did not run to its end (`completed`: false)."""
+        self.ended_early = True
         self.__exit__(None, None, None)
         raise RunEnded(self.exit_code)
 
@@ -260,7 +290,7 @@ class Run:
             return False
         if exc_type is None:
             self.finished = True
-            self.exit_code = self.recorder.finish(self.metrics, self.checks)
+            self.exit_code = self.recorder.finish(self.metrics, self.checks, completed=not self.ended_early)
             shutdown(self.accelerator, self.own_group, self.recorder)
             self._release()
             return False

@@ -55,6 +55,10 @@ def write_json_atomic(path: str, payload: dict) -> None:
             handle.write(strict_json(payload, indent=2) + "\n")
         os.replace(temporary_path, path)
     except OSError as error:
+        try:  # a full disk leaves no half-written temporary beside the results
+            os.remove(temporary_path)
+        except OSError:
+            pass
         raise_write_error(path, error)
 
 
@@ -234,8 +238,10 @@ class RunRecorder:
         except Exception as error:
             self._drop_trackers(f"{name} table", error)
 
-    def finish(self, metrics: dict, checks: dict) -> int:
+    def finish(self, metrics: dict, checks: dict, completed: bool = True) -> int:
         """Write summary.json (and the verdicts into W&B's summary); return the exit code (0 passed, 1 a check failed).
+        `completed`: the run ran to its end (false: it ended early on a check that makes the rest meaningless);
+        a run that crashed writes no summary.json at all. Tools that rank runs (tools/sweep.py) read it.
 
         `checks` may be known on the main process only (single-process references run there), so the
         verdict is broadcast: every rank returns the same code.
@@ -247,12 +253,15 @@ class RunRecorder:
             summary = {
                 "experiment": self.experiment,
                 "config": dataclasses.asdict(self.cfg),
+                # what determines the result (a finished run re-run with the same trajectory is a no-op)
+                "trajectory": self.cfg.trajectory(self.accelerator.num_processes),
                 "world_size": self.accelerator.num_processes,
                 "distributed_type": self.accelerator.distributed_type.value,
                 "data": self.data_identity,
                 "metrics": metrics,
                 "checks": checks,
                 "passed": passed,
+                "completed": completed,
                 "trackers": self.tracker_notes,
                 "versions": _versions(),
             }

@@ -13,7 +13,7 @@ failure ends the run there), counts optimizer steps (one per `gradient_accumulat
 micro-batches) and samples seen (the resume position), keeps a loss window and logs
 `step | loss | samples/s` every --log_every steps, draws the progress bar, beats the heartbeat that
 names a stuck rank, stops at the first non-finite loss, writes checkpoints every --checkpoint_every
-steps (common/checkpoint.py), and injects the faults that --fail_at_step / --hang_at_step ask for.
+steps and at the end (common/checkpoint.py), and injects the faults that --fail_at_step / --hang_at_step ask for.
 The experiment's loop stays the idea.
 """
 
@@ -25,7 +25,7 @@ import time
 import torch
 from tqdm.auto import tqdm
 
-from common.checkpoint import AccelerateCheckpointer, save_checkpoint
+from common.checkpoint import AccelerateCheckpointer, load_checkpoint, save_checkpoint
 from common.config import UsageError
 from common.reliability import Heartbeat, inject_fault
 
@@ -59,7 +59,7 @@ class TrainLoop:
         self.resumed_full_state = None  # the full state right after loading (main process), if resumed
         if session.checkpoint:
             same_layout = session.checkpoint_meta["world_size"] == self.accelerator.num_processes
-            self.checkpointer.load(session.checkpoint, same_layout)
+            load_checkpoint(self.checkpointer, session.checkpoint, same_layout)
             self._check_restored_state()
         session.heartbeat = self.heartbeat = Heartbeat(
             session.output_dir, self.accelerator.process_index, self.accelerator.num_processes
@@ -136,25 +136,20 @@ class TrainLoop:
         if self.step % self.cfg.log_every == 0 or self.step == self.cfg.max_steps:
             self._log_interval()
         checkpoint_every = getattr(self.cfg, "checkpoint_every", 0)
-        if checkpoint_every and self.step % checkpoint_every == 0:
+        # every --checkpoint_every steps, and the finished run's final state (torchtitan does the same): its
+        # weights can be exported, and a resume with a larger --max_steps continues from the end
+        if checkpoint_every and (self.step % checkpoint_every == 0 or self.step == self.cfg.max_steps):
             self.state_digests[self.step] = self.checkpointer.digest()
-            if self.step < self.cfg.max_steps:
-                meta = {
-                    "samples_seen": self.samples_seen,
-                    "world_size": self.accelerator.num_processes,
-                    "layout": {name: getattr(self.cfg, name) for name in self.cfg.layout_flags},
-                    "trajectory": self.cfg.trajectory(self.accelerator.num_processes),
-                    "data": self.session.data_identity,
-                    "state_digest": self.state_digests[self.step],
-                }
-                save_checkpoint(
-                    self.accelerator,
-                    self.session.output_dir,
-                    self.step,
-                    self.cfg.keep_checkpoints,
-                    meta,
-                    self.checkpointer.save,
-                )
+            meta = {
+                "samples_seen": self.samples_seen,
+                "world_size": self.accelerator.num_processes,
+                "layout": {name: getattr(self.cfg, name) for name in self.cfg.layout_flags},
+                "trajectory": self.cfg.trajectory(self.accelerator.num_processes),
+                "data": self.session.data_identity,
+                "state_digest": self.state_digests[self.step],
+            }
+            save_checkpoint(self.accelerator, self.session.output_dir, self.step, self.cfg.keep_checkpoints, meta,
+                            self.checkpointer.save)  # fmt: skip
         inject_fault(self.cfg, self.step, self.accelerator.process_index)
 
     def _per_second(self, micro_batches: int, seconds: float) -> float:

@@ -62,8 +62,8 @@ def test_a_checkpoint_verifies_as_written(tmp_path):
         (lambda f: (f / "state" / "__0_0.distcp").write_bytes(b"weights" * 50), "has 350 bytes, 700 were written"),
         (lambda f: (f / "state" / "__0_0.distcp").unlink(), "state/__0_0.distcp is missing"),
         (lambda f: (f / STEP_FILE).unlink(), "no step.json"),
-        (lambda f: (f / STEP_FILE).write_text("{not json"), "step.json is unreadable"),
-        (lambda f: (f / STEP_FILE).write_bytes(b"\xff\xfe"), "step.json is unreadable"),
+        (lambda f: (f / STEP_FILE).write_text("{not json"), "step.json is not the JSON that was written"),
+        (lambda f: (f / STEP_FILE).write_bytes(b"\xff\xfe"), "step.json is not the JSON that was written"),
         (lambda f: (f / STEP_FILE).write_text("[1, 2]"), "step.json is not a JSON object"),
         # hand edits: the digest over step.json no longer matches
         (lambda f: edit(f, step=-3), "step.json was changed after it was written"),

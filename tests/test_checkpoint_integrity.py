@@ -44,6 +44,9 @@ def interrupted(tmp_path_factory, text) -> dict:
     assert finished.returncode == 0, finished.stderr[-2000:]
     clean = finished.summary["metrics"]
     (out / "summary.json").unlink()
+    shutil.rmtree(
+        out / "checkpoints" / "step_00000012"
+    )  # the finished run's last checkpoint: not there at step 10
     return {
         "dir": out,
         "final_state_digest": clean["final_state_digest"],
@@ -89,7 +92,12 @@ def test_latest_passes_over_a_corrupt_checkpoint_and_ends_as_the_clean_run(
     )  # nothing of the bad one was used
     assert (out / "checkpoints" / "rejected" / "step_00000009").is_dir()  # kept aside, not deleted
     assert sorted(p.name for p in (out / "checkpoints").iterdir()) == [
-        "rejected", "step_00000003", "step_00000006", "step_00000009"]  # fmt: skip
+        "rejected",
+        "step_00000003",
+        "step_00000006",
+        "step_00000009",
+        "step_00000012",
+    ]  # fmt: skip (9 redone, 12: the end)
     # loss_decreased counts from the loaded state, not from a random initialisation
     assert metrics["val_loss_before"] < interrupted["val_loss_before"] - 0.05
     assert "from the loaded checkpoint" in resumed.summary["checks"]["loss_decreased"]["detail"]
@@ -207,7 +215,8 @@ def test_overwrite_starts_a_clean_run_and_moves_the_old_one_aside(interrupted, t
     (moved,) = tmp_path.glob("run.replaced-*")
     assert f"--overwrite: the earlier run in {out} was moved to {moved}" in fresh.stderr
     assert snapshot(moved) == {k: v for k, v in old.items() if k != ".lock"}  # nothing of it lost
-    assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["step_00000003"]  # only the new run's
+    # only the new run's: step 3 and its last, step 4
+    assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["step_00000003", "step_00000004"]
     assert [r["step"] for r in fresh.metrics if "loss" in r] == [3, 4]
     # a fresh run into a folder holding another run's checkpoints, without --overwrite: refused
     refused = run_in_process(train_gpt, [*CHECKPOINTED, "--text_files", str(text)], moved, capsys)

@@ -258,3 +258,27 @@ def test_deepspeed_ranks_on_cpu_take_their_share_of_the_cores(monkeypatch):
         assert torch.get_num_threads() == before
     finally:
         torch.set_num_threads(before)
+
+
+@pytest.mark.launch
+def test_a_zero3_checkpoint_converts_to_the_weights_the_run_sampled_with(zero3, tmp_path, capsys):
+    """tools/convert_checkpoint reads DeepSpeed's partitions through DeepSpeed's zero_to_fp32: the weights of the
+    run's final checkpoint generate the very sample the run generated from its final state."""
+    from safetensors.torch import load_file
+
+    from common.gpt import GPTConfig, sample_text
+    from common.text import load_corpus
+    from tools.convert_checkpoint import main as convert
+
+    final = zero3.output_dir / "checkpoints" / "step_00000012"
+    code, _ = run_main_in_process(
+        convert, ["to-safetensors", str(final), str(tmp_path / "w.safetensors")], capsys
+    )
+    assert code == 0
+    config, metrics = zero3.summary["config"], zero3.summary["metrics"]
+    corpus = load_corpus("", config["vocab_size"], config["block_size"], config["val_fraction"])
+    model = GPTConfig(metrics["corpus"]["vocab_size"], config["block_size"], config["n_layer"], config["n_head"],
+                      config["d_model"])  # fmt: skip
+    sample = sample_text(model, load_file(str(tmp_path / "w.safetensors")), corpus["tokenizer"], corpus["val"][0][0][:8],
+                         config["sample_tokens"], config["seed"], "cpu")  # fmt: skip
+    assert sample == metrics["sample"]

@@ -82,6 +82,7 @@ def test_a_checkpoint_holding_another_runs_weights_is_refused_before_anything_is
     other = run_in_process(main, [*args, "--seed", "1"], tmp_path / "b", capsys)
     assert first.returncode == other.returncode == 0
     (tmp_path / "a" / "summary.json").unlink()  # as if killed after its step-20 checkpoint
+    shutil.rmtree(tmp_path / "a" / "checkpoints" / "step_00000040")  # (the finished run's last one)
     checkpoint = tmp_path / "a" / "checkpoints" / "step_00000020"
     shutil.copy(
         tmp_path / "b" / "checkpoints" / "step_00000020" / "model.safetensors",

@@ -79,12 +79,13 @@ BAD = {
     "a value the program refuses": (
         "program: experiments/ddp_linear.py\nmethod: grid\nmetric: {name: final_mse}\n"
         "parameters: {lr: {values: [0.1, abc]}}\n",
-        "parameter 'lr' may propose 'abc', which the program refuses",
+        "a trial may run with lr=abc on 1 rank(s), which experiments/ddp_linear.py refuses: argument --lr: invalid "
+        "float value: 'abc'",
     ),
     "a negative range": (
         "program: experiments/ddp_linear.py\nmethod: random\nmetric: {name: final_mse}\n"
         "parameters: {lr: {min: -0.5, max: 0.1}}\n",
-        "parameter 'lr' may propose -0.5",
+        "a trial may run with lr=-0.5 on 1 rank(s), which experiments/ddp_linear.py refuses: --lr must be > 0",
     ),
     "a duplicate key": (
         "program: experiments/ddp_linear.py\nmethod: grid\nmetric: {name: final_mse}\n"

@@ -1,13 +1,20 @@
-"""Convert a train_gpt checkpoint (torch.distributed.checkpoint, one file per rank that wrote it) to ONE
-safetensors file of full model weights, for inference elsewhere, and back. Verified both ways.
+"""Convert a checkpoint of this project to ONE safetensors file of full model weights, for inference
+elsewhere, and back. Verified both ways.
 
     python -m tools.convert_checkpoint to-safetensors runs/train_gpt/checkpoints/step_00000100 model.safetensors
     python -m tools.convert_checkpoint from-safetensors model.safetensors weights_dcp/
 
 to-safetensors first verifies the checkpoint as a resume would (every file against the sha256 recorded
-when it was written, common/checkpoint.py), then reads the DCP shards in this one process (no process
-group; any world size wrote them) into full tensors and checks them against the checkpoint's own digest
-of its full state (parameters and optimizer) before writing anything. It keeps the model's tensors (the
+when it was written, common/checkpoint.py), then reads it in this one process (no process group; any world
+size wrote it), by its format, which it names:
+  dcp          train_gpt's (torch.distributed.checkpoint, one file per rank): the shards read into full
+               tensors and checked against the checkpoint's own digest of its full state (parameters and
+               optimizer) before anything is written;
+  deepspeed    train_gpt under a DeepSpeed config (each rank's ZeRO partitions): read through DeepSpeed's
+               own `deepspeed.utils.zero_to_fp32` into full float32 weights;
+  accelerate   ddp_linear's and the other experiments' (Accelerate's save_state): the model file it wrote.
+Which checkpoints resume where: dcp under any train_gpt layout at any world size; deepspeed under the same
+ZeRO stage on as many ranks; accelerate in the same experiment on as many ranks. It keeps the model's tensors (the
 optimizer's are training state, not weights) and records their sha256 in the file's metadata. A tied
 weight (head = token embedding) is stored once under each name, as separate tensors, because
 safetensors stores no shared storage.
@@ -47,6 +54,7 @@ from common.checkpoint import (
     verify_checkpoint,
     verify_files,
 )
+from common.config import UsageError
 
 WEIGHTS_FILE = "weights.json"  # beside state/ in a checkpoint written by from-safetensors
 DIGEST_KEY = "weights_sha256"  # in the safetensors file's metadata
@@ -56,24 +64,54 @@ def weights_digest(weights: dict[str, torch.Tensor]) -> str:
     return digest_named_values((name, weights[name]) for name in sorted(weights))
 
 
+def checkpoint_format(folder: str) -> str | None:
+    """dcp, deepspeed or accelerate: what wrote the checkpoint `folder` (None: none of them)."""
+    if os.path.isdir(os.path.join(folder, STATE_FOLDER)):
+        return "dcp"
+    if os.path.isfile(os.path.join(folder, "latest")) or any(
+        name.startswith("zero_pp_rank_") for _parent, _dirs, names in os.walk(folder) for name in names
+    ):
+        return "deepspeed"
+    if any(os.path.isfile(os.path.join(folder, name)) for name in ACCELERATE_MODEL_FILES):
+        return "accelerate"
+    return None
+
+
+ACCELERATE_MODEL_FILES = ("model.safetensors", "pytorch_model.bin")  # what Accelerate's save_state writes
+
+
 def read_checkpoint(checkpoint: str) -> dict[str, torch.Tensor]:
-    """Every model tensor of a verified DCP checkpoint (a checkpoint folder, or its state/ folder), full
-    size, each checked against the digest the checkpoint was written with."""
+    """Every model tensor of a verified checkpoint (a checkpoint folder, or its state/ folder), full size."""
     folder = os.path.abspath(checkpoint)
     if os.path.basename(folder) == STATE_FOLDER:
         folder = os.path.dirname(folder)
     if not os.path.isdir(folder):
         fail(f"{checkpoint!r} is not a folder")
     training = os.path.exists(os.path.join(folder, STEP_FILE))
-    if training:
-        meta, problem = verify_checkpoint(folder)
-    elif os.path.exists(os.path.join(folder, WEIGHTS_FILE)):
-        meta, problem = read_sealed(folder, WEIGHTS_FILE)
-        problem = problem or verify_files(folder, meta.get("files"))
-    else:
-        fail(f"{checkpoint!r} is not a checkpoint of this project (no {STEP_FILE} or {WEIGHTS_FILE})")
+    try:
+        if training:
+            meta, problem = verify_checkpoint(folder)
+        elif os.path.exists(os.path.join(folder, WEIGHTS_FILE)):
+            meta, problem = read_sealed(folder, WEIGHTS_FILE)
+            problem = problem or verify_files(folder, meta.get("files"))
+        else:
+            fail(f"{checkpoint!r} is not a checkpoint of this project (no {STEP_FILE} or {WEIGHTS_FILE})")
+    except UsageError as error:  # a read error (a permission, the disk): not the checkpoint's fault
+        fail(str(error))
     if problem:
         fail(f"{checkpoint!r} cannot be used: {problem}")
+    kind = checkpoint_format(folder)
+    print(
+        f"convert_checkpoint: {checkpoint}: {kind or 'an unknown'} checkpoint, every file verified",
+        flush=True,
+    )
+    if kind == "deepspeed":
+        return read_deepspeed(folder, checkpoint)
+    if kind == "accelerate":
+        return read_accelerate(folder, checkpoint)
+    if kind is None:
+        fail(f"{checkpoint!r}: its files are none of dcp (state/), deepspeed (zero_pp_rank_*) or accelerate "
+             f"({', '.join(ACCELERATE_MODEL_FILES)})")  # fmt: skip
     state = read_dcp(os.path.join(folder, STATE_FOLDER), checkpoint)
     model = {name: tensor.contiguous().clone() for name, tensor in state["model"].items()}
     if training:
@@ -89,6 +127,42 @@ def read_checkpoint(checkpoint: str) -> dict[str, torch.Tensor]:
             f"({found[:16]}... != {str(expected)[:16]}...)"
         )
     return model
+
+
+def read_deepspeed(folder: str, checkpoint: str) -> dict[str, torch.Tensor]:
+    """DeepSpeed's ZeRO partitions -> full float32 weights, by DeepSpeed's own zero_to_fp32 (each rank's
+    partitions of the flat groups put back together, tied weights under each name)."""
+    import contextlib
+    import io
+
+    try:
+        from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+    except ImportError:
+        fail(
+            f"{checkpoint!r} is a DeepSpeed checkpoint and reading it needs deepspeed (pip install -r requirements.txt)"
+        )
+    with contextlib.redirect_stdout(io.StringIO()):  # zero_to_fp32 narrates every group it reads
+        try:
+            state = get_fp32_state_dict_from_zero_checkpoint(folder)
+        except (Exception, SystemExit) as error:
+            fail(f"{checkpoint!r}: DeepSpeed's zero_to_fp32 could not read it: {one_line(error)}")
+    return {name: tensor.contiguous().clone() for name, tensor in state.items()}
+
+
+def read_accelerate(folder: str, checkpoint: str) -> dict[str, torch.Tensor]:
+    """Accelerate's save_state: the model's weights are its model file (safetensors, or a torch pickle)."""
+    from safetensors.torch import load_file
+
+    path = next(
+        os.path.join(folder, name)
+        for name in ACCELERATE_MODEL_FILES
+        if os.path.isfile(os.path.join(folder, name))
+    )
+    try:
+        state = load_file(path) if path.endswith(".safetensors") else torch.load(path, weights_only=True)
+    except Exception as error:
+        fail(f"{checkpoint!r}: its model file {os.path.basename(path)} could not be read: {one_line(error)}")
+    return {name: tensor.contiguous().clone() for name, tensor in state.items()}
 
 
 def read_dcp(folder: str, checkpoint: str) -> dict:
@@ -164,17 +238,26 @@ def write_whole(output: str, write) -> None:
     try:
         write(temporary)
         os.replace(temporary, output)
-    except (Exception, KeyboardInterrupt) as error:
+    except BaseException as error:  # DCP's CheckpointException (a full disk) is a BaseException
+        if isinstance(error, SystemExit):
+            raise
         if os.path.isdir(temporary):
             shutil.rmtree(temporary, ignore_errors=True)
         elif os.path.exists(temporary):
             os.remove(temporary)
         if isinstance(error, KeyboardInterrupt):
             fail("interrupted (Ctrl-C); nothing written", code=130)
-        fail(f"could not write {output!r}: {one_line(error)}")
+        fail(f"could not write {output!r}: {one_line(error)}; nothing written")
 
 
 def one_line(error: BaseException) -> str:
+    """The error in one line: the OS's reason where there is one (DCP's CheckpointException wraps each rank's)."""
+    failures = getattr(error, "failures", None)
+    if isinstance(failures, dict) and failures:
+        first = next(iter(failures.values()))
+        error = first[0] if isinstance(first, tuple) else first
+    if getattr(error, "errno", None) == 28:
+        return "disk full"
     text = (getattr(error, "strerror", None) or str(error)).strip()
     return (text.splitlines()[-1] if text else type(error).__name__)[:300]
 

@@ -10,9 +10,10 @@ What `wandb sweep` + `wandb agent` do online, done locally with W&B's own pieces
 - every trial's summary.json is collected into a leaderboard: console table, leaderboard.csv and
   leaderboard.png (the metric against each swept parameter), best trial named.
 Before any trial runs, the sweep is validated: YAML and W&B schema, every parameter a flag of the
-program, every value the search can propose accepted by the program's own flag checks (grid values,
-and both ends of a range), the metric one the program declares in its Config's `sweep_metrics`, the
-command's words one per item. Problems are one line, exit 2. A trial that runs past
+program, every trial the search can propose (all its values together, with the command's own flags, at the
+world size its launcher starts: grid combinations, both ends of a range) accepted by the program's own flag
+checks, the metric one the program declares in its Config's `sweep_metrics`, the command's words one per
+item. A trial is ranked only if its summary.json says it ran to its end. Problems are one line, exit 2. A trial that runs past
 --trial_timeout_s is ended with every process of its launch (torchrun's ranks live in sessions of
 their own), before it is reported failed, so nothing writes into its folder afterwards.
 The search is seeded (--seed): the same sweep proposes the same values again.
@@ -20,9 +21,12 @@ The search is seeded (--seed): the same sweep proposes the same values again.
 
 from __future__ import annotations
 
+import contextlib
 import csv
 import dataclasses
 import importlib.util
+import io
+import itertools
 import json
 import math
 import os
@@ -157,6 +161,21 @@ def validate_sweep(path: str) -> Sweep:
     for key in ("program", "method", "metric", "parameters"):
         if key not in config:
             raise UsageError(f"sweep file {path!r} has no {key!r}")
+    # the shapes W&B's schema check itself would trip over, each said in W&B's words
+    if not isinstance(config["parameters"], dict) or not config["parameters"]:
+        raise UsageError(f"sweep file {path!r}: parameters must be a mapping of flag names to their specs "
+                         f"(lr: {{values: [0.01, 0.1]}}), got {config['parameters']!r}")  # fmt: skip
+    for name, spec in config["parameters"].items():
+        if not isinstance(spec, dict):
+            raise UsageError(f"sweep file {path!r}: parameter {name!r} must be a mapping such as {{value: {spec!r}}} "
+                             f"or {{values: [...]}}, got the bare {spec!r}")  # fmt: skip
+    if not isinstance(config["metric"], dict):
+        raise UsageError(
+            f"sweep file {path!r}: metric must be a mapping with name and goal, got {config['metric']!r}"
+        )
+    if not (isinstance(config["program"], str) and config["program"].endswith(".py")):
+        raise UsageError(f"sweep file {path!r}: program {config['program']!r} is not a Python file (the experiments "
+                         "are experiments/*.py)")  # fmt: skip
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # sweeps 0.2.0 warns about pydantic v1 config names
         violations = sweeps.schema_violations_from_proposed_config(config)
@@ -164,7 +183,7 @@ def validate_sweep(path: str) -> Sweep:
         raise UsageError(f"sweep file {path!r} breaks W&B's sweep schema: {violations[0]}")
     module = load_program(config["program"])
     flags = [f.name for f in dataclasses.fields(module.Config)]
-    for name, spec in config["parameters"].items():
+    for name in config["parameters"]:
         if name not in flags:
             raise UsageError(
                 f"sweep file {path!r}: parameter {name!r} is not a flag of {config['program']}; "
@@ -172,8 +191,6 @@ def validate_sweep(path: str) -> Sweep:
             )
         if name in RUNNER_FLAGS:
             raise UsageError(f"sweep file {path!r}: parameter {name!r} cannot be swept: {RUNNER_FLAGS[name]}")
-        for value in proposable_values(spec):
-            refuse_value(path, module.Config, name, value)
     metric = config["metric"].get("name") if isinstance(config["metric"], dict) else None
     logged = list(module.Config.sweep_metrics)
     if metric not in logged:
@@ -207,6 +224,10 @@ def validate_sweep(path: str) -> Sweep:
             )
         if name in RUNNER_FLAGS:
             raise UsageError(f"sweep file {path!r}: command sets --{name}: {RUNNER_FLAGS[name]}")
+    fixed = [
+        str(c) for c in command[program_at + 1 :] if not str(c).startswith("${")
+    ]  # the program's own flags
+    refuse_trials(path, module.Config, config, fixed, command)
     return Sweep(
         path,
         config,
@@ -229,15 +250,62 @@ def proposable_values(spec: dict) -> list:
     return [spec[end] for end in ("min", "max") if end in spec]
 
 
-def refuse_value(path: str, config_cls, name: str, value) -> None:
-    """The program's own parser and checks, on one proposed value: the trial would fail on it anyway."""
+MOST_TRIALS_CHECKED = 512  # a grid larger than this is checked on each value's corners, as a range is
+
+
+def refuse_trials(path: str, config_cls, config: dict, fixed: list[str], command: list) -> None:
+    """Every trial the search may propose, checked as it will run: all its values together, the flags the
+    command itself passes, at the world size its launcher starts (a value fine alone can be refused beside
+    another: --max_steps 12 with the default --parity_steps 15; a preset needing 2 ranks is fine under a
+    2-rank launch). The program's own parser and checks decide; their refusal is said in one line."""
+    names = list(config["parameters"])
+    choices = [proposable_values(config["parameters"][name]) or [None] for name in names]
+    trials = itertools.product(*choices)
+    if math.prod(len(c) for c in choices) > MOST_TRIALS_CHECKED:
+        trials = itertools.product(*([c[0], c[-1]] for c in choices))
+    world_size = launched_ranks([str(c) for c in command])
+    for trial in trials:
+        values = {name: value for name, value in zip(names, trial, strict=True) if value is not None}
+        argv = [f"--{name}={value}" for name, value in values.items()] + fixed + ["--report_to", "none"]
+        if "expected_world_size" not in values and not any(
+            w.startswith("--expected_world_size") for w in fixed
+        ):
+            argv += ["--expected_world_size", str(world_size)]
+        said = io.StringIO()
+        try:
+            with contextlib.redirect_stderr(said):
+                parse_config(config_cls, argv)
+        except SystemExit:
+            reason = said.getvalue().strip().split("error: ", 1)[-1].removesuffix(" (see --help)")
+            shown = ", ".join(f"{name}={value}" for name, value in values.items())
+            raise UsageError(f"sweep file {path!r}: a trial may run with {shown} on {world_size} rank(s), which "
+                             f"{config['program']} refuses: {reason}") from None  # fmt: skip
+
+
+def launched_ranks(command: list[str]) -> int:
+    """The ranks a trial's launcher starts: torchrun's --nproc_per_node, accelerate launch's --num_processes or
+    its --config_file's num_processes; a plain interpreter one."""
+
+    def after(*names):
+        for index, word in enumerate(command):
+            for name in names:
+                if word == name and index + 1 < len(command):
+                    return command[index + 1]
+                if word.startswith(name + "="):
+                    return word.split("=", 1)[1]
+        return None
+
+    ranks = after("--nproc_per_node", "--nproc-per-node", "--num_processes")
+    if ranks is None and (config_file := after("--config_file")):
+        try:
+            with open(config_file, encoding="utf-8") as handle:
+                ranks = (yaml.safe_load(handle) or {}).get("num_processes")
+        except (OSError, yaml.YAMLError):
+            ranks = None
     try:
-        parse_config(config_cls, [f"--{name}={value}", "--report_to", "none"])
-    except SystemExit:
-        raise UsageError(
-            f"sweep file {path!r}: parameter {name!r} may propose {value!r}, which the program refuses "
-            f"(run it with --{name}={value} to see why)"
-        ) from None
+        return max(1, int(ranks)) if ranks is not None else 1
+    except ValueError:
+        return 1
 
 
 def seeded(seed: int, propose):
@@ -276,23 +344,32 @@ def expand_command(sweep: Sweep, values: dict, args_json_path: str) -> list[str]
     return command
 
 
-def read_metric(trial_dir: str, metric: str) -> float | None:
-    """The metric as W&B's summary would hold it: summary.json's final figure, else the last logged value."""
+def read_outcome(trial_dir: str, metric: str) -> tuple[float | None, str | None]:
+    """(the metric, None) of a trial that ran to its end (its summary.json says `completed`; the final figure, or
+    the last value logged to metrics.jsonl), else (None, why it did not finish). A run that crashed, was killed
+    or ended early is never ranked, whatever it logged before."""
     try:
         with open(os.path.join(trial_dir, "summary.json")) as handle:
-            value = json.load(handle)["metrics"].get(metric)
-        if isinstance(value, int | float):
-            return float(value)
-    except (FileNotFoundError, json.JSONDecodeError, KeyError):
-        pass
+            summary = json.load(handle)
+    except FileNotFoundError:
+        return None, "no summary.json: it crashed or was ended before its end (see trial.log)"
+    except (OSError, json.JSONDecodeError) as error:
+        return None, f"its summary.json is unreadable ({type(error).__name__})"
+    if not summary.get("completed", False):
+        return None, "it ended early (summary.json: completed false; see its checks)"
+    value = summary.get("metrics", {}).get(metric)
+    if isinstance(value, int | float):
+        return float(value), None
     last = None
     try:
         with open(os.path.join(trial_dir, "metrics.jsonl")) as handle:
             for line in handle:
                 last = json.loads(line).get(metric, last)
-    except FileNotFoundError:
-        return None
-    return float(last) if isinstance(last, int | float) else None
+    except (OSError, json.JSONDecodeError):
+        pass
+    if isinstance(last, int | float):
+        return float(last), None
+    return None, f"it ran to its end but never logged {metric!r}"
 
 
 def run_sweep(sweep: Sweep, count: int, output_dir: str, trial_timeout_s: float, seed: int = 0) -> list[dict]:
@@ -337,12 +414,11 @@ def run_sweep(sweep: Sweep, count: int, output_dir: str, trial_timeout_s: float,
                 command, trial_timeout_s, capture=False, env=env, stdout=log, stderr=log
             ).returncode
         exit_code = "timeout" if exit_code == TIMED_OUT else exit_code
-        value = read_metric(trial_dir, sweep.metric)
-        # Exit 1 means the run completed but one of its checks failed (e.g. an lr too small to recover the
-        # truth): its metric is real and the search should learn from it. Anything else is a failed trial.
-        state = (
-            sweeps.RunState.finished if exit_code in (0, 1) and value is not None else sweeps.RunState.failed
-        )
+        value, why = read_outcome(trial_dir, sweep.metric) if exit_code != "timeout" else (None, "timed out")
+        # A run that ran to its end with a check failed (exit 1: e.g. an lr too small to recover the truth) has a
+        # real metric the search should learn from. Anything else is a failed trial: under `accelerate launch` a
+        # crash exits 1 too, so the exit code alone cannot tell; summary.json's `completed` does.
+        state = sweeps.RunState.finished if why is None else sweeps.RunState.failed
         checks_passed = exit_code == 0
         proposal.state, proposal.summary_metrics = state, ({sweep.metric: value} if value is not None else {})
         runs.append(proposal)
@@ -353,18 +429,21 @@ def run_sweep(sweep: Sweep, count: int, output_dir: str, trial_timeout_s: float,
                 "checks_passed": checks_passed,
                 "exit_code": exit_code,
                 sweep.metric: value,
+                "failed_because": why or "",
                 **values,
                 "seconds": round(time.perf_counter() - started, 1),
                 "dir": trial_dir,
             }
         )
-        print(f"sweep: {run_id} {state.value} (exit {exit_code}) {sweep.metric}={value}", flush=True)
+        said = f"{sweep.metric}={value}" if why is None else f"not ranked: {why}"
+        print(f"sweep: {run_id} {state.value} (exit {exit_code}) {said}", flush=True)
     return rows
 
 
 def write_leaderboard(sweep: Sweep, rows: list[dict], output_dir: str) -> dict | None:
     sign = 1 if sweep.goal == "minimize" else -1
-    ranked = sorted(rows, key=lambda r: (r[sweep.metric] is None, sign * (r[sweep.metric] or 0)))
+    # finished trials by their metric; failed ones after them, never ranked
+    ranked = sorted(rows, key=lambda r: (r["state"] != "finished", sign * (r[sweep.metric] or 0)))
     columns = list(dict.fromkeys(k for r in ranked for k in r))
     with open(os.path.join(output_dir, "leaderboard.csv"), "w", newline="") as handle:
         writer = csv.DictWriter(handle, fieldnames=columns)
