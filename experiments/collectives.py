@@ -28,6 +28,10 @@ import sys
 from dataclasses import dataclass
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+if __name__ == "__main__":  # Ctrl-C during the imports below: one line, exit 130 (common/interrupt.py)
+    from common.interrupt import one_line_on_ctrl_c
+
+    one_line_on_ctrl_c("collectives.py")
 
 import torch
 import torch.distributed as dist

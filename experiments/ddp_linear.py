@@ -36,6 +36,10 @@ import sys
 from dataclasses import dataclass
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # run as a file from any cwd
+if __name__ == "__main__":  # Ctrl-C during the imports below: one line, exit 130 (common/interrupt.py)
+    from common.interrupt import one_line_on_ctrl_c
+
+    one_line_on_ctrl_c("ddp_linear.py")
 
 import torch
 import torch.nn.functional as F

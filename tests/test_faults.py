@@ -272,3 +272,36 @@ def test_a_full_disk_while_converting_back_is_one_line_and_leaves_nothing(tmp_pa
     )
     assert code == 2 and stderr.strip().count("\n") == 0 and "disk full; nothing written" in stderr
     assert sorted(os.listdir(tmp_path)) == ["w.safetensors"]  # no .partial folder
+
+
+@pytest.mark.launch
+def test_ctrl_c_while_the_program_is_still_importing_is_one_line(tmp_path):
+    """SIGINT once torch's library is being loaded (the imports take seconds): one line, and the process ends as
+    a Ctrl-C does (killed by SIGINT: a shell's exit status 130), not an import's traceback."""
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    import psutil
+
+    from helpers import REPO
+
+    command = [
+        sys.executable,
+        str(REPO / "experiments" / "train_gpt.py"),
+        "--report_to",
+        "none",
+        "--output_dir",
+        str(tmp_path / "run"),
+    ]
+    starting = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=REPO)
+    deadline = time.monotonic() + 60
+    while not any("libtorch" in m.path for m in psutil.Process(starting.pid).memory_maps()):
+        assert time.monotonic() < deadline and starting.poll() is None
+        time.sleep(0.005)
+    starting.send_signal(signal.SIGINT)
+    _, stderr = starting.communicate(timeout=60)
+    assert starting.returncode in (-signal.SIGINT, 130), stderr
+    assert stderr.strip().count("\n") == 0 and "interrupted (Ctrl-C)" in stderr, stderr
+    assert not (tmp_path / "run").exists()
