@@ -26,6 +26,7 @@ from pathlib import Path
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from benchmarks.workers import accelerate_launch, checks_verdict, dated_folder, run_for_summary
+from common.config import finite_float  # noqa: E402
 from strategies import PRESETS
 from strategies.layout import DIMS, Layout
 
@@ -65,7 +66,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "--output_dir", default="runs/compare_strategies", help="a new dated folder is made in it"
     )
     parser.add_argument(
-        "--timeout_s", type=float, default=1200, help="per run; the whole run is ended after it"
+        "--timeout_s", type=finite_float, default=1200, help="per run; the whole run is ended after it"
     )
     args = parser.parse_args(argv)
     args.strategies = [s.strip() for s in args.strategies.split(",") if s.strip()]

@@ -20,6 +20,7 @@ import sys
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from benchmarks.workers import accelerate_launch, checks_verdict, dated_folder, run_for_summary
+from common.config import finite_float  # noqa: E402
 
 RUNS = [  # (label, strategy, ranks, extra flags)
     ("none", "none", 1, []),
@@ -36,7 +37,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--context", type=int, default=1024, help="--block_size: tokens per sequence")
     parser.add_argument("--max_steps", type=int, default=30, help="optimizer steps per run")
     parser.add_argument("--quick", action="store_true", help="128 tokens, 12 steps")
-    parser.add_argument("--timeout_s", type=float, default=900, help="per run")
+    parser.add_argument("--timeout_s", type=finite_float, default=900, help="per run")
     parser.add_argument("--output_dir", default="runs/long_context", help="a new dated folder is made in it")
     args = parser.parse_args(argv)
     if args.context < 8 or args.context % 4 or args.max_steps < 12:

@@ -33,6 +33,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import torch
 from torch.utils.flop_counter import FlopCounterMode
 
+from common.config import finite_float  # noqa: E402
 from common.gpt import PER_RANK_BATCH_SIZE, GPTConfig, build_gpt, lm_loss
 
 # train_gpt's defaults (experiments/train_gpt.py Config): the model and one rank's micro-batch
@@ -156,7 +157,9 @@ def main(argv: list[str] | None = None) -> int:
         "--comparison", default="", help="a compare_strategies comparison.json: MFU per strategy"
     )
     parser.add_argument("--square", type=int, default=2048, help="size of the square GEMM for the peak")
-    parser.add_argument("--min_time_s", type=float, default=1.0, help="timing per GEMM shape (5 repeats)")
+    parser.add_argument(
+        "--min_time_s", type=finite_float, default=1.0, help="timing per GEMM shape (5 repeats)"
+    )
     parser.add_argument("--quick", action="store_true", help="a 256 square GEMM, short timings")
     parser.add_argument("--output", default="", help="write the figures as JSON here (must not exist)")
     args = parser.parse_args(argv)

@@ -12,6 +12,7 @@ asks for the fused kernel (tp, whose parameters mix DTensors and plain tensors, 
 from __future__ import annotations
 
 import datetime
+import gc
 import os
 import statistics
 import sys
@@ -60,6 +61,8 @@ def main() -> int:
         print("| parameters | AdamW | step ms (median, rank 0) |\n|---|---|---|")
         for layout, name, ms in rows:
             print(f"| {layout} | {name} | {ms:.2f} |")
+    gc.collect()  # the models (DDP, FSDP2) hold the group: gone before it is torn down
+    dist.barrier()
     dist.destroy_process_group()
     return 0
 

@@ -39,6 +39,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from benchmarks import compare_strategies, mfu
 from benchmarks.workers import accelerate_launch, dated_folder, free_port, run_one_thread_per_rank
+from common.config import finite_float  # noqa: E402
 from common.profiling import (
     STEP_KINDS,
     median_step,
@@ -55,6 +56,10 @@ BENCH_OP = {
     "all_reduce": "all_reduce",
     "all_gather": "all_gather_into_tensor",
     "reduce_scatter": "reduce_scatter_tensor",
+    "broadcast": "broadcast",
+    "all_to_all": "all_to_all_single",
+    "send": "send_recv",  # a pipeline's activations one way; the rank's recv waits for the peer's send
+    "recv": "send_recv",
 }
 OVERHEAD_VARIANTS = ("bare", "experiment", "bare_again")
 
@@ -78,7 +83,7 @@ def parse_args(argv):
         "--quick", action="store_true", help="small GEMMs, small messages, a tiny GPT, 12 steps"
     )
     parser.add_argument("--output_dir", default="runs/performance", help="a new dated folder is made in it")
-    parser.add_argument("--timeout_s", type=float, default=1200, help="per launched run")
+    parser.add_argument("--timeout_s", type=finite_float, default=1200, help="per launched run")
     args = parser.parse_args(argv)
     args.strategies = [s.strip() for s in args.strategies.split(",") if s.strip()]
     args.overhead_strategies = [s.strip() for s in args.overhead_strategies.split(",") if s.strip()]
@@ -109,7 +114,8 @@ def bench_collectives(folder: Path, args) -> list[dict]:
         if args.quick
         else []
     )
-    flags = ["--ops", ",".join(BENCH_OP.values()), "--report_to", "none", "--output_dir", str(folder), *sizes]
+    flags = ["--ops", ",".join(dict.fromkeys(BENCH_OP.values())), "--report_to", "none", "--output_dir", str(folder),
+             *sizes]  # fmt: skip
     if not launch(
         accelerate_launch("experiments/collectives_bench.py", flags),
         folder.with_suffix(".log"),

@@ -21,6 +21,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from benchmarks.compare_strategies import QUICK
 from benchmarks.workers import accelerate_launch, checks_verdict, dated_folder, run_for_summary
+from common.config import finite_float  # noqa: E402
 from strategies.pp import SCHEDULES
 
 
@@ -36,7 +37,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--max_steps", type=int, default=40, help="optimizer steps per schedule")
     parser.add_argument("--quick", action="store_true", help="a tiny GPT (4 blocks), 12 steps")
-    parser.add_argument("--timeout_s", type=float, default=900, help="per run")
+    parser.add_argument("--timeout_s", type=finite_float, default=900, help="per run")
     parser.add_argument(
         "--output_dir", default="runs/pipeline_schedules", help="a new dated folder is made in it"
     )

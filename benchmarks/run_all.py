@@ -19,6 +19,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from benchmarks import collective_bench_overhead, data_path, scaling, startup, step_overhead
 from benchmarks.workers import REPO
+from common.config import finite_float  # noqa: E402
 
 BENCHMARKS = {
     "step_overhead": step_overhead,
@@ -108,7 +109,9 @@ def main() -> None:
     parser.add_argument(
         "--slow_loop", default="", help="for tests: slow this step_overhead loop down on purpose"
     )
-    parser.add_argument("--slow_us", type=float, default=0.0, help="for tests: by this many µs per step")
+    parser.add_argument(
+        "--slow_us", type=finite_float, default=0.0, help="for tests: by this many µs per step"
+    )
     args = parser.parse_args()
     if not args.output:  # a quick run's figures are not results: they never replace the tracked ones
         quick_output = os.path.join(tempfile.gettempdir(), f"benchmarks-quick-{os.getpid()}.json")

@@ -18,6 +18,7 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from benchmarks.workers import benchmark_parser, run_worker, scratch_folder, spawn, write_result
+from common.config import finite_float
 
 
 def worker(args):
@@ -90,7 +91,7 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=64, help=argparse.SUPPRESS)
     parser.add_argument("--steps", type=int, default=40, help=argparse.SUPPRESS)
     parser.add_argument("--accumulation", type=int, default=1, help=argparse.SUPPRESS)
-    parser.add_argument("--bucket_mb", type=float, default=0, help=argparse.SUPPRESS)
+    parser.add_argument("--bucket_mb", type=finite_float, default=0, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker:
         run_worker(worker, args)

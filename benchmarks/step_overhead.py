@@ -32,6 +32,7 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from benchmarks.workers import benchmark_parser, run_worker, scratch_folder, spawn, write_result
+from common.config import finite_float
 
 LOOPS = (
     "bare",
@@ -238,7 +239,9 @@ def main() -> None:
     parser.add_argument(
         "--slow_loop", default="", choices=("", *LOOPS[3:]), help="for tests: slow this loop down on purpose"
     )
-    parser.add_argument("--slow_us", type=float, default=0.0, help="for tests: by this many µs per step")
+    parser.add_argument(
+        "--slow_us", type=finite_float, default=0.0, help="for tests: by this many µs per step"
+    )
     args = parser.parse_args()
     if args.worker:
         run_worker(worker, args)

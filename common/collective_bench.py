@@ -19,6 +19,7 @@ BENCH_OPS = (
     "all_to_all_single",
     "broadcast",
     "reduce",
+    "send_recv",  # point to point, as a pipeline's stages send activations: even ranks send, odd ones receive
 )
 # torch 2.13 renamed all_gather_into_tensor / reduce_scatter_tensor to *_single (the old names warn).
 ALL_GATHER_INTO_TENSOR = getattr(dist, "all_gather_single", dist.all_gather_into_tensor)
@@ -30,6 +31,13 @@ def make_bench_call(op: str, size_bytes: int, n: int, device):
     Message size follows nccl-tests: the whole array (all_gather: the output, reduce_scatter: the input)."""
     elements = max(size_bytes // 4 // n, 1) * n
     full, chunk = torch.ones(elements, device=device), torch.ones(elements // n, device=device)
+    rank = dist.get_rank()
+    peer = rank ^ 1  # pairs 0-1, 2-3, ...; on an odd count the last rank has no partner and idles
+
+    def send_recv():
+        if peer < n:
+            (dist.send if rank % 2 == 0 else dist.recv)(full, peer)
+
     calls = {
         "all_reduce": lambda: dist.all_reduce(full),
         "all_gather_into_tensor": lambda: ALL_GATHER_INTO_TENSOR(full, chunk),
@@ -37,6 +45,7 @@ def make_bench_call(op: str, size_bytes: int, n: int, device):
         "all_to_all_single": lambda: dist.all_to_all_single(torch.empty_like(full), full),
         "broadcast": lambda: dist.broadcast(full, src=0),
         "reduce": lambda: dist.reduce(full, dst=0),
+        "send_recv": send_recv,
     }
     return calls[op], elements * 4
 

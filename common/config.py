@@ -177,6 +177,17 @@ class _OneLineParser(argparse.ArgumentParser):
         self.exit(2, said)
 
 
+def finite_float(text: str) -> float:
+    """A float flag's value: a finite number (nan and inf would pass every `>` check wrongly, or none at all)."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"invalid float value: {text!r}") from None
+    if not math.isfinite(value):
+        raise argparse.ArgumentTypeError(f"must be a finite number, got {text!r}")
+    return value
+
+
 def _parse_bool(text: str) -> bool:
     lowered = text.lower()
     if lowered in ("1", "true", "yes", "on"):
@@ -217,7 +228,7 @@ def build_parser(
             # `--overwrite` alone means true; `--overwrite false` is accepted too (sweeps pass values).
             kwargs.update(nargs="?", const=True, type=_parse_bool, metavar="BOOL")
         else:
-            kwargs.update(type=kind)
+            kwargs.update(type=finite_float if kind is float else kind)
             if f.metadata.get("choices"):
                 kwargs["choices"] = f.metadata["choices"]
         parser.add_argument(f"--{f.name}", **kwargs)

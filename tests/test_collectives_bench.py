@@ -40,7 +40,7 @@ def test_bench_tiny_sizes_rows_plot_and_wandb_table(tmp_path):
     assert set(finished.summary["checks"]) == {"distributed", "every_row_timed", "below_memory_ceiling"}
     metrics = finished.summary["metrics"]
     rows = metrics["rows"]
-    assert len(rows) == 6 * 3 and {r["bytes"] for r in rows} == {1024, 2048, 4096}
+    assert len(rows) == 7 * 3 and {r["bytes"] for r in rows} == {1024, 2048, 4096}  # 7 ops (send_recv too)
     assert all(0 < r["time_us"] < 1e6 and r["spread_us"] >= 0 for r in rows)
     # on 2 ranks an all_reduce moves the message once each way per rank: busbw = algbw (factor 2(n-1)/n = 1)
     assert all(r["busbw_gbps"] == r["algbw_gbps"] for r in rows if r["op"] == "all_reduce")
