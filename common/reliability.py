@@ -10,9 +10,11 @@
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import mmap
 import os
+import signal
 import struct
 import sys
 import time
@@ -169,10 +171,53 @@ def explain_timeout(error: RuntimeError, heartbeat: Heartbeat, timeout_s: float)
     )
 
 
-def is_interrupt(error: BaseException | None) -> bool:
+INTERRUPTED = "interrupted.rank{rank}"  # in <output_dir>/heartbeat/: this rank received Ctrl-C
+
+
+@contextlib.contextmanager
+def marking_ctrl_c(output_dir: str, rank: int):
+    """While the body runs, a Ctrl-C on this rank first leaves a mark beside its heartbeat, then raises
+    KeyboardInterrupt as usual; the handler that was there before is restored after. A peer whose collective
+    fails because this rank stopped reads the mark (is_interrupt): the launcher signals the ranks one after
+    another, and the rank that stops first must not look like a crash to the others. A signal handler can only
+    be set from the main thread; elsewhere nothing is marked."""
+    folder = os.path.join(output_dir, "heartbeat")
+    mark = os.path.join(folder, INTERRUPTED.format(rank=rank))
+
+    def on_ctrl_c(signum, frame):
+        try:
+            os.makedirs(folder, exist_ok=True)
+            with open(mark, "w"):
+                pass
+        except OSError:
+            pass  # an unwritable folder: the peers fall back to waiting for their own signal
+        raise KeyboardInterrupt
+
+    try:
+        previous = signal.signal(signal.SIGINT, on_ctrl_c)
+    except ValueError:  # not the main thread
+        yield
+        return
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
+
+
+def clear_ctrl_c_marks(output_dir: str) -> None:
+    """A new run's start: the marks an earlier interrupted run left are not this run's."""
+    folder = os.path.join(output_dir, "heartbeat")
+    for name in os.listdir(folder) if os.path.isdir(folder) else ():
+        if name.startswith("interrupted.rank"):
+            with contextlib.suppress(OSError):
+                os.remove(os.path.join(folder, name))
+
+
+def is_interrupt(error: BaseException | None, output_dir: str | None = None) -> bool:
     """Ctrl-C, also where a library caught it and raised its own error (DCP wraps it in a
     CheckpointException), or where this rank's collective failed first because a peer had already
-    stopped on its own Ctrl-C (the pending signal is then delivered by the next Python call)."""
+    stopped on its own Ctrl-C: its mark beside the heartbeats says so (marking_ctrl_c), however the
+    launcher's signals interleave; without a shared folder to read it, this rank waits a moment for its own."""
     seen, first = set(), error
     while error is not None and id(error) not in seen:
         seen.add(id(error))
@@ -184,10 +229,12 @@ def is_interrupt(error: BaseException | None) -> bool:
         ):
             return True
         error = error.__cause__ or error.__context__
-    # A peer gone: the launcher sends every rank its Ctrl-C one after another, and a rank whose peer stopped
-    # first can fail its collective before its own arrives (seen: 1 run in ~10 of the Ctrl-C test); wait
-    # a moment for it before calling the failure anything else
-    grace_s = PEER_SIGNAL_GRACE_S if any(sign in str(first) for sign in PEER_GONE) else 0.0
+    peer_gone = any(sign in str(first) for sign in PEER_GONE)
+    if peer_gone and output_dir is not None:
+        folder = os.path.join(output_dir, "heartbeat")
+        if os.path.isdir(folder) and any(name.startswith("interrupted.rank") for name in os.listdir(folder)):
+            return True
+    grace_s = PEER_SIGNAL_GRACE_S if peer_gone else 0.0
     try:
         _a_python_call()  # a Ctrl-C that arrived while C++ code waited runs its handler here
         end = time.monotonic() + grace_s

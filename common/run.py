@@ -25,6 +25,7 @@ re-raised naming the rank that is behind.
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import gc
 import json
@@ -44,7 +45,7 @@ from common.checkpoint import (
     tidy_checkpoints,
 )
 from common.config import RunArgs, UsageError
-from common.reliability import OutputLock, explain_timeout, is_interrupt
+from common.reliability import OutputLock, clear_ctrl_c_marks, explain_timeout, is_interrupt, marking_ctrl_c
 from common.runtime import check_distributed, launched_world_size, make_accelerator
 from common.tracking import RunRecorder, resolve_trackers
 
@@ -107,6 +108,7 @@ class Run:
         self.accelerator = self.recorder = None
         self.own_group = self.finished = self.ended_early = False
         self.lock: OutputLock | None = None
+        self.scoped = contextlib.ExitStack()  # what the run sets for its own time only (the Ctrl-C handler)
 
     # ------------------------------------------------------------------------------------------ start
     def __enter__(self) -> Run:
@@ -121,6 +123,8 @@ class Run:
         except BaseException:
             self._abort()
             raise
+        # a Ctrl-C on this rank leaves a mark its peers read if their collective fails first (is_interrupt)
+        self.scoped.enter_context(marking_ctrl_c(self.output_dir, self.accelerator.process_index))
         return self
 
     def _start(self) -> None:
@@ -190,6 +194,7 @@ class Run:
                 print(f"{self.experiment}: --overwrite: the earlier run in {self.output_dir} was moved to {moved}",
                       file=sys.stderr, flush=True)  # fmt: skip
             tidy_checkpoints(self.output_dir, found.rejected)
+            clear_ctrl_c_marks(self.output_dir)
         except OSError as error:
             raise UsageError(
                 f"--output_dir {self.output_dir}: cannot write there ({error.strerror or error})"
@@ -295,7 +300,7 @@ class Run:
             self._release()
             return False
         self._abort()
-        if is_interrupt(error):
+        if is_interrupt(error, self.output_dir):
             self._say_interrupted()
             raise RunEnded(INTERRUPTED_EXIT_CODE) from None
         if isinstance(error, RuntimeError) and self.heartbeat is not None:
@@ -328,6 +333,7 @@ class Run:
         self._release()
 
     def _release(self) -> None:
+        self.scoped.close()
         if self.lock is not None:
             self.lock.release()
             self.lock = None

@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import shutil
 import signal
+import struct
 import subprocess
 import sys
 import time
@@ -342,3 +343,33 @@ def test_ctrl_c_is_one_line_exit_130_and_the_last_checkpoint_verifies(tmp_path, 
                                       str(int(kept[-1].name[5:]) + 4), "--resume_from_checkpoint", "latest",
                                       "--lr_decay_steps", "100000"], out)  # fmt: skip
     assert resumed.returncode == 0, json.dumps(resumed.summary["checks"], indent=1)
+
+
+@pytest.mark.launch
+def test_a_ctrl_c_that_reaches_one_rank_first_is_still_one_line_and_130(tmp_path):
+    """The launcher signals its ranks one after another; the worst order, made certain: rank 1 alone gets the
+    Ctrl-C while rank 0 waits for it in a collective (rank 1 stalls at step 3, --hang_at_step; rank 0 enters step
+    4), and rank 0 never gets one at all. Rank 1's mark beside the heartbeats tells rank 0 its failed collective
+    was an interrupt: one line from rank 0, exit 130 from both, no traceback from either."""
+    import psutil
+
+    out = tmp_path / "run"
+    command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(free_port()),
+               str(REPO / "experiments" / "ddp_linear.py"), "--output_dir", str(out), "--report_to", "none",
+               "--max_steps", "100", "--hang_at_step", "3", "--hang_rank", "1"]  # fmt: skip
+    launcher = subprocess.Popen(command, cwd=REPO, env=clean_env(HOME=str(tmp_path)), stdout=subprocess.PIPE,
+                                stderr=subprocess.PIPE, text=True, start_new_session=True)  # fmt: skip
+    beat = out / "heartbeat" / "rank0"
+    deadline = time.monotonic() + 120
+    while not (
+        beat.exists() and struct.unpack("<d", beat.read_bytes()[:8])[0] == 3.5
+    ):  # rank 0 waits in step 4
+        assert launcher.poll() is None and time.monotonic() < deadline, launcher.communicate()[1][-3000:]
+        time.sleep(0.05)
+    ranks = {p.environ().get("RANK"): p for p in psutil.Process(launcher.pid).children(recursive=True)}
+    ranks["1"].send_signal(signal.SIGINT)
+    _stdout, stderr = launcher.communicate(timeout=120)
+    ours = [line for line in stderr.splitlines() if line.startswith("ddp_linear") and "interrupted" in line]
+    assert len(ours) == 1 and "interrupted (Ctrl-C) in step 4" in ours[0], stderr[-3000:]
+    assert "[rank0]" not in stderr and "[rank1]" not in stderr, stderr[-3000:]  # no rank's traceback
+    assert "exitcode  : 130" in stderr or launcher.returncode == 130, stderr[-3000:]
