@@ -34,7 +34,7 @@ from typing import ClassVar
 
 from common.config import flag, require
 from common.runtime import deepspeed_stage
-from strategies import activation_checkpointing, cp, deepspeed, pp, replicate, shard, tp  # noqa: F401 (the pieces)
+from strategies import activation_checkpointing, compile, cp, deepspeed, pp, replicate, shard, tp  # noqa: F401 (the pieces)
 from strategies.layout import DIMS, Layout, Workload
 
 REST = -1  # a preset's degree that takes the ranks the other degrees leave
@@ -121,15 +121,15 @@ def is_a_mistake_under(variant: str, layout: Layout, engine_stage: int | None) -
 
 @dataclass
 class ParallelArgs(
-    replicate.Flags, shard.Flags, cp.Flags, tp.Flags, pp.Flags, activation_checkpointing.Flags
+    replicate.Flags, shard.Flags, cp.Flags, tp.Flags, pp.Flags, activation_checkpointing.Flags, compile.Flags
 ):  # fmt: skip
     """The parallelism flags of an experiment: each dimension's own (its Flags), the preset that fills them
     in, and the deliberate mistake a check must catch. `layout_flags`: what a resume may change (a checkpoint
     of one layout continues under any other)."""
 
     layout_flags: ClassVar[tuple[str, ...]] = (
-        "strategy", "checkpoint_format", *DIMS, "reshard_after_forward", "sequence_parallel", "pp_schedule", "pp_microbatches",
-        "cp_load_balance",
+        "strategy", "checkpoint_format", *DIMS, "reshard_after_forward", "sequence_parallel", "pp_schedule",
+        "pp_microbatches", "cp_load_balance", "compile",
     )  # fmt: skip
 
     strategy: str = flag("auto", "a preset that fills in the degrees left unset: " + ", ".join(PRESETS) + "; auto: "
@@ -203,7 +203,7 @@ class ParallelArgs(
         stage = deepspeed_stage()
         if stage:
             deepspeed.refuse(self, layout, work, max_norm)
-        for piece in (shard, tp, cp, pp):
+        for piece in (shard, tp, cp, pp, compile):
             piece.refuse(self, layout, work)
         ac = self.activation_checkpointing
         require(not (ac == "selective" and layout.pp > 1 and self.pp_schedule in pp.SPLIT_BACKWARD),

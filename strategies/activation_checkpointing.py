@@ -27,7 +27,6 @@ from torch.utils.checkpoint import (
     CheckpointPolicy,
     checkpoint,
     create_selective_checkpoint_contexts,
-    noop_context_fn,
 )
 
 from common.activations import OutputsCounted, active_counter
@@ -78,8 +77,13 @@ def run_checkpointed(function, x: torch.Tensor, mode: str) -> torch.Tensor:
     counter = active_counter()
     if counter is not None:
         counter.add(x)  # the checkpoint keeps its input, to run the block again
-    context_fn = noop_context_fn
-    if mode == "selective":
+    if (
+        mode == "full"
+    ):  # (no context_fn at all: torch.compile traces a checkpoint given one only if it is torch's)
+        return checkpoint(function, x, use_reentrant=False)
+    if counter is None:  # torch's own selective contexts, which torch.compile knows
+        context_fn = functools.partial(create_selective_checkpoint_contexts, _selective_policy)
+    else:
         context_fn = functools.partial(_selective_contexts, counter)
     return checkpoint(function, x, use_reentrant=False, context_fn=context_fn)
 

@@ -143,8 +143,11 @@ def check_layout(session, job, probe: Probe, model_cfg, budget: dict, memory_rto
     every_rank = accelerator.gather_for_metrics([probe.held | {"peak_rss_bytes": peak_rss_bytes()}],
                                                 use_gather_object=True)  # fmt: skip
     counted = accelerator.gather_for_metrics([probe.collectives], use_gather_object=True)
+    # the first step's time holds a compile's cost (--compile)
+    first_step_ms = 1000 * sum(probe.step_times[0].values()) if probe.step_times else None
     session.metrics.update(step_losses=step_losses, grad_norms=probe.grad_norms, bytes_per_rank=every_rank,
-                           step_time_ms=probe.median_step_time_ms(), layout=job.layout.degrees())  # fmt: skip
+                           step_time_ms=probe.median_step_time_ms(), first_step_ms=first_step_ms,
+                           layout=job.layout.degrees())  # fmt: skip
     if not session.is_main:
         return
     reference = build_gpt(model_cfg, 0)  # the undistributed model the theory is written for (its shapes)

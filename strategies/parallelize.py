@@ -8,7 +8,8 @@ rank holds and sends by theory, composed from each piece's closed form.
 
 The order is torchtitan's: the pipeline split first (each rank keeps its stages, each a GPT holding None for
 what it does not run), then on each stage tensor parallelism -> context parallelism -> activation
-checkpointing -> FSDP (dp_shard; HSDP with dp_replicate) or replicate, each applied when its degree is > 1.
+checkpointing -> torch.compile per block (--compile) -> FSDP (dp_shard; HSDP with dp_replicate) or replicate,
+each applied when its degree is > 1.
 Each piece is one module that knows its own flags and nothing of the others: this file is the only place
 that puts them together, and it asks the layout's degrees, never which preset ran.
 
@@ -31,7 +32,7 @@ from common.checkpoint import ShardedCheckpointer
 from common.gpt import lm_loss
 from common.optim import clip_by_global_norm
 from common.runtime import deepspeed_stage
-from strategies import activation_checkpointing, cp, pp, replicate, shard, tp
+from strategies import activation_checkpointing, compile, cp, pp, replicate, shard, tp
 from strategies.layout import Layout, Workload, submesh, unique_parameters
 
 
@@ -212,6 +213,8 @@ def parallelize(
         if layout.cp > 1:
             attentions += cp.apply(stage, mesh["cp"], layout, rank, args)
         activation_checkpointing.apply(stage, args.activation_checkpointing)
+        if args.compile:
+            compile.apply(stage)
         if layout.shard_dims:
             shard.apply(stage, fsdp_mesh(mesh, layout), args, layout, work)
         elif layout.replicate_dims:

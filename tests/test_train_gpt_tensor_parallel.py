@@ -73,3 +73,12 @@ def test_sequence_parallelism_sends_what_tp_sends_and_keeps_less(tmp_path):
     assert wire["sp"] == wire["tp"] + activation / 2  # + the head's input, gathered and scattered back
     kept = {name: runs[name]["bytes_per_rank"][0]["saved_activation_bytes"] for name in runs}
     assert kept["sp"] < kept["tp"]
+
+
+@pytest.mark.launch
+def test_compiled_blocks_pass_every_check_under_tensor_parallelism(tmp_path):
+    """--compile (torch.compile per block, Inductor): the run still matches one process, and holds and sends what
+    the theory says (the collectives DTensor issues around and inside the compiled blocks counted as ever)."""
+    args = [*GPT_TINY, "--strategy", "tp", "--compile", "--max_steps", "6", "--parity_steps", "4"]
+    summary = assert_gpt_passed(fork_launch(main, args, tmp_path / "run"), 2)
+    assert summary["config"]["compile"] is True and summary["metrics"]["first_step_ms"] > 0
