@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextvars
 
 import torch
+from torch.distributed._functional_collectives import AsyncCollectiveTensor
 from torch.distributed.tensor import DTensor
 from torch.utils._python_dispatch import TorchDispatchMode
 
@@ -66,6 +67,10 @@ class SavedActivations:
 
     def add(self, tensor: torch.Tensor) -> None:
         local = tensor.to_local() if isinstance(tensor, DTensor) else tensor
+        if isinstance(
+            local, AsyncCollectiveTensor
+        ):  # a collective's output not yet waited for: its own storage
+            local = local.wait()
         storage = local.untyped_storage()
         self.storages[storage.data_ptr()] = storage.nbytes()
 

@@ -2,8 +2,10 @@
 
 token + position embeddings -> n_layer x [LayerNorm -> causal self-attention -> residual,
 LayerNorm -> MLP (4x, GELU) -> residual] -> LayerNorm -> linear head (tied to the token embedding
-by default) -> logits. The loss (`lm_loss`) is the mean cross-entropy over every target token of the
-batch, computed outside the model (as torchtitan's and torch.distributed.pipelining's loss_fn).
+by default) -> logits: GPT-2's block. GPTConfig's second group of fields gives Llama 3's instead
+(grouped-query attention, SwiGLU, RMSNorm, rotary positions, no biases, an untied head). The loss
+(`lm_loss`) is the mean cross-entropy over every target token of the batch, computed outside the
+model (as torchtitan's and torch.distributed.pipelining's loss_fn).
 
 Two choices made for distributed training:
 - q, k, v and the attention output are separate Linear layers (nanoGPT fuses q, k, v), so that
@@ -36,6 +38,25 @@ class GPTConfig:
     n_head: int = 4
     d_model: int = 128
     tie_weights: bool = True  # head shares the token embedding (nanoGPT, GPT-2)
+    # What Llama 3 and friends change (the defaults are GPT-2's): each proven equal to one process under every
+    # layout like the rest (tests/test_train_gpt_layouts.py)
+    n_kv_head: int = (
+        0  # key/value heads, shared by groups of query heads (grouped-query attention); 0: n_head
+    )
+    d_ff: int = 0  # the MLP's hidden width; 0: 4 x d_model
+    mlp: str = "gelu"  # gelu: fc_out(gelu(fc_in x)); swiglu: fc_out(silu(fc_gate x) * fc_in x)
+    norm: str = "layernorm"  # or rmsnorm (no mean, no bias)
+    positions: str = "learned"  # a learned position table; rope: rotary embeddings of q and k (no parameters)
+    bias: bool = True  # the linear layers' biases (the key projection never has one); Llama has none
+    rope_theta: float = 10_000.0  # rope's base period (Llama 3: 500,000)
+
+    @property
+    def kv_heads(self) -> int:
+        return self.n_kv_head or self.n_head
+
+    @property
+    def hidden(self) -> int:
+        return self.d_ff or 4 * self.d_model
 
 
 PER_RANK_BATCH_SIZE = 4  # blocks per rank per micro-batch, by default (train_gpt, mfu, bare_gpt)
@@ -45,10 +66,15 @@ class CausalSelfAttention(nn.Module):
     def __init__(self, cfg: GPTConfig):
         super().__init__()
         self.n_head, self.head_dim = cfg.n_head, cfg.d_model // cfg.n_head
-        self.q_proj = nn.Linear(cfg.d_model, cfg.d_model)
-        self.k_proj = nn.Linear(cfg.d_model, cfg.d_model, bias=False)  # see the module docstring
-        self.v_proj = nn.Linear(cfg.d_model, cfg.d_model)
-        self.o_proj = nn.Linear(cfg.d_model, cfg.d_model)
+        kv_width = cfg.kv_heads * self.head_dim
+        self.q_proj = nn.Linear(cfg.d_model, cfg.d_model, bias=cfg.bias)
+        self.k_proj = nn.Linear(cfg.d_model, kv_width, bias=False)  # see the module docstring
+        self.v_proj = nn.Linear(cfg.d_model, kv_width, bias=cfg.bias)
+        self.o_proj = nn.Linear(cfg.d_model, cfg.d_model, bias=cfg.bias)
+        self.rope_theta = cfg.rope_theta if cfg.positions == "rope" else None
+        self.positions = (
+            token_positions  # a hook: context parallelism's positions of this rank's tokens (cp.py)
+        )
         self.attend = causal_attention  # a hook: context parallelism puts its own here (strategies/cp.py)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -59,13 +85,24 @@ class CausalSelfAttention(nn.Module):
             proj(x).view(batch, time, -1, self.head_dim).transpose(1, 2)
             for proj in (self.q_proj, self.k_proj, self.v_proj)
         )
+        if self.rope_theta is not None:
+            positions = self.positions(time, x.device)
+            q, k = rotate(q, positions, self.rope_theta), rotate(k, positions, self.rope_theta)
         attended = self.attend(q, k, v)
         return self.o_proj(attended.transpose(1, 2).reshape(batch, time, -1))
 
 
 def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-    """softmax(q k^T / sqrt(head_dim)) v, each query seeing itself and the keys before it."""
+    """softmax(q k^T / sqrt(head_dim)) v, each query seeing itself and the keys before it; with fewer key/value
+    heads than query heads (grouped-query attention) each serves its group of query heads."""
+    k, v = grouped(q, k), grouped(q, v)
     return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+
+
+def grouped(q: torch.Tensor, kv: torch.Tensor) -> torch.Tensor:
+    """Keys or values (B, kv heads, T, head_dim) repeated for the query heads each serves (B, heads, T, head_dim)."""
+    group = q.shape[1] // kv.shape[1]
+    return kv if group == 1 else kv.repeat_interleave(group, dim=1)
 
 
 def token_positions(length: int, device) -> torch.Tensor:
@@ -73,21 +110,39 @@ def token_positions(length: int, device) -> torch.Tensor:
     return torch.arange(length, device=device)
 
 
+def rotate(x: torch.Tensor, positions: torch.Tensor, theta: float) -> torch.Tensor:
+    """Rotary position embedding (Su et al. 2021, as Llama applies it): each pair of channels (2i, 2i + 1) of
+    a head turned by the angle position x theta^(-2i / head_dim). x: (B, heads, T, head_dim)."""
+    head_dim = x.shape[-1]
+    frequencies = theta ** (-torch.arange(0, head_dim, 2, device=x.device, dtype=torch.float32) / head_dim)
+    angles = positions.to(torch.float32)[:, None] * frequencies[None, :]  # (T, head_dim / 2)
+    cos, sin = angles.cos(), angles.sin()
+    even, odd = x.float()[..., 0::2], x.float()[..., 1::2]
+    return torch.stack([even * cos - odd * sin, even * sin + odd * cos], dim=-1).flatten(-2).type_as(x)
+
+
 class MLP(nn.Module):
     def __init__(self, cfg: GPTConfig):
         super().__init__()
-        self.fc_in = nn.Linear(cfg.d_model, 4 * cfg.d_model)
-        self.fc_out = nn.Linear(4 * cfg.d_model, cfg.d_model)
+        self.fc_in = nn.Linear(cfg.d_model, cfg.hidden, bias=cfg.bias)
+        self.fc_gate = nn.Linear(cfg.d_model, cfg.hidden, bias=cfg.bias) if cfg.mlp == "swiglu" else None
+        self.fc_out = nn.Linear(cfg.hidden, cfg.d_model, bias=cfg.bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.fc_out(F.gelu(self.fc_in(x)))
+        if self.fc_gate is None:
+            return self.fc_out(F.gelu(self.fc_in(x)))
+        return self.fc_out(F.silu(self.fc_gate(x)) * self.fc_in(x))
+
+
+def norm(cfg: GPTConfig) -> nn.Module:
+    return nn.RMSNorm(cfg.d_model, eps=1e-5) if cfg.norm == "rmsnorm" else nn.LayerNorm(cfg.d_model)
 
 
 class Block(nn.Module):
     def __init__(self, cfg: GPTConfig):
         super().__init__()
-        self.ln_1, self.attn = nn.LayerNorm(cfg.d_model), CausalSelfAttention(cfg)
-        self.ln_2, self.mlp = nn.LayerNorm(cfg.d_model), MLP(cfg)
+        self.ln_1, self.attn = norm(cfg), CausalSelfAttention(cfg)
+        self.ln_2, self.mlp = norm(cfg), MLP(cfg)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = x + self.attn(self.ln_1(x))
@@ -107,9 +162,9 @@ class GPT(nn.Module):
         super().__init__()
         self.cfg = cfg
         self.tok_emb = nn.Embedding(cfg.vocab_size, cfg.d_model)
-        self.pos_emb = nn.Embedding(cfg.block_size, cfg.d_model)
+        self.pos_emb = nn.Embedding(cfg.block_size, cfg.d_model) if cfg.positions == "learned" else None
         self.blocks = nn.ModuleDict({str(i): Block(cfg) for i in range(cfg.n_layer)})
-        self.ln_f = nn.LayerNorm(cfg.d_model)
+        self.ln_f = norm(cfg)
         self.head = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
         if cfg.tie_weights:
             self.head.weight = self.tok_emb.weight
@@ -131,7 +186,9 @@ class GPT(nn.Module):
         hidden states (B, T, d_model) instead."""
         x = idx
         if self.tok_emb is not None:
-            x = self.tok_emb(idx) + self.pos_emb(self.positions(idx.shape[1], idx.device))
+            x = self.tok_emb(idx)
+            if self.pos_emb is not None:
+                x = x + self.pos_emb(self.positions(idx.shape[1], idx.device))
         for block in self.blocks.values():
             x = block(x)
         return x if self.head is None else self.head(self.ln_f(x))
@@ -212,13 +269,15 @@ def build_gpt(cfg: GPTConfig, seed: int) -> GPT:
 def parameter_count(cfg: GPTConfig) -> int:
     """Distinct parameters of GPT(cfg), by formula (no model built): what a size check needs before any
     memory is spent. Equal to count_parameters(GPT(cfg)) (a test)."""
-    d = cfg.d_model
-    attention = 3 * d * d + 2 * d + d * d + d  # q, k, v (k without bias), o
-    mlp = d * 4 * d + 4 * d + 4 * d * d + d
-    block = attention + mlp + 2 * 2 * d  # two LayerNorms
-    embeddings = cfg.vocab_size * d + cfg.block_size * d
+    d, kv, hidden, bias = cfg.d_model, cfg.kv_heads * (cfg.d_model // cfg.n_head), cfg.hidden, cfg.bias
+    attention = d * d + d * kv + d * kv + d * d + bias * (d + kv + d)  # q, k, v, o (k without bias)
+    mlp = (3 if cfg.mlp == "swiglu" else 2) * d * hidden + bias * (
+        (2 if cfg.mlp == "swiglu" else 1) * hidden + d
+    )
+    norms = 2 * (d if cfg.norm == "rmsnorm" else 2 * d)  # weight (and bias, LayerNorm's)
+    embeddings = cfg.vocab_size * d + (cfg.block_size * d if cfg.positions == "learned" else 0)
     head = 0 if cfg.tie_weights else cfg.vocab_size * d
-    return embeddings + cfg.n_layer * block + 2 * d + head
+    return embeddings + cfg.n_layer * (attention + mlp + norms) + norms // 2 + head
 
 
 def training_bytes(cfg: GPTConfig, batch_size: int) -> int:

@@ -107,6 +107,17 @@ class Config(ResumableArgs, ParallelArgs, CheckArgs):
     n_head: int = flag(MODEL.n_head, "attention heads (must divide d_model)")
     d_model: int = flag(MODEL.d_model, "model width")
     tie_weights: bool = flag(MODEL.tie_weights, "share the token embedding with the output head")
+    n_kv_head: int = flag(0, "key/value heads, each shared by n_head / this query heads (grouped-query attention; "
+                          "0: n_head)")  # fmt: skip
+    d_ff: int = flag(0, "the MLP's hidden width (0: 4 x d_model)")
+    mlp: str = flag(
+        "gelu", "gelu (GPT-2) or swiglu (Llama: silu(gate) x up, then down)", choices=("gelu", "swiglu")
+    )
+    norm: str = flag("layernorm", "layernorm (GPT-2) or rmsnorm (Llama)", choices=("layernorm", "rmsnorm"))
+    positions: str = flag(
+        "learned", "learned (a position table, GPT-2) or rope (rotary, Llama)", choices=("learned", "rope")
+    )
+    bias: bool = flag(True, "biases in the linear layers (Llama: none)")
     val_fraction: float = flag(0.1, "share of the token stream held out for validation")
     per_rank_batch_size: int = flag(PER_RANK_BATCH_SIZE, "blocks per data-parallel rank per micro-batch; "
                                     "global batch = this x data-parallel ranks x accumulation")  # fmt: skip
@@ -136,6 +147,12 @@ class Config(ResumableArgs, ParallelArgs, CheckArgs):
         require(
             self.d_model % self.n_head == 0, f"--n_head {self.n_head} must divide --d_model {self.d_model}"
         )
+        require(self.n_kv_head >= 0 and self.n_head % (self.n_kv_head or self.n_head) == 0 and self.d_ff >= 0,
+                f"--n_kv_head {self.n_kv_head} must divide --n_head {self.n_head} (0: one per query head); "
+                f"--d_ff {self.d_ff} must be >= 0")  # fmt: skip
+        require(self.positions != "rope" or self.d_model // self.n_head % 2 == 0,
+                f"--positions rope turns pairs of channels: the head width --d_model / --n_head = "
+                f"{self.d_model // self.n_head} must be even")  # fmt: skip
         require(0 < self.val_fraction < 0.5, f"--val_fraction must be in (0, 0.5), got {self.val_fraction}")
         non_negative = min(self.warmup_steps, self.lr_decay_steps, self.grad_clip, self.weight_decay) >= 0
         require(0 <= self.min_lr_ratio <= 1 and non_negative, "--min_lr_ratio must be in [0, 1]; --warmup_steps, "
@@ -163,7 +180,7 @@ class Config(ResumableArgs, ParallelArgs, CheckArgs):
     def model_config(self, vocab_size: int = 0) -> GPTConfig:
         """The model of these flags (the vocabulary the tokenizer really has, once it is trained)."""
         return GPTConfig(vocab_size or self.vocab_size, self.block_size, self.n_layer, self.n_head, self.d_model,
-                         self.tie_weights)  # fmt: skip
+                         self.tie_weights, self.n_kv_head, self.d_ff, self.mlp, self.norm, self.positions, self.bias)  # fmt: skip
 
     def workload(self, vocab_size: int = 0) -> Workload:
         """What this run asks of its layout (the pieces' theory and refusals need nothing else of it)."""

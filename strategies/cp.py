@@ -21,7 +21,8 @@ on the GPT's two hooks: each block's `attend` and the model's `positions`:
   A query chunk attends to earlier chunks whole, to its own with the causal mask, to later ones not at all.
 
 Theory: nothing held changes but the activations. One step all-gathers K and V of every block the rank
-holds (the whole sequence's, B x T x d / tp each: the all-gather's output) and reduce-scatters their gradients
+holds (the whole sequence's, B x T x kv width / tp each: the all-gather's output; grouped-query attention gathers
+its few key/value heads before repeating them) and reduce-scatters their gradients
 (the same bytes), per micro-batch, over the cp ranks.
 """
 
@@ -35,6 +36,7 @@ import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
 
 from common.config import flag, require
+from common.gpt import grouped
 from strategies.layout import Layout, Traffic, Workload
 
 WRONG_VARIANTS = {
@@ -150,6 +152,10 @@ class ContextParallelAttention:
         v_all = funcol.all_gather_tensor_autograd(v.contiguous(), gather_dim=2, group=self.group)
         started = time.perf_counter()
         plan = plan_for(self.mine, self.holders, q.shape[2] // 2, self.mask_not_shifted)
+        k_all, v_all = (
+            grouped(q, k_all),
+            grouped(q, v_all),
+        )  # (grouped-query attention: gathered, then repeated)
         out = ChunkedAttention.apply(q.contiguous(), k_all, v_all, plan, self.merge_without_lse)
         self.seconds += time.perf_counter() - started
         return out
@@ -172,10 +178,12 @@ def apply(model, cp_mesh, layout: Layout, rank: int, args) -> list[ContextParall
     cp_rank, balanced = layout.coordinate(rank, "cp"), args.cp_load_balance
     group = cp_mesh.get_group()
     attentions = []
+    positions = ChunkPositions(chunks_of(cp_rank, layout.cp, balanced))
     for block in model.blocks.values():
         block.attn.attend = ContextParallelAttention(group, cp_rank, layout.cp, balanced, args.wrong_variant)
+        block.attn.positions = positions  # rotary embeddings turn each token by its own position
         attentions.append(block.attn.attend)
-    model.positions = ChunkPositions(chunks_of(cp_rank, layout.cp, balanced))
+    model.positions = positions
     return attentions
 
 
@@ -188,10 +196,11 @@ def split_batch(x: torch.Tensor, y: torch.Tensor, layout: Layout, rank: int, arg
 
 def sent(layout: Layout, work: Workload, blocks: int) -> list[Traffic]:
     """Per micro-batch, every block this rank holds all-gathers K and V (the whole sequence's, this rank's
-    tensor-parallel share of the heads) and reduce-scatters their gradients, over the cp ranks."""
+    tensor-parallel share of the key/value heads) and reduce-scatters their gradients, over the cp ranks."""
     if layout.cp == 1:
         return []
-    whole = work.micro_batches * work.tokens * work.model.d_model // layout.tp * 4
+    kv_width = work.model.kv_heads * (work.model.d_model // work.model.n_head)
+    whole = work.micro_batches * work.tokens * kv_width // layout.tp * 4
     return [Traffic(kind, 2 * blocks * whole, layout.cp, "cp") for kind in ("all_gather", "reduce_scatter")]
 
 

@@ -65,6 +65,8 @@ SPLIT_DIM = {
     "attn.o_proj.weight": 1,
     "mlp.fc_in.weight": 0,
     "mlp.fc_in.bias": 0,
+    "mlp.fc_gate.weight": 0,
+    "mlp.fc_gate.bias": 0,
     "mlp.fc_out.weight": 1,
     "tok_emb.weight": 0,
     "head.weight": 0,
@@ -86,8 +88,11 @@ def refuse(args, layout: Layout, work: Workload) -> None:
     )
     if layout.tp == 1:
         return
-    require(work.model.n_head % layout.tp == 0,
-            f"--n_head {work.model.n_head} is not divisible by --tp {layout.tp}: each rank must hold whole heads")  # fmt: skip
+    heads = f"--n_head {work.model.n_head}" + (
+        f" and --n_kv_head {work.model.n_kv_head}" if work.model.n_kv_head else ""
+    )
+    require(work.model.n_head % layout.tp == 0 and work.model.kv_heads % layout.tp == 0,
+            f"{heads} must be divisible by --tp {layout.tp}: each rank must hold whole heads")  # fmt: skip
     require(
         work.mixed_precision == "no", f"--mixed_precision {work.mixed_precision} with --tp: not built; use no"
     )
@@ -130,6 +135,7 @@ def apply(model, tp_mesh, args) -> None:
                 "attn.o_proj": RowwiseParallel(output_layouts=row_output),
                 "mlp": replicated_input,
                 "mlp.fc_in": ColwiseParallel(),
+                **({"mlp.fc_gate": ColwiseParallel()} if block.mlp.fc_gate is not None else {}),
                 "mlp.fc_out": RowwiseParallel(output_layouts=row_output),
             },
         )
@@ -180,6 +186,7 @@ def apply_sequence_parallel(model, tp_mesh) -> None:
             "ln_2": SequenceParallel(),
             "mlp": gathered_input,
             "mlp.fc_in": ColwiseParallel(),
+            **({"mlp.fc_gate": ColwiseParallel()} if block.mlp.fc_gate is not None else {}),
             "mlp.fc_out": RowwiseParallel(output_layouts=sequence, use_local_output=False),
         }
         parallelize_module(block, tp_mesh, plan)

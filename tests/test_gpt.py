@@ -3,15 +3,20 @@ left out, generation; the corpus, the tokenizer's round trip and cache, blocks a
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
+import pytest
 import torch
 
 from common.data import shard_rows
-from common.gpt import GPTConfig, build_gpt, count_parameters, lm_loss
+from common.gpt import GPTConfig, build_gpt, count_parameters, lm_loss, parameter_count, rotate
 from common.text import load_corpus, make_blocks
 
 SMALL = GPTConfig(vocab_size=64, block_size=16, n_layer=2, n_head=2, d_model=16)
+# Llama's changes: grouped-query attention, SwiGLU, RMSNorm, rotary positions, no biases, an untied head
+LLAMA_SHAPED = dataclasses.replace(SMALL, n_head=4, n_kv_head=2, d_ff=24, mlp="swiglu", norm="rmsnorm",
+                                   positions="rope", bias=False, tie_weights=False)  # fmt: skip
 
 
 def test_forward_shapes_and_initial_loss_near_uniform():
@@ -27,8 +32,9 @@ def test_forward_shapes_and_initial_loss_near_uniform():
     assert abs(loss.item() - math.log(64)) < 0.1  # small init: close to a uniform guess
 
 
-def test_the_model_is_causal():
-    model = build_gpt(SMALL, seed=0)
+@pytest.mark.parametrize("cfg", [SMALL, LLAMA_SHAPED], ids=["gpt2", "llama"])
+def test_the_model_is_causal(cfg):
+    model = build_gpt(cfg, seed=0)
     idx = torch.randint(0, 64, (1, 16), generator=torch.Generator().manual_seed(1))
     changed = idx.clone()
     changed[0, 10] = (idx[0, 10] + 1) % 64
@@ -41,6 +47,42 @@ def test_tied_head_counts_once_and_key_projection_has_no_bias():
     assert tied.head.weight is tied.tok_emb.weight
     assert count_parameters(untied) - count_parameters(tied) == 64 * 16
     assert tied.blocks["0"].attn.k_proj.bias is None and tied.blocks["0"].attn.q_proj.bias is not None
+
+
+@pytest.mark.parametrize(
+    "cfg", [SMALL, LLAMA_SHAPED, dataclasses.replace(LLAMA_SHAPED, mlp="gelu", bias=True)]
+)
+def test_the_parameter_formula_counts_the_model_it_describes(cfg):
+    assert parameter_count(cfg) == count_parameters(build_gpt(cfg, 0))
+
+
+def test_the_parameter_formula_gives_llama_3_8b_its_published_size():
+    llama_3_8b = GPTConfig(vocab_size=128_256, block_size=8192, n_layer=32, n_head=32, d_model=4096,
+                           tie_weights=False, n_kv_head=8, d_ff=14_336, mlp="swiglu", norm="rmsnorm",
+                           positions="rope", bias=False)  # fmt: skip
+    # Meta-Llama-3-8B's model.safetensors.index.json: total_size 16,060,522,496 bytes of bf16
+    assert parameter_count(llama_3_8b) == 16_060_522_496 // 2
+
+
+def test_rotary_embeddings_make_attention_scores_depend_on_distance_only():
+    generator = torch.Generator().manual_seed(0)
+    q, k = torch.randn(1, 1, 1, 8, generator=generator), torch.randn(1, 1, 1, 8, generator=generator)
+
+    def score(query_at: int, key_at: int) -> float:
+        return (
+            rotate(q, torch.tensor([query_at]), 10_000.0) * rotate(k, torch.tensor([key_at]), 10_000.0)
+        ).sum()
+
+    assert score(7, 3) == pytest.approx(score(40, 36), rel=1e-5)  # 4 apart, wherever they stand
+    assert score(7, 3) != pytest.approx(score(7, 5), rel=1e-3)  # 2 apart: another score
+    assert rotate(q, torch.tensor([9]), 10_000.0).norm() == pytest.approx(q.norm(), rel=1e-6)  # a rotation
+
+
+def test_a_key_value_head_per_query_head_is_ordinary_attention():
+    grouped = build_gpt(dataclasses.replace(LLAMA_SHAPED, n_kv_head=4), 0)
+    plain = build_gpt(dataclasses.replace(LLAMA_SHAPED, n_kv_head=0), 0)
+    idx = torch.randint(0, 64, (2, 16), generator=torch.Generator().manual_seed(2))
+    assert torch.equal(grouped(idx), plain(idx))
 
 
 def test_generation_is_seeded():

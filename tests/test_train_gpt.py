@@ -123,7 +123,7 @@ def test_a_model_that_does_not_learn_fails_loss_decreased(tmp_path, capsys):
         ),
         (
             ["--strategy", "tp", "--n_head", "2", "--expected_world_size", "4"],
-            "--n_head 2 is not divisible by --tp 4: each rank must hold whole heads",
+            "--n_head 2 must be divisible by --tp 4: each rank must hold whole heads",
         ),
         (
             ["--dp_shard", "3", "--tp", "2", "--expected_world_size", "4"],
@@ -167,7 +167,17 @@ def test_a_model_that_does_not_learn_fails_loss_decreased(tmp_path, capsys):
             ["--pp", "2", "--dp_shard", "2", "--mixed_precision", "bf16", "--expected_world_size", "4"],
             "--mixed_precision bf16 with --pp and --dp_shard: not built",
         ),
+        (["--cp", "2", "--compile", "--expected_world_size", "2"], "--compile with --cp: not built"),
         (["--vocab_size", "100"], "--vocab_size must be >= 260"),
+        (["--n_kv_head", "3"], "--n_kv_head 3 must divide --n_head 2"),
+        (
+            ["--d_model", "30", "--n_head", "2", "--positions", "rope"],
+            "head width --d_model / --n_head = 15 must",
+        ),
+        (
+            ["--n_head", "4", "--n_kv_head", "2", "--tp", "4", "--expected_world_size", "4"],
+            "--n_head 4 and --n_kv_head 2 must be divisible by --tp 4",
+        ),
         (["--profile_steps", "6"], "--profile_steps 6: must be 0 (off) or 1..5 with --max_steps 12"),
     ],
 )
