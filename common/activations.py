@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextvars
 
 import torch
+from torch._subclasses.fake_tensor import FakeTensor
 from torch.distributed._functional_collectives import AsyncCollectiveTensor
 from torch.distributed.tensor import DTensor
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -72,7 +73,9 @@ class SavedActivations:
         ):  # a collective's output not yet waited for: its own storage
             local = local.wait()
         storage = local.untyped_storage()
-        self.storages[storage.data_ptr()] = storage.nbytes()
+        # a fake tensor (experiments/at_scale.py) has no data pointer: its storage's own identity instead
+        key = storage._cdata if isinstance(local, FakeTensor) else storage.data_ptr()
+        self.storages[key] = storage.nbytes()
 
     @property
     def bytes(self) -> int:

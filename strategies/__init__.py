@@ -217,9 +217,6 @@ class ParallelArgs(
         require(not (ac == "full" and self.sequence_parallel),
                 "--sequence_parallel with --activation_checkpointing full: not built (its recompute would gather "
                 "the sequence again); use selective")  # fmt: skip
-        require(not (work.mixed_precision == "bf16" and layout.pp > 1 and layout.shard_dims),
-                "--mixed_precision bf16 with --pp and --dp_shard: not built (FSDP2's bf16 copies would make the "
-                "stages send bf16 activations)")  # fmt: skip
         variant = self.wrong_variant
         require(not variant or is_a_mistake_under(variant, layout, stage),
                 f"--wrong_variant {variant} changes nothing under {layout.describe()}"

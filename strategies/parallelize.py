@@ -26,6 +26,7 @@ import math
 import warnings
 
 import torch
+import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 from common.checkpoint import ShardedCheckpointer
@@ -201,10 +202,15 @@ def parallelize(
         from strategies import deepspeed
 
         return deepspeed.parallelize(gpt, layout, args, work, accelerator, make_optimizer, max_norm)
-    rank, device = accelerator.process_index, accelerator.device
-    gpt.to(device)
+    # the rank in the process group the mesh is made of: Accelerate's process_index in a launch, the rank a fake
+    # process group impersonates in experiments/at_scale.py
+    rank, device = dist.get_rank() if dist.is_initialized() else 0, accelerator.device
+    if next(gpt.parameters()).device.type not in (device.type, "meta"):  # meta: made real later (at_scale.py)
+        gpt.to(device)
     mesh = layout.mesh(device.type) if layout.world_size > 1 else None
-    pipeline = pp.Pipeline(gpt, layout, rank, args) if layout.pp > 1 else None
+    pipeline = (
+        pp.Pipeline(gpt, layout, rank, args, pp.activation_dtype(layout, work)) if layout.pp > 1 else None
+    )
     stages = list(pipeline.stages) if pipeline else [gpt]
     attentions = []
     for index, stage in enumerate(stages):
@@ -218,7 +224,9 @@ def parallelize(
         if layout.shard_dims:
             shard.apply(stage, fsdp_mesh(mesh, layout), args, layout, work)
         elif layout.replicate_dims:
-            whole_world = layout.size(layout.replicate_dims) == layout.world_size
+            # every rank of an Accelerate launch a replica: Accelerate's DDP (a fake world of experiments/at_scale.py,
+            # which Accelerate did not launch: PyTorch's replicate on the mesh)
+            whole_world = layout.size(layout.replicate_dims) == layout.world_size == accelerator.num_processes
             stages[index] = replicate.apply(
                 stage, submesh(mesh, layout.replicate_dims), accelerator, whole_world
             )
@@ -275,37 +283,54 @@ def held_bytes(model, layout: Layout, rank: int, args, work: Workload) -> dict:
     its gradient the same, AdamW's two moments the same plus a 4-byte step count per tensor; between forward and
     backward the gathered pieces of what FSDP keeps gathered (a pipeline's forward is its whole step: as at
     rest). `model` is the undistributed GPT (float32)."""
-    gathered_bytes = 2 if work.mixed_precision == "bf16" and layout.shard_dims else 4
     pieces = held_pieces(model, layout, rank, args)
-    params = window = 0
-    for name, shape in pieces:
-        at_rest = math.prod(shard.local_shape(shape, layout, rank)) * 4
-        params += at_rest
-        gathered = shard.gathered_between_forward_and_backward(name, args, layout)
-        window += math.prod(shape) * gathered_bytes if gathered and layout.shard_dims else at_rest
+    params = sum(math.prod(shard.local_shape(shape, layout, rank)) * 4 for _, shape in pieces)
     return {
         "params": params,
         "grads": params,
         "optimizer": 2 * params + 4 * len(pieces),
-        "params_between_forward_and_backward": params if layout.pp > 1 else window,
+        "params_between_forward_and_backward": params
+        if layout.pp > 1
+        else gathered_bytes(model, layout, rank, args, work),  # fmt: skip
     }
 
 
-def sent_bytes(model, layout: Layout, rank: int, args, work: Workload) -> dict:
-    """Rank `rank`'s bytes of one step's forwards and backwards, by kind (what common/comm_counter.py counts:
-    each call's whole tensor) and by the dimension that sends them, and what it puts on the wire."""
+def gathered_bytes(model, layout: Layout, rank: int, args, work: Workload) -> int:
+    """Parameter bytes a rank holds between a micro-batch's forward and its backward: FSDP's gathered copies of
+    what it keeps gathered (at the gathered precision: bf16 copies under --mixed_precision bf16), the rest at
+    rest. (Under a pipeline, while its micro-batches run: experiments/at_scale.py sees inside the step.)"""
+    gathered_element = 2 if work.mixed_precision == "bf16" and layout.shard_dims else 4
+    total = 0
+    for name, shape in held_pieces(model, layout, rank, args):
+        gathered = layout.shard_dims and shard.gathered_between_forward_and_backward(name, args, layout)
+        total += (
+            math.prod(shape) * gathered_element
+            if gathered
+            else math.prod(shard.local_shape(shape, layout, rank)) * 4
+        )
+    return total
+
+
+def sent_traffic(model, layout: Layout, rank: int, args, work: Workload) -> list:
+    """Rank `rank`'s collectives of one step's forwards and backwards, each piece's (strategies.layout.Traffic)."""
     holding = pp.holding(layout, rank, args, model.cfg.n_layer, model.cfg.tie_weights)
     pieces = held_pieces(model, layout, rank, args)
     blocks = len(holding.blocks)
     recomputed = blocks if args.activation_checkpointing == "full" else 0
     tied = tp.local_shape("tok_emb.weight", model.tok_emb.weight.shape, layout, rank)
-    traffic = [
+    return [
         *tp.sent(layout, args, work, blocks, holding.first, holding.last, recomputed),
         *cp.sent(layout, work, blocks),
         *pp.sent(layout, rank, args, work, math.prod(shard.local_shape(tied, layout, rank)) * 4),
         *shard.sent(layout, args, work, pieces),
         *replicate.sent(layout, pieces),
     ]
+
+
+def sent_bytes(model, layout: Layout, rank: int, args, work: Workload) -> dict:
+    """Rank `rank`'s bytes of one step's forwards and backwards, by kind (what common/comm_counter.py counts:
+    each call's whole tensor) and by the dimension that sends them, and what it puts on the wire."""
+    traffic = sent_traffic(model, layout, rank, args, work)
     by_kind, by_dimension = {}, {}
     for t in traffic:
         by_kind[t.kind] = by_kind.get(t.kind, 0) + t.bytes

@@ -22,9 +22,9 @@ under the embedding's name (`aliases`), so any layout resumes it.
 
 Theory per rank: it holds its stages' parameters (and the tied copy). Per step, across each boundary between
 one of its stages and another rank's: m activations (micro-batch rows x its tokens x width, float32: the
-residual stream) one way and m gradients of them the other; the loss (4 bytes) broadcast from the last stage
-for the log; the tied gradient (its piece of vocab x width) all-reduced between the ends. Bubble, the share of
-a step a rank waits: (p - 1) / (m + p - 1) for gpipe and 1f1b, (p - 1) / (v m + p - 1) interleaved over v
+residual stream; bf16 under FSDP's bf16 policy) one way and m gradients of them the other; the loss (4
+bytes) broadcast from the last stage for the log; the tied gradient (its piece of vocab x width) all-reduced
+between the ends. Bubble, the share of a step a rank waits: (p - 1) / (m + p - 1) for gpipe and 1f1b, (p - 1) / (v m + p - 1) interleaved over v
 stages per rank (Narayanan et al. 2021), 0 for zbv with m >= 2p when forward, input-backward and
 weight-backward take equal time (Qi et al. 2024); measured per schedule by `report`.
 """
@@ -125,8 +125,11 @@ class Pipeline:
     under the GPT's names), for its optimizer, checkpoints and bytes; `stages`: one GPT per stage it holds
     (the same modules), what the schedule runs and the other dimensions are applied to."""
 
-    def __init__(self, gpt: GPT, layout: Layout, rank: int, args):
+    def __init__(self, gpt: GPT, layout: Layout, rank: int, args, sent_dtype: torch.dtype = torch.float32):
         self.p, self.schedule_name, self.microbatches = layout.pp, args.pp_schedule, args.pp_microbatches
+        self.sent_dtype = (
+            sent_dtype  # the residual stream's: bf16 under FSDP's bf16 policy (`activation_dtype`)
+        )
         self.pp_rank = layout.coordinate(rank, "pp")
         self.stage_ids = stages_of(self.pp_rank, self.p, self.schedule_name)
         self.n_stages = self.p * len(self.stage_ids)
@@ -239,7 +242,7 @@ class Pipeline:
             stage = self.stages[self.stage_ids.index(s)]
             if s and self.holder(s - 1) != self.pp_rank:
                 width = self.model.cfg.d_model
-                activation = torch.empty(*x.shape, width, device=x.device)
+                activation = torch.empty(*x.shape, width, device=x.device, dtype=self.sent_dtype)
                 dist.recv(activation, group=group, group_src=self.holder(s - 1))
             output = stage(x if s == 0 else activation)
             if s == self.n_stages - 1:
@@ -335,6 +338,12 @@ def holding(layout: Layout, rank: int, args, n_layer: int, tied: bool) -> Holdin
     return Holding(blocks, 0 in stage_ids, last, tied and last)
 
 
+def activation_dtype(layout: Layout, work: Workload) -> torch.dtype:
+    """What the stages send: the residual stream, float32 under autocast (a matmul's bf16 output added to a
+    float32 stream stays float32), bf16 under FSDP's bf16 policy (the embedding's bf16 copy starts it so)."""
+    return torch.bfloat16 if work.mixed_precision == "bf16" and layout.shard_dims else torch.float32
+
+
 def sent(layout: Layout, rank: int, args, work: Workload, tied_piece_bytes: int) -> list[Traffic]:
     """Rank `rank`'s point-to-point bytes of one step: activations and their gradients across each of its stages'
     boundaries with another rank (m each way); the loss's broadcast; the tied gradient's all-reduce
@@ -345,7 +354,8 @@ def sent(layout: Layout, rank: int, args, work: Workload, tied_piece_bytes: int)
     pp_rank = layout.coordinate(rank, "pp")
     stage_ids = stages_of(pp_rank, p, schedule)
     n_stages = p * len(stage_ids)
-    activation = (work.rows // m) * (work.tokens // work.rows // layout.cp) * work.model.d_model * 4
+    element = torch.finfo(activation_dtype(layout, work)).bits // 8
+    activation = (work.rows // m) * (work.tokens // work.rows // layout.cp) * work.model.d_model * element
     boundaries = sum(
         (s > 0 and holder(s - 1, p, schedule) != pp_rank)
         + (s < n_stages - 1 and holder(s + 1, p, schedule) != pp_rank)

@@ -10,7 +10,8 @@ Two engines, one piece:
   DistributedDataParallel (gloo on CPU, NCCL on GPU), gradients all-reduced in buckets while backward still
   runs; with accumulation Accelerate's accumulate() skips the all-reduce (no_sync) on all but the last
   micro-batch of a step. The front door: what `accelerate launch` users get.
-- replicas of a piece (a pipeline stage, a tensor-parallel shard): PyTorch's `replicate` (FSDP2's machinery
+- replicas of a piece (a pipeline stage, a tensor-parallel shard), or of a world Accelerate did not launch (the
+  fake process group of experiments/at_scale.py): PyTorch's `replicate` (FSDP2's machinery
   without sharding): DDP takes neither DTensor parameters nor a group inside a larger mesh, which torchtitan
   refuses ("DDP has not supported > 1D parallelism"); replicate does both, and pipelining's schedules
   reduce its gradients once per step. The whole piece is one unit: one all-reduce per step.

@@ -18,21 +18,25 @@ their gradients come out equal everywhere. The sharded weights come from rank 0 
 must build the same model (seed_per_rank shows what happens otherwise).
 
 Why PyTorch's API: Accelerate's TP path needs a transformers model (FIELD_NOTES). Refused: heads that do
-not divide the degree (each rank must hold whole heads), bf16 (not built for TP here).
+not divide the degree (each rank must hold whole heads).
 
 --sequence_parallel (Megatron's sequence parallelism): between the sub-layers each rank holds 1/N of the
 tokens (the LayerNorms, the residual stream: SequenceParallel on a Shard(1) DTensor); entering attention or
 the MLP the sequence is all-gathered, and the row-parallel outputs are reduce-scattered back to their
 tokens' owners instead of all-reduced: the same bytes on the wire (an all-reduce is a reduce-scatter plus
 an all-gather), the activations between the sub-layers 1/N. The LayerNorm weights' gradients then come out
-as partial sums (each rank's own tokens): clipping sums them first (common/optim.py).
+as partial sums (each rank's own tokens): clipping sums them first (common/optim.py); under FSDP (or
+replicate) FSDP all-reduces them over tp, once per step, before its own reduction.
 
 Theory per step of a rank holding L blocks (its pipeline stage's, or all), t tokens per micro-batch (its
 share of the batch and, under context parallelism, of the sequence), width d, k micro-batches: all-reduce
 the activations (t d x 4 bytes) 4 L times per micro-batch (2 per block in forward, 2 in backward), once
 more for the embedding's output if it holds the embedding and once for the head's input gradient if it
 holds the head; all-gather the logits (t x the vocabulary padded to a multiple of N, x 4 bytes) if it holds
-the head.
+the head. Under --mixed_precision bf16 each tensor in its own dtype: with autocast alone (no dp_shard) the
+matmuls' outputs are bf16 (the row-parallel outputs, the logits, their gradients) while the residual stream
+stays float32 (the embedding's output, the norms' outputs and their gradients); under FSDP's bf16 policy
+(dp_shard) the parameters are bf16 copies and everything sent is bf16.
 """
 
 from __future__ import annotations
@@ -93,9 +97,6 @@ def refuse(args, layout: Layout, work: Workload) -> None:
     )
     require(work.model.n_head % layout.tp == 0 and work.model.kv_heads % layout.tp == 0,
             f"{heads} must be divisible by --tp {layout.tp}: each rank must hold whole heads")  # fmt: skip
-    require(
-        work.mixed_precision == "no", f"--mixed_precision {work.mixed_precision} with --tp: not built; use no"
-    )
     require(not args.sequence_parallel or (layout.pp == 1 and layout.cp == 1),
             "--sequence_parallel with --pp or --cp: not built (a stage would send, and context parallelism would "
             "gather, a sequence already split over the tensor-parallel ranks)")  # fmt: skip
@@ -214,20 +215,33 @@ def sent(
     if layout.tp == 1:
         return []
     k, tokens = work.micro_batches, work.tokens // layout.cp
-    activation = k * tokens * work.model.d_model * 4
-    logits = k * tokens * math.ceil(work.model.vocab_size / layout.tp) * layout.tp * 4 if heads else 0
+    bf16 = work.mixed_precision == "bf16"
+    matmul_out = (
+        2 if bf16 else 4
+    )  # a row-parallel output, the logits, and their gradients (the module docstring)
+    stream = 2 if bf16 and layout.shard_dims else 4  # the residual stream, a norm's output, their gradients
+    activation = k * tokens * work.model.d_model
+    logits = (
+        k * tokens * math.ceil(work.model.vocab_size / layout.tp) * layout.tp * matmul_out if heads else 0
+    )
     if args.sequence_parallel:
         # every sub-layer's all-reduce becomes its input's all-gather (forward; its reduce-scatter in backward)
         # and its output's reduce-scatter (forward; its all-gather in backward); the head's input is gathered,
         # and the block-0 slice of the embeddings' sum gathers its gradient back
+        # the norms' weight gradients come out as partial sums (each rank's own tokens): FSDP (or replicate)
+        # all-reduces them over tp before its own reduction, once per step, in the gathered precision
+        norms = (2 * blocks + heads) * work.model.d_model * (1 if work.model.norm == "rmsnorm" else 2)
+        fsdp = bool(layout.shard_dims or layout.replicate_dims)
         sizes = {
-            "all_reduce": activation * embeds,  # the embedding's output, as without SP
-            "all_gather": (4 * blocks + embeds + heads) * activation + logits,
-            "reduce_scatter": (4 * blocks + heads) * activation,
+            "all_reduce": activation * embeds * stream + fsdp * norms * stream,  # and the embedding's output
+            "all_gather": (2 * blocks * (stream + matmul_out) + (embeds + heads) * stream) * activation
+            + logits,
+            "reduce_scatter": (2 * blocks * (matmul_out + stream) + heads * stream) * activation,
         }
-    else:
+    else:  # forward: the row-parallel outputs (again in a recompute); backward: the inputs' gradients
+        forward, backward = (2 * blocks + recomputed_blocks) * matmul_out, 2 * blocks * stream
         sizes = {
-            "all_reduce": (4 * blocks + embeds + heads + recomputed_blocks) * activation,
+            "all_reduce": (forward + backward + (embeds + heads) * stream) * activation,
             "all_gather": logits,
         }
     return [Traffic(kind, size, layout.tp, "tp") for kind, size in sizes.items() if size]

@@ -110,3 +110,23 @@ def test_a_llama_shaped_model_passes_every_check_under_composed_layouts(tmp_path
     assert set(summary["checks"]) == GPT_DISTRIBUTED_CHECKS
     assert summary["checks"]["matches_single_process"]["passed"]
     assert {dim: n for dim, n in summary["metrics"]["layout"].items() if n > 1} == dict.fromkeys(degrees, 2)
+
+
+@pytest.mark.launch
+@pytest.mark.parametrize(
+    "degrees",
+    [["--dp_shard", "2", "--tp", "2", "--sequence_parallel"], ["--pp", "2", "--dp_shard", "2"]],
+    ids=["dp_shard_x_tp_sp", "pp_x_dp_shard"],
+)
+def test_bf16_under_composed_layouts_sends_each_tensor_in_its_own_dtype(tmp_path, degrees):
+    # FSDP's bf16 policy makes everything tp and pp send bf16 (the residual stream too), and FSDP all-reduces
+    # sequence parallelism's partial norm gradients over tp: the communication check holds it to the byte
+    args = [*LAYOUT_TINY, "--mixed_precision", "bf16", "--parity_steps_bf16", "4", *degrees]
+    summary = assert_gpt_passed(fork_launch(main, args, tmp_path / "run", num_processes=4), 4)
+    assert summary["checks"]["matches_single_process"]["passed"]
+    assert summary["checks"]["communication_volume"]["passed"]
+    counted = summary["metrics"]["communication"]["counted"]["bytes"]
+    if "--tp" in degrees:  # the embedding's output (4 x 32 tokens x 32) and the 9 LayerNorms' weights and biases
+        assert counted["all_reduce"] == 4 * 32 * 32 * 2 + 9 * 2 * 32 * 2
+    else:  # a micro-batch of 1 row x 32 tokens x 32 wide, in bf16, 4 times each way
+        assert counted["send"] == counted["recv"] == 4 * 32 * 32 * 2
