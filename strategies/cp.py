@@ -59,7 +59,6 @@ def refuse(args, layout: Layout, work: Workload) -> None:
     chunks = 2 * layout.cp
     require(work.model.block_size % chunks == 0, f"--block_size {work.model.block_size} with --cp {layout.cp}: the "
             f"sequence is cut into {chunks} equal chunks, so it must be a multiple of {chunks}")  # fmt: skip
-    require(work.mixed_precision == "no", "--mixed_precision bf16 with --cp: not built")
 
 
 def chunks_of(cp_rank: int, cp: int, balanced: bool) -> list[int]:
@@ -92,7 +91,10 @@ class ChunkedAttention(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q, k, v, plan, without_lse):
-        out, lse = torch.empty_like(q), q.new_empty(q.shape[:-1])
+        out, lse = (
+            torch.empty_like(q),
+            q.new_empty(q.shape[:-1], dtype=torch.float32),
+        )  # the kernel's lse: float32
         for rows, keys in plan:
             partial = [flash(q[:, :, rows], k[:, :, cols], v[:, :, cols], causal) for cols, causal in keys]
             out[:, :, rows], lse[:, :, rows] = merge(partial, without_lse)
@@ -200,7 +202,8 @@ def sent(layout: Layout, work: Workload, blocks: int) -> list[Traffic]:
     if layout.cp == 1:
         return []
     kv_width = work.model.kv_heads * (work.model.d_model // work.model.n_head)
-    whole = work.micro_batches * work.tokens * kv_width // layout.tp * 4
+    element = 2 if work.mixed_precision == "bf16" else 4  # K and V: matmul outputs, bf16 under either bf16
+    whole = work.micro_batches * work.tokens * kv_width // layout.tp * element
     return [Traffic(kind, 2 * blocks * whole, layout.cp, "cp") for kind in ("all_gather", "reduce_scatter")]
 
 

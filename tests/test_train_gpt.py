@@ -159,7 +159,6 @@ def test_a_model_that_does_not_learn_fails_loss_decreased(tmp_path, capsys):
             ["--cp", "3", "--expected_world_size", "3"],
             "--block_size 32 with --cp 3: the sequence is cut into 6",
         ),
-        (["--cp", "2", "--mixed_precision", "bf16", "--expected_world_size", "2"], "--mixed_precision bf16 with --cp"),
         (["--cp", "2", "--compile", "--expected_world_size", "2"], "--compile with --cp: not built"),
         (["--vocab_size", "100"], "--vocab_size must be >= 260"),
         (["--n_kv_head", "3"], "--n_kv_head 3 must divide --n_head 2"),

@@ -115,8 +115,12 @@ def test_a_llama_shaped_model_passes_every_check_under_composed_layouts(tmp_path
 @pytest.mark.launch
 @pytest.mark.parametrize(
     "degrees",
-    [["--dp_shard", "2", "--tp", "2", "--sequence_parallel"], ["--pp", "2", "--dp_shard", "2"]],
-    ids=["dp_shard_x_tp_sp", "pp_x_dp_shard"],
+    [
+        ["--dp_shard", "2", "--tp", "2", "--sequence_parallel"],
+        ["--pp", "2", "--dp_shard", "2"],
+        ["--dp_shard", "2", "--cp", "2"],
+    ],
+    ids=["dp_shard_x_tp_sp", "pp_x_dp_shard", "dp_shard_x_cp"],
 )
 def test_bf16_under_composed_layouts_sends_each_tensor_in_its_own_dtype(tmp_path, degrees):
     # FSDP's bf16 policy makes everything tp and pp send bf16 (the residual stream too), and FSDP all-reduces
@@ -126,7 +130,11 @@ def test_bf16_under_composed_layouts_sends_each_tensor_in_its_own_dtype(tmp_path
     assert summary["checks"]["matches_single_process"]["passed"]
     assert summary["checks"]["communication_volume"]["passed"]
     counted = summary["metrics"]["communication"]["counted"]["bytes"]
-    if "--tp" in degrees:  # the embedding's output (4 x 32 tokens x 32) and the 9 LayerNorms' weights and biases
+    if (
+        "--tp" in degrees
+    ):  # the embedding's output (4 x 32 tokens x 32) and the 9 LayerNorms' weights and biases
         assert counted["all_reduce"] == 4 * 32 * 32 * 2 + 9 * 2 * 32 * 2
-    else:  # a micro-batch of 1 row x 32 tokens x 32 wide, in bf16, 4 times each way
+    elif "--pp" in degrees:  # a micro-batch of 1 row x 32 tokens x 32 wide, in bf16, 4 times each way
         assert counted["send"] == counted["recv"] == 4 * 32 * 32 * 2
+    else:  # each of 4 blocks gathers K and V of the 4 x 32 tokens x 32 wide, bf16, and FSDP its gathered copies
+        assert counted["all_gather"] > 4 * 2 * 4 * 32 * 32 * 2
