@@ -24,9 +24,10 @@ Theory per rank: it holds its stages' parameters (and the tied copy). Per step, 
 one of its stages and another rank's: m activations (micro-batch rows x its tokens x width, float32: the
 residual stream; bf16 under FSDP's bf16 policy) one way and m gradients of them the other; the loss (4
 bytes) broadcast from the last stage for the log; the tied gradient (its piece of vocab x width) all-reduced
-between the ends. Bubble, the share of a step a rank waits: (p - 1) / (m + p - 1) for gpipe and 1f1b, (p - 1) / (v m + p - 1) interleaved over v
-stages per rank (Narayanan et al. 2021), 0 for zbv with m >= 2p when forward, input-backward and
-weight-backward take equal time (Qi et al. 2024); measured per schedule by `report`.
+between the ends. Bubble, the share of a step a rank waits: (p - 1) / (m + p - 1) for gpipe and 1f1b,
+(p - 1) / (v m + p - 1) interleaved over v stages per rank (Narayanan et al. 2021), 0 for zbv with m >= 2p
+when forward, input-backward and weight-backward take equal time (Qi et al. 2024); measured per schedule by
+`report`.
 """
 
 from __future__ import annotations
