@@ -150,8 +150,8 @@ class ContextParallelAttention:
 
     def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         # (batch, heads, local tokens, head_dim); the local tokens are this rank's chunks, in order
-        k_all = funcol.all_gather_tensor_autograd(k.contiguous(), gather_dim=2, group=self.group)
-        v_all = funcol.all_gather_tensor_autograd(v.contiguous(), gather_dim=2, group=self.group)
+        k_all = funcol.all_gather_single_autograd(k.contiguous(), gather_dim=2, group=self.group)
+        v_all = funcol.all_gather_single_autograd(v.contiguous(), gather_dim=2, group=self.group)
         started = time.perf_counter()
         plan = plan_for(self.mine, self.holders, q.shape[2] // 2, self.mask_not_shifted)
         k_all, v_all = (

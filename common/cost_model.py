@@ -1,0 +1,340 @@
+"""A step-time predictor for any layout on any hardware profile (common/hardware.yaml): a roofline per op and an
+alpha-beta time per collective, put together under overlap assumptions written out below. It is a PREDICTION,
+labelled as one wherever it is shown, and set beside published runs (docs/at_scale.md) and beside the runs
+this machine really measures (benchmarks/at_scale_calibration.py).
+
+Per micro-batch, on each pipeline stage (the slowest sets the pace):
+  compute      every op of the stage's blocks (and the embedding, the head and the loss on the end stages),
+               each max(FLOPs / peak, bytes / memory bandwidth): the matmuls (their FLOPs 2 m k n; bytes: the
+               operands and the output), attention's two matmuls (causal: half of 4 T^2 d per sequence, as a
+               flash kernel skips the masked half), and the memory-bound rest (norms, residual adds, the MLP's
+               activation, rope) as so many reads and writes of the activations. Backward: twice the forward
+               (weights' and inputs' gradients); full activation checkpointing runs the forward again.
+  exposed      tensor parallelism's, context parallelism's and the pipeline's sends: on the critical path
+               (Megatron's TP waits for each all-reduce; our CP gathers K and V before attention).
+Per step:
+  pipeline     (m + p - 1) micro-batch times of the slowest stage (GPipe and 1F1B: p - 1 of them the bubble;
+               Narayanan et al. 2021), m micro-batches when p = 1;
+  data-parallel  FSDP's all-gathers and reduce-scatters and the replicas' all-reduces, overlapped with the
+               step's compute where the hardware overlaps (NCCL streams): only what exceeds the compute is
+               exposed; on hardware that does not (gloo on CPU), all of it;
+  optimizer    AdamW, memory-bound: each parameter held reads its value, gradient and two moments and writes
+               three of them back (28 bytes per float32 parameter).
+Each collective: latency x its ring steps + bytes x the nccl-tests bus factor / the link's bandwidth, over the
+link its group spans: ranks are numbered tp fastest (strategies/layout.py), a node holds gpus_per_node
+consecutive ranks, so a group whose ranks fit in one node uses the intra-node link. A profile measured on its
+own collectives (this_machine: gloo's alpha-beta fit per kind on 2 ranks) uses its fit per call instead.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from pathlib import Path
+
+from common.comm_counter import bus_factor
+from common.config import require
+from strategies.layout import DIMS, Layout, Workload
+
+PROFILES = Path(__file__).with_name("hardware.yaml")
+# reads and writes of the activation per token, per block, in units of d (the rest of the block's ops): two
+# norms (read, write: 4), two residual adds (two reads, one write: 6), rope on q and k (2 reads and writes of
+# q and k: counted on d); and of the MLP's hidden width: the activation (GELU: 2; SwiGLU: silu 2 + product 3)
+ELEMENTWISE_D = 12
+ELEMENTWISE_HIDDEN = {"gelu": 2, "swiglu": 5}
+ADAMW_BYTES_PER_PARAMETER = 28
+
+
+@dataclass(frozen=True)
+class Link:
+    bandwidth: float  # bytes/s one way
+    latency: float  # s per message step
+
+
+@dataclass(frozen=True)
+class Hardware:
+    name: str
+    description: str
+    peak_flops: dict  # precision -> FLOP/s
+    memory_bytes: float
+    memory_bandwidth: float
+    gpus_per_node: int
+    intra_node: Link
+    inter_node: Link
+    overlaps_communication: bool
+    fitted: dict | None = (
+        None  # kind -> Link measured for a whole call (this_machine): latency + bytes / bandwidth
+    )
+
+
+def load_hardware(name: str) -> Hardware:
+    import yaml
+
+    profiles = yaml.safe_load(PROFILES.read_text())
+    require(name in profiles, f"--hardware {name!r} is not a profile in common/hardware.yaml; known: "
+            f"{', '.join(profiles)}")  # fmt: skip
+    return hardware_from(name, profiles[name])
+
+
+def hardware_from(name: str, p: dict) -> Hardware:
+    """A profile's YAML mapping as a Hardware (units: TFLOP/s, GB, GB/s, us)."""
+    link = lambda spec: Link(spec["bandwidth_gbps"] * 1e9, spec["latency_us"] * 1e-6)  # noqa: E731
+    fitted = {kind: link(spec) for kind, spec in p["fitted"].items()} if p.get("fitted") else None
+    return Hardware(name, p["description"], {k: v * 1e12 for k, v in p["peak_tflops"].items()}, p["memory_gb"] * 2**30,
+                    p["memory_bandwidth_gbps"] * 1e9, p["gpus_per_node"], link(p["intra_node"]),
+                    link(p["inter_node"]), p["overlaps_communication"], fitted)  # fmt: skip
+
+
+def hardware_names() -> list[str]:
+    import yaml
+
+    return list(yaml.safe_load(PROFILES.read_text()))
+
+
+# ------------------------------------------------------------------------------------------------ compute
+def op_seconds(flops: float, bytes_moved: float, hw: Hardware, precision: str) -> float:
+    """The roofline: an op takes the longer of its FLOPs at peak and its bytes at the memory bandwidth."""
+    return max(flops / hw.peak_flops[precision], bytes_moved / hw.memory_bandwidth)
+
+
+def matmul_seconds(m: int, k: int, n: int, element: int, hw: Hardware, precision: str) -> float:
+    return op_seconds(2 * m * k * n, element * (m * k + k * n + m * n), hw, precision)
+
+
+def block_forward_seconds(work: Workload, layout: Layout, args, hw: Hardware, tokens: int) -> float:
+    """One block's forward over this rank's `tokens` (micro-batch rows x its share of the sequence)."""
+    cfg, precision = work.model, "bf16" if work.mixed_precision == "bf16" else "fp32"
+    element, tp, d = (2 if precision == "bf16" else 4), layout.tp, cfg.d_model
+    kv = cfg.kv_heads * (d // cfg.n_head)
+    seconds = sum(matmul_seconds(tokens, k, n // tp if split_out else n, element, hw, precision)
+                  for k, n, split_out in ((d, d, True), (d, kv, True), (d, kv, True)))  # fmt: skip
+    seconds += matmul_seconds(tokens, d // tp, d, element, hw, precision)  # output projection (row-parallel)
+    up = 3 if cfg.mlp == "swiglu" else 2  # gate, up, down; or up, down
+    seconds += (up - 1) * matmul_seconds(tokens, d, cfg.hidden // tp, element, hw, precision)
+    seconds += matmul_seconds(tokens, cfg.hidden // tp, d, element, hw, precision)
+    # attention: each of this rank's query tokens against the sequence's keys up to it (half the sequence on
+    # average under the causal mask), QK^T and AV, 2 FLOPs per multiply-add
+    attention_flops = 2 * 2 * tokens * cfg.block_size / 2 * d / tp
+    seconds += op_seconds(attention_flops, element * 4 * tokens * d / tp, hw, precision)
+    sequence_split = tp if args.sequence_parallel else 1
+    rest = (
+        element
+        * tokens
+        * (ELEMENTWISE_D * d / sequence_split + ELEMENTWISE_HIDDEN[cfg.mlp] * cfg.hidden / tp)
+    )
+    return seconds + rest / hw.memory_bandwidth
+
+
+def ends_forward_seconds(
+    work: Workload, layout: Layout, hw: Hardware, tokens: int, first: bool, last: bool
+) -> float:
+    """The embedding (a gather: memory-bound) on the first stage; the head and the loss on the last."""
+    cfg, precision = work.model, "bf16" if work.mixed_precision == "bf16" else "fp32"
+    element = 2 if precision == "bf16" else 4
+    seconds = element * tokens * cfg.d_model / hw.memory_bandwidth if first else 0.0
+    if last:
+        vocab = math.ceil(cfg.vocab_size / layout.tp)
+        seconds += matmul_seconds(tokens, cfg.d_model, vocab, element, hw, precision)
+        seconds += 4 * 3 * tokens * vocab / hw.memory_bandwidth  # log-softmax and its gradient, float32
+    return seconds
+
+
+# ------------------------------------------------------------------------------------------------ memory
+def activation_bytes(work: Workload, layout: Layout, args, blocks: int, first: bool, last: bool) -> float:
+    """An ESTIMATE of the bytes one micro-batch's forward keeps for backward on a rank (experiments/at_scale.py
+    measures them and prints both), per block in the manner of Korthikanti et al. 2022's Table 2 but for this
+    GPT: t tokens on the rank, width d, MLP width h, n = tp, s = n under sequence parallelism (else 1), e the
+    activations' element size (bf16: 2), the stream's element float32 under autocast, bf16 under FSDP's policy:
+      norms     each its input (t d / s) and statistics, and its output (t d: the matmuls' input, gathered under
+                sequence parallelism); RMSNorm also x / rms (t d / s; with its float32 upcast under bf16)
+      attention q, k, v (k and v repeated for grouped-query attention) and its output (4 t d / n; one more
+                copy with rope or grouped heads), its log-sum-exp (heads / n x t, float32); no t^2 term: the
+                fused kernel keeps no attention matrix
+      MLP       GELU's input and output (2 t h / n); SwiGLU's gate, up, silu and product (4 t h / n)
+      autocast  the bf16 copies of each matmul's float32 input and of the block's weights (its cache)
+    Full checkpointing keeps each block's input alone; selective its input and its matmuls' outputs. The last
+    stage adds its final norm and the loss's float32 logits (t V, gathered)."""
+    cfg, tp = work.model, layout.tp
+    m = args.pp_microbatches if layout.pp > 1 else 1
+    t = (work.rows // m) * cfg.block_size // layout.cp
+    s = tp if args.sequence_parallel else 1
+    bf16 = work.mixed_precision == "bf16"
+    autocast = bf16 and not layout.shard_dims
+    e, stream_e = (2 if bf16 else 4), (2 if bf16 and layout.shard_dims else 4)
+    d, h, heads = cfg.d_model, cfg.hidden, cfg.n_head
+    stats = (1 if cfg.norm == "rmsnorm" else 2) * 4 * t / s
+    # RMSNorm keeps x / rms too, in float32 when the stream is bf16 (it computes in float32: its upcast as well)
+    rms = (t * d / s * (8 if stream_e == 2 else 4)) if cfg.norm == "rmsnorm" else 0
+    norm = t * d / s * stream_e + rms + stats + t * d * stream_e
+    extra_copy = cfg.positions == "rope" or cfg.kv_heads != cfg.n_head
+    attention = (4 + extra_copy) * t * d / tp * e + heads / tp * t * 4
+    mlp = (4 if cfg.mlp == "swiglu" else 2) * t * h / tp * e
+    casts = 0.0
+    if autocast:
+        from common.gpt import GPTConfig, parameter_count
+
+        one_block = parameter_count(GPTConfig(**{**cfg.__dict__, "n_layer": 1})) - parameter_count(
+            GPTConfig(**{**cfg.__dict__, "n_layer": 0})
+        )
+        casts = (3 + (2 if cfg.mlp == "swiglu" else 1)) * t * d * 2 + one_block / tp * 2
+    per_block = {
+        "none": 2 * norm + attention + mlp + casts,
+        "full": t * d / s * stream_e,
+        "selective": t * d / s * stream_e + (4 * t * d / tp + (mlp / e / 2)) * e + heads / tp * t * 4 + casts,
+    }[args.activation_checkpointing]
+    ends = (norm + t * cfg.vocab_size * 4) if last else 0.0
+    return blocks * per_block + ends
+
+
+def in_flight(schedule: str, pp_size: int, stage: int, m: int) -> int:
+    """Micro-batches whose activations a stage holds at once: 1F1B's p - s on stage s (at most m), GPipe's m."""
+    if pp_size == 1:
+        return 1
+    return m if schedule == "gpipe" else min(pp_size - stage, m)
+
+
+def memory_estimate(reference, layout: Layout, args, work: Workload, rank: int) -> dict:
+    """An ESTIMATE of a rank's bytes at its busiest moment (the first backward), from the theory: parameters,
+    AdamW's state, FSDP's gathered copies, the gradients (under a pipeline FSDP sums them unsharded in float32
+    over the micro-batches), and `activation_bytes` for each micro-batch in flight. experiments/at_scale.py
+    measures the same categories."""
+    from strategies import pp
+    from strategies.parallelize import gathered_bytes, held_bytes
+
+    held, gathered = (
+        held_bytes(reference, layout, rank, args, work),
+        gathered_bytes(reference, layout, rank, args, work),
+    )
+    holding = pp.holding(layout, rank, args, work.model.n_layer, work.model.tie_weights)
+    m = args.pp_microbatches if layout.pp > 1 else 1
+    flying = in_flight(args.pp_schedule, layout.pp, layout.coordinate(rank, "pp"), m)
+    activations = flying * activation_bytes(
+        work, layout, args, len(holding.blocks), holding.first, holding.last
+    )
+    gathered_element = 2 if work.mixed_precision == "bf16" and layout.shard_dims else 4
+    grads = gathered * 4 // gathered_element if layout.pp > 1 and layout.shard_dims else held["grads"]
+    if (
+        layout.pp > 1 and layout.tp > 1 and holding.first
+    ):  # the embedding's gradient comes back whole (tp.py's
+        grads += (
+            4 * work.model.vocab_size * work.model.d_model * (layout.tp - 1) // layout.tp
+        )  # align_gradients)
+    parts = {
+        "params": held["params"],
+        "gathered": max(0, gathered - held["params"]),
+        "optimizer": held["optimizer"],
+        "grads": grads,
+        "activations": activations,
+    }
+    return parts | {"peak": sum(parts.values()), "in_flight": flying}
+
+
+# ------------------------------------------------------------------------------------------ communication
+def link_of(layout: Layout, dims: tuple[str, ...], hw: Hardware) -> Link:
+    """The link a group over `dims` crosses: intra-node when its ranks (tp fastest) fit in one node."""
+    inner = [d for d in DIMS if DIMS.index(d) > max(DIMS.index(x) for x in dims)]
+    span = math.prod(getattr(layout, d) for d in inner) * layout.size(dims)
+    return hw.intra_node if span <= hw.gpus_per_node else hw.inter_node
+
+
+def ring_steps(kind: str, n: int) -> int:
+    return {"all_reduce": 2 * (n - 1), "all_gather": n - 1, "reduce_scatter": n - 1}.get(kind, 1)
+
+
+def collective_seconds(kind: str, size: float, ranks: int, link: Link, calls: int = 1) -> float:
+    """alpha-beta: calls x latency x ring steps + bytes x bus factor / bandwidth (nothing for what is received)."""
+    if kind == "recv" or ranks == 1 or not size:
+        return 0.0
+    return calls * link.latency * ring_steps(kind, ranks) + size * bus_factor(kind, ranks) / link.bandwidth
+
+
+DIMENSION_GROUP = {"tp": ("tp",), "cp": ("cp",), "pp": ("pp",), "dp_replicate": ("dp_replicate",)}
+
+
+def traffic_seconds(traffic, layout: Layout, hw: Hardware, calls: dict | None = None) -> dict:
+    """Seconds per dimension of one step's traffic (parallelize.sent_bytes' list); `calls` per kind (counted, if
+    known) spread over the dimensions in proportion to their bytes, else one message per kind and dimension."""
+    by_kind = {}
+    for t in traffic:
+        by_kind[t.kind] = by_kind.get(t.kind, 0) + t.bytes
+    seconds: dict[str, float] = {}
+    for t in traffic:
+        dims = DIMENSION_GROUP.get(t.by) or (layout.shard_dims or ("dp_shard",))
+        share = t.bytes / by_kind[t.kind] if by_kind[t.kind] else 0
+        n_calls = max(1, round((calls or {}).get(t.kind, 1) * share))
+        fit = (hw.fitted or {}).get(t.kind)
+        if fit:  # measured per call on this group size: latency + the message's bytes / the fitted bandwidth
+            spent = 0.0 if t.kind == "recv" else n_calls * fit.latency + t.bytes / fit.bandwidth
+        else:
+            spent = collective_seconds(t.kind, t.bytes, t.ranks, link_of(layout, dims, hw), n_calls)
+        seconds[t.by] = seconds.get(t.by, 0.0) + spent
+    return seconds
+
+
+# --------------------------------------------------------------------------------------------- the step
+def predict_step(
+    reference, layout: Layout, args, work: Workload, hw: Hardware, calls: dict | None = None
+) -> dict:
+    """The predicted seconds of one optimizer step, term by term (the module docstring), for the undistributed
+    GPT `reference` (its shapes; a meta-device model will do) under `layout`."""
+    from strategies import pp
+    from strategies.parallelize import held_pieces, sent_traffic
+
+    m = args.pp_microbatches if layout.pp > 1 else work.micro_batches
+    rows = work.rows // m if layout.pp > 1 else work.rows
+    tokens = rows * work.model.block_size // layout.cp
+    block = block_forward_seconds(work, layout, args, hw, tokens)
+    recompute = 1 if args.activation_checkpointing == "full" else 0
+    stages = []
+    for pp_rank in range(layout.pp):
+        rank = layout.rank_at(pp=pp_rank)
+        holding = pp.holding(layout, rank, args, work.model.n_layer, work.model.tie_weights)
+        forward = len(holding.blocks) * block + ends_forward_seconds(work, layout, hw, tokens, holding.first,
+                                                                     holding.last)  # fmt: skip
+        traffic = sent_traffic(reference, layout, rank, args, work)
+        comm = traffic_seconds(traffic, layout, hw, calls)
+        per_microbatch = {"compute": forward * (3 + recompute),
+                          **{dim: comm.get(dim, 0.0) / m for dim in ("tp", "cp", "pp")}}  # fmt: skip
+        data_parallel = sum(s for dim, s in comm.items() if dim not in ("tp", "cp", "pp"))
+        held = sum(math.prod(shape) for _, shape in held_pieces(reference, layout, rank, args))
+        shard = layout.size(layout.shard_dims) if layout.shard_dims else 1
+        stages.append((sum(per_microbatch.values()), per_microbatch, data_parallel, held / shard, rank))
+    slowest = max(stages, key=lambda s: s[0])
+    per_microbatch_s, terms, data_parallel_s, held_parameters, rank = slowest
+    pipeline_s = (m + layout.pp - 1) * per_microbatch_s
+    compute_s = m * terms["compute"]
+    exposed_dp_s = max(0.0, data_parallel_s - compute_s) if hw.overlaps_communication else data_parallel_s
+    optimizer_s = ADAMW_BYTES_PER_PARAMETER * held_parameters / hw.memory_bandwidth
+    step_s = pipeline_s + exposed_dp_s + optimizer_s
+    global_tokens = work.rows * layout.dp * work.micro_batches * work.model.block_size
+    return {
+        "step_s": step_s,
+        "terms_s": {
+            "compute": compute_s,
+            "tp": m * terms["tp"],
+            "cp": m * terms["cp"],
+            "pp_sends": m * terms["pp"],
+            "bubble": (layout.pp - 1) * per_microbatch_s,
+            "data_parallel_exposed": exposed_dp_s,
+            "data_parallel_total": data_parallel_s,
+            "optimizer": optimizer_s,
+        },
+        "slowest_rank": rank,
+        "tokens_per_s": global_tokens / step_s,
+        "global_tokens": global_tokens,
+    }
+
+
+def model_flops_per_token(cfg, recompute: bool = False) -> float:
+    """Model FLOPs per token trained: PaLM's convention (appendix B; nanoGPT's estimate_mfu), 6 N + 12 L T d for a
+    forward and a backward, N the parameters that multiply (not the position table, not an untied embedding's
+    lookup; the attention over the whole context). With `recompute`, Megatron-LM's (Narayanan et al. 2021,
+    eq. 3: 96 B s l h^2 (1 + s / 6h + V / 16 l h)), which counts the blocks' forward again, not the head's."""
+    from common.gpt import parameter_count
+
+    head = cfg.vocab_size * cfg.d_model
+    n = parameter_count(cfg) - (cfg.block_size * cfg.d_model if cfg.positions == "learned" else 0)
+    n -= 0 if cfg.tie_weights else head  # the token embedding is a lookup; its matmul is the head's
+    attention = 4 * cfg.n_layer * cfg.block_size * cfg.d_model  # a forward's QK^T and AV per token
+    flops = 3 * (2 * n + attention)
+    return flops + (2 * (n - head) + attention if recompute else 0)

@@ -1,0 +1,176 @@
+"""experiments/at_scale.py: a layout run at its world size on a fake process group and fake tensors, each rank that
+differs in a worker of its own. Small worlds in the fast tier; a thousand ranks and the check that bites in the
+launch tier. And the pieces it is made of: the schedule's order, the ranks it picks, the cost model, the
+published shapes."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from common.cost_model import (
+    activation_bytes,
+    collective_seconds,
+    link_of,
+    load_hardware,
+    model_flops_per_token,
+    predict_step,
+)
+from common.gpt import GPT, GPTConfig, parameter_count
+from common.published import MODELS, PUBLISHED_RUNS
+from experiments.at_scale import Config, main, ranks_that_differ, schedule_order
+from helpers import run_in_process, run_main_in_process
+from strategies.layout import Layout, Workload
+
+TINY = ("--report_to none --model custom --n_layer 4 --d_model 64 --n_head 4 --vocab_size 512 "
+        "--block_size 64").split()  # fmt: skip
+
+
+def test_a_3d_layout_runs_its_ranks_that_differ_and_every_byte_matches_the_theory(tmp_path, capsys):
+    args = [
+        *TINY,
+        "--world_size",
+        "8",
+        "--pp",
+        "2",
+        "--dp_shard",
+        "2",
+        "--tp",
+        "2",
+        "--per_rank_batch_size",
+        "4",
+    ]
+    finished = run_in_process(main, args, tmp_path / "run", capsys)
+    assert finished.returncode == 0, finished.stderr[-2000:]
+    summary = json.loads((tmp_path / "run" / "summary.json").read_text())
+    assert summary["passed"] and summary["checks"]["memory_per_rank"]["passed"]
+    assert summary["checks"]["communication_volume"]["passed"]
+    ranks = {r["rank"]: r for r in summary["metrics"]["ranks"]}
+    assert list(ranks) == [0, 4]  # the first rank of each stage; the world's last (7) holds what rank 4 holds
+    # 1F1B with 4 micro-batches on 2 stages: stage 0 has 2 forwards in flight before its first backward, stage 1 one
+    assert ranks[0]["in_flight"] == 2 and ranks[4]["in_flight"] == 1
+    assert ranks[0]["activations_peak"] == 2 * ranks[0]["activations_per_microbatch"]
+    # each held and sent what its theory says (the checks), and something of every kind it should
+    for r in ranks.values():
+        assert r["held"] == r["theory"] and r["held"]["params"] > 0
+        assert set(r["counted"]["bytes"]) == {"all_gather", "reduce_scatter", "all_reduce"}
+    assert "PREDICTED on h100_sxm (bf16)" in finished.stdout
+
+
+@pytest.mark.launch
+def test_a_thousand_ranks_on_a_laptop(tmp_path, capsys):
+    args = [*TINY, "--world_size", "1024", "--pp", "4", "--dp_shard", "32", "--tp", "8", "--n_head", "8"]
+    finished = run_in_process(main, args, tmp_path / "run", capsys)
+    assert finished.returncode == 0, finished.stderr[-2000:]
+    summary = json.loads((tmp_path / "run" / "summary.json").read_text())
+    assert summary["passed"] and summary["metrics"]["layout"] == {"pp": 4, "dp_replicate": 1, "dp_shard": 32,
+                                                                  "cp": 1, "tp": 8}  # fmt: skip
+    # a rank holds its 1/32 shard of its stage's tp pieces, and while the micro-batches run the gathered bf16 copy
+    first = summary["metrics"]["ranks"][0]
+    assert first["held"]["params_gathered"] > 10 * first["held"]["params"] > 0
+
+
+@pytest.mark.launch
+def test_the_memory_check_catches_a_layout_that_holds_what_its_theory_does_not(tmp_path, capsys):
+    # the classic FSDP mistake: the blocks sharded, the root (embeddings, head) not: every rank holds them whole
+    args = [*TINY, "--world_size", "4", "--dp_shard", "4", "--wrong_variant", "unwrapped_root"]
+    finished = run_in_process(main, args, tmp_path / "run", capsys)
+    summary = json.loads((tmp_path / "run" / "summary.json").read_text())
+    assert finished.returncode == 1 and not summary["checks"]["memory_per_rank"]["passed"]
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--model", "gpt5"], "--model 'gpt5' is not a shape this project knows"),
+        (["--hardware", "tpu_v9"], "--hardware 'tpu_v9' is not a profile in common/hardware.yaml"),
+        (
+            ["--world_size", "1000", "--dp_shard", "8", "--tp", "8"],
+            "--dp_shard 8 x --tp 8 = 64 rank(s), but 1000",
+        ),
+        (
+            ["--world_size", "64", "--pp", "4", "--dp_shard", "16", "--pp_schedule", "zbv"],
+            "--pp_schedule zbv at scale: not built",
+        ),
+        (["--world_size", "8", "--dp_shard", "8", "--ranks", "8"], "--ranks: 8 is not a rank of 8"),
+        (["--model", "custom", "--n_layer", "2"], "--model custom needs --vocab_size > 0"),
+    ],
+)
+def test_bad_input_is_one_line(tmp_path, args, message, capsys):
+    code, stderr = run_main_in_process(main, ["--report_to", "none", "--output_dir", str(tmp_path / "r"), *args],
+                                       capsys)  # fmt: skip
+    assert code == 2 and message in stderr and stderr.strip().count("\n") == 0, stderr
+    assert not (tmp_path / "r").exists()
+
+
+def test_the_schedule_orders_each_stages_forwards_and_backwards():
+    assert schedule_order("1f1b", 4, 0, 6) == "FFF" + "FB" * 3 + "BBB"  # 3 warm-up forwards, 4 in flight
+    assert schedule_order("1f1b", 4, 3, 6) == "FB" * 6  # the last stage: one at a time
+    assert schedule_order("gpipe", 4, 1, 3) == "FFFBBB"
+    assert schedule_order("1f1b", 1, 0, 1) == "FB"
+
+
+def test_the_ranks_that_differ_are_one_per_theory():
+    cfg = GPTConfig(vocab_size=512, block_size=64, n_layer=6, n_head=4, d_model=64)
+    with torch.device("meta"):
+        reference = GPT(cfg)
+    args = Config(pp_microbatches=4)
+    work = Workload(cfg, 4)
+    # 3 stages of 2 blocks: the first (embeddings), the middle, the last (head); and the world's last, which holds
+    # the smallest piece of every uneven split (dp_shard 3 splits 64 rows 22, 22, 20)
+    layout = Layout(pp=3, dp_shard=3)
+    assert ranks_that_differ(reference, layout, args, work) == [0, 3, 6, 8]
+
+
+def test_the_cost_model_adds_its_terms_as_its_docstring_says():
+    h100 = load_hardware("h100_sxm")
+    # a ring all-reduce of 1 GB over 8 ranks of one node: 2 x 7 latency steps + 1 GB x 2 x 7/8 / 450 GB/s
+    seconds = collective_seconds("all_reduce", 1e9, 8, h100.intra_node)
+    assert seconds == pytest.approx(14 * 3e-6 + 1e9 * 1.75 / 450e9)
+    layout = Layout(pp=2, dp_shard=4, tp=8)
+    assert link_of(layout, ("tp",), h100) == h100.intra_node  # 8 consecutive ranks: one node
+    assert link_of(layout, ("dp_shard",), h100) == h100.inter_node  # stride 8: across nodes
+    cfg = GPTConfig(vocab_size=512, block_size=64, n_layer=4, n_head=4, d_model=64)
+    with torch.device("meta"):
+        reference = GPT(cfg)
+    args = Config(pp_microbatches=4)
+    predicted = predict_step(reference, layout, args, Workload(cfg, 4, 1, "bf16"), h100)
+    terms = predicted["terms_s"]
+    # the pipeline: (m + p - 1) micro-batch times of the slowest stage, p - 1 of them the bubble
+    per_microbatch = terms["bubble"] / (layout.pp - 1)
+    pipeline = (4 + layout.pp - 1) * per_microbatch
+    exposed = pipeline + terms["data_parallel_exposed"] + terms["optimizer"]
+    assert predicted["step_s"] == pytest.approx(exposed)
+    assert terms["compute"] + terms["tp"] + terms["pp_sends"] == pytest.approx(4 * per_microbatch)
+
+
+def test_model_flops_follow_palm_and_megatron():
+    cfg = MODELS["megatron_1t"].shape
+    layers, h, s, v = cfg.n_layer, cfg.d_model, cfg.block_size, cfg.vocab_size
+    megatron = 96 * layers * h**2 * (1 + s / (6 * h) + v / (16 * layers * h))  # eq. 3, per token (B s a step)
+    assert model_flops_per_token(cfg, recompute=True) == pytest.approx(
+        megatron, rel=1e-3
+    )  # biases, norms: 0.01%
+    n = parameter_count(cfg) - s * h
+    assert model_flops_per_token(cfg) == 6 * n + 12 * layers * s * h
+
+
+def test_the_published_shapes_have_their_papers_parameter_counts():
+    billions = {name: parameter_count(model.shape) / 1e9 for name, model in MODELS.items()}
+    assert round(billions["megatron_1t"], 1) == 1008.0  # Table 1
+    assert round(billions["llama3_70b"], 2) == 70.55 and round(billions["llama3_405b"], 2) == 405.85
+    assert 174.5 < billions["gpt3_175b"] < 175.1  # "175.0B" in GPT-3's Table 2.1
+    for run in PUBLISHED_RUNS:
+        assert run.model in MODELS and run.world_size in (3072, 8192, 16384)
+
+
+def test_the_activation_estimate_is_exact_for_gpt2_in_float32():
+    # GPT-2's block in float32, no parallelism: 16 t d + 4 t + heads t floats (benchmarks/activation_checkpointing.py)
+    cfg = GPTConfig(vocab_size=512, block_size=64, n_layer=4, n_head=4, d_model=64)
+    t, d = 64, 64
+    block = 4 * (16 * t * d + 4 * t + 4 * t)
+    args = Config(pp_microbatches=1)
+    estimate = activation_bytes(Workload(cfg, 1, 1, "no"), Layout(), args, blocks=4, first=True, last=False)
+    assert estimate == 4 * block

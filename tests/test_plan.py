@@ -1,0 +1,43 @@
+"""tools/plan.py: the layouts of a published model that fit on N GPUs, fastest first (predicted); why the rest
+do not; nothing-fits in words; unknown shapes and profiles in one line."""
+
+from __future__ import annotations
+
+import pytest
+
+from tools.plan import main
+
+
+def test_a_plan_lists_fitting_layouts_fastest_first_and_says_why_others_do_not(capsys):
+    assert main(["--model", "llama3_8b", "--gpus", "16", "--top", "50"]) == 0
+    out = capsys.readouterr().out
+    table = out.split("\n\n")[1].splitlines()[1:]  # the fitting layouts, under their header
+    tokens_per_s = [float(line.split()[-3].replace(",", "")) for line in table]
+    assert tokens_per_s == sorted(tokens_per_s, reverse=True) and len(tokens_per_s) > 3
+    peaks = [float(line.split()[-5]) for line in table]
+    assert max(peaks) <= 80.0  # an H100's memory: every listed layout fits
+    assert "need more memory than a GPU has" in out and "GiB over" in out
+    assert "python experiments/at_scale.py --model llama3_8b --world_size 16" in out
+
+
+def test_nothing_fits_is_said_in_words(capsys):
+    assert main(["--model", "llama3_8b", "--gpus", "1"]) == 1
+    out = capsys.readouterr().out
+    # 8.03B parameters x 16 bytes = 119.7 GiB of weights, gradients and AdamW moments on the one GPU
+    assert "nothing fits: llama3_8b on 1 x h100_sxm" in out and "119.7 GiB a GPU" in out
+    assert "Traceback" not in out
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--model", "gpt5"], "--model 'gpt5' is not a shape this project knows"),
+        (["--hardware", "tpu_v9"], "--hardware 'tpu_v9' is not a profile in common/hardware.yaml"),
+        (["--gpus", "0"], "--gpus must be > 0, got 0"),
+    ],
+)
+def test_unknown_input_is_one_line_and_exit_2(args, message, capsys):
+    with pytest.raises(SystemExit) as stop:
+        main(args)
+    err = capsys.readouterr().err
+    assert stop.value.code == 2 and message in err and err.strip().count("\n") == 0

@@ -1,0 +1,191 @@
+"""Plan a training job: which layouts of a model fit on N GPUs of a hardware profile, ranked by predicted speed.
+
+    python -m tools.plan --model llama3_70b --gpus 512 --hardware h100_sxm
+    python -m tools.plan --model llama3_405b --gpus 16384 --hardware h100_sxm --top 5
+    python -m tools.plan --model gpt3_175b --gpus 1024 --hardware a100_80gb --block_size 4096
+
+Every layout of the five degrees whose product is --gpus (tp within a node and dividing the heads, pp at most
+the blocks, cp for sequences of 32K tokens and more, the data-parallel rest sharded (FSDP) or replicated), each
+with and without full activation checkpointing (sequence parallelism where it can run), goes through the
+same refusals train_gpt and experiments/at_scale.py apply (strategies/: a layout they cannot run is rejected
+with their one line), then:
+  memory  each pipeline stage's first rank's bytes at its busiest moment, by theory and estimate
+          (common/cost_model.memory_estimate: parameters, AdamW, FSDP's gathered copies and gradient sums, the
+          activations in flight); it fits when every stage's is within the profile's memory;
+  speed   the step predicted by common/cost_model.predict_step (a PREDICTION: a roofline and alpha-beta
+          collectives under stated overlap assumptions).
+The fitting layouts are listed fastest first; the rest with why: which rank runs out and by how much, or which
+refusal. Check a plan at the real size with experiments/at_scale.py (the command is printed). A shape or a
+profile it does not know is one line and exit 2; a request nothing fits says so in words, exit 1.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from dataclasses import dataclass
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import torch
+
+from common.config import UsageError, flag, parse_config, require, run_cli
+from common.cost_model import (
+    hardware_names,
+    load_hardware,
+    memory_estimate,
+    model_flops_per_token,
+    predict_step,
+)
+from common.gpt import GPT, GPTConfig, parameter_count
+from common.published import MODELS, model_named
+from strategies import ParallelArgs
+from strategies.layout import DIMS, Layout, Workload
+
+
+@dataclass
+class PlanArgs:
+    model: str = flag("llama3_70b", "a published shape: " + ", ".join(MODELS))
+    gpus: int = flag(512, "GPUs of the job (the world size)")
+    hardware: str = flag("h100_sxm", "the profile: " + ", ".join(hardware_names()))
+    block_size: int = flag(0, "sequence length in tokens (0: the model's)")
+    global_batch: int = flag(0, "sequences per optimizer step (0: the model's published batch)")
+    mixed_precision: str = flag("bf16", "bf16 or no (float32)", choices=("bf16", "no"))
+    top: int = flag(10, "fitting layouts to list")
+
+    def validate(self) -> None:
+        model_named(self.model)
+        load_hardware(self.hardware)
+        for name in ("gpus", "top"):
+            require(getattr(self, name) > 0, f"--{name} must be > 0, got {getattr(self, name)}")
+        require(
+            self.block_size >= 0 and self.global_batch >= 0, "--block_size and --global_batch must be >= 0"
+        )
+
+
+@dataclass
+class Candidate(ParallelArgs):
+    """One layout as the strategies see it: their flags (the degrees, the schedule, checkpointing)."""
+
+
+def divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def candidates(cfg: GPTConfig, gpus: int, gpus_per_node: int, global_batch: int):
+    """Every (degrees, activation checkpointing) to consider."""
+    for tp in (
+        d for d in divisors(gpus) if d <= gpus_per_node and cfg.n_head % d == 0 and cfg.kv_heads % d == 0
+    ):
+        for pp in (d for d in divisors(gpus // tp) if d <= cfg.n_layer):
+            # context parallelism for long sequences only (Llama 3 split 131,072 tokens over 16, 8,192 over none)
+            long = cfg.block_size >= 32_768
+            for cp in (
+                d for d in divisors(gpus // tp // pp) if cfg.block_size % (2 * d) == 0 and (d == 1 or long)
+            ):
+                dp = gpus // (tp * pp * cp)
+                if global_batch % dp:
+                    continue
+                for data_parallel in ("dp_shard", "dp_replicate")[: 2 if dp > 1 else 1]:
+                    for checkpointing in ("none", "full"):
+                        yield {"tp": tp, "pp": pp, "cp": cp, data_parallel: dp}, checkpointing
+
+
+def describe(degrees: dict, checkpointing: str) -> str:
+    on = [f"{d} {degrees[d]}" for d in DIMS if degrees.get(d, 1) > 1]
+    return (" x ".join(on) or "one GPU") + (", full checkpointing" if checkpointing == "full" else "")
+
+
+def evaluate(reference, cfg: GPTConfig, degrees: dict, checkpointing: str, args: PlanArgs, hardware) -> dict:
+    """A candidate's refusal, or its memory per stage and its predicted step."""
+    layout = Layout(**{d: degrees.get(d, 1) for d in DIMS})
+    rows = args.global_batch // layout.dp
+    sequence_parallel = layout.tp > 1 and layout.pp == layout.cp == 1 and checkpointing != "full"
+    flags = Candidate(**{d: getattr(layout, d) for d in DIMS}, activation_checkpointing=checkpointing,
+                      pp_microbatches=rows, sequence_parallel=sequence_parallel)  # fmt: skip
+    work = Workload(cfg, rows, 1, args.mixed_precision)
+    row = {"layout": describe(degrees, checkpointing), "degrees": degrees, "checkpointing": checkpointing}
+    try:
+        flags.refuse_layout(layout, work, 1.0)
+    except UsageError as refusal:
+        return row | {"refused": str(refusal)}
+    stages = [layout.rank_at(pp=s) for s in range(layout.pp)]
+    memory = {rank: memory_estimate(reference, layout, flags, work, rank)["peak"] for rank in stages}
+    worst = max(memory, key=memory.get)
+    predicted = predict_step(reference, layout, flags, work, hardware)
+    tflops = (
+        model_flops_per_token(cfg)
+        * predicted["global_tokens"]
+        / predicted["step_s"]
+        / layout.world_size
+        / 1e12
+    )
+    precision = "bf16" if args.mixed_precision == "bf16" else "fp32"
+    return row | {
+        "peak_bytes": memory[worst], "worst_rank": worst, "worst_stage": layout.coordinate(worst, "pp"),
+        "fits": memory[worst] <= hardware.memory_bytes, "step_s": predicted["step_s"],
+        "tokens_per_s": predicted["tokens_per_s"], "tflops_per_gpu": tflops,
+        "mfu": tflops * 1e12 / hardware.peak_flops[precision], "microbatches": rows if layout.pp > 1 else 1,
+        "sequence_parallel": flags.sequence_parallel,
+    }  # fmt: skip
+
+
+def at_scale_command(args: PlanArgs, row: dict) -> str:
+    degrees = " ".join(f"--{d} {n}" for d, n in row["degrees"].items() if n > 1)
+    extra = " --activation_checkpointing full" if row["checkpointing"] == "full" else ""
+    extra += " --sequence_parallel" if row["sequence_parallel"] else ""
+    return (
+        f"python experiments/at_scale.py --model {args.model} --world_size {args.gpus} {degrees}{extra} "
+        f"--hardware {args.hardware}"
+    )
+
+
+def plan(args: PlanArgs) -> int:
+    hardware = load_hardware(args.hardware)
+    model = model_named(args.model)
+    cfg = GPTConfig(**{**model.shape.__dict__, "block_size": args.block_size or model.shape.block_size})
+    args.global_batch = args.global_batch or model.global_batch
+    with torch.device("meta"):
+        reference = GPT(cfg)
+    rows = [evaluate(reference, cfg, degrees, checkpointing, args, hardware)
+            for degrees, checkpointing in candidates(cfg, args.gpus, hardware.gpus_per_node, args.global_batch)]  # fmt: skip
+    fitting = sorted((r for r in rows if r.get("fits")), key=lambda r: -r["tokens_per_s"])
+    capacity = hardware.memory_bytes / 2**30
+    print(f"{args.model}: {parameter_count(cfg):,} parameters, {cfg.block_size:,} tokens a sequence, "
+          f"{args.global_batch:,} sequences a step, on {args.gpus:,} x {hardware.name} ({capacity:.0f} GiB each); "
+          f"{len(rows)} layouts considered, {len(fitting)} fit. Memory: theory and estimate; speed: PREDICTED")  # fmt: skip
+    if fitting:
+        print(f"\n{'layout':<52} {'micro-batches':>13} {'peak GiB':>8} {'step s':>8} {'tokens/s':>12} {'TFLOP/s':>8} "
+              f"{'MFU':>5}")  # fmt: skip
+        for r in fitting[: args.top]:
+            print(f"{r['layout']:<52} {r['microbatches']:>13} {r['peak_bytes'] / 2**30:>8.1f} {r['step_s']:>8.3g} "
+                  f"{r['tokens_per_s']:>12,.0f} {r['tflops_per_gpu']:>8.0f} {r['mfu']:>5.0%}")  # fmt: skip
+        print(f"\ncheck the first at the real size: {at_scale_command(args, fitting[0])}")
+    too_big = sorted((r for r in rows if "fits" in r and not r["fits"]), key=lambda r: r["peak_bytes"])
+    refused = [r for r in rows if "refused" in r]
+    if too_big or refused:
+        print(f"\nrejected: {len(too_big)} need more memory than a GPU has, {len(refused)} cannot run here; "
+              "the nearest to fitting:")  # fmt: skip
+        for r in too_big[:5]:
+            print(f"  {r['layout']}: rank {r['worst_rank']} (stage {r['worst_stage']}) needs "
+                  f"{r['peak_bytes'] / 2**30:,.1f} GiB, {r['peak_bytes'] / 2**30 - capacity:,.1f} GiB over")  # fmt: skip
+        for reason in sorted({r["refused"] for r in refused})[:5]:
+            print(f"  refused ({sum(r.get('refused') == reason for r in refused)} layouts): {reason}")
+    if not fitting:
+        states = 16 * parameter_count(cfg) / args.gpus / 2**30
+        least = ""
+        if too_big:
+            least = f" the least any layout needs is {too_big[0]['peak_bytes'] / 2**30:,.1f} GiB ({too_big[0]['layout']})"
+        print(f"\nnothing fits: {args.model} on {args.gpus:,} x {hardware.name}:{least}, against {capacity:.0f} GiB a "
+              f"GPU; the model states alone (16 bytes a parameter: weights, gradients, AdamW's two moments) are "
+              f"{states:,.1f} GiB a GPU however they are split. Use more GPUs, or a smaller model or sequence.")  # fmt: skip
+        return 1
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    return plan(parse_config(PlanArgs, argv, description=__doc__.split("\n")[0], prog="python -m tools.plan"))
+
+
+if __name__ == "__main__":
+    run_cli(main)
