@@ -43,6 +43,8 @@ KINDS = {
     "broadcast": "broadcast",
     "send": "send",
     "recv_": "recv",
+    "alltoall_base_": "all_to_all",
+    "all_to_all_single": "all_to_all",
 }
 # the torch.distributed call behind each kind, as collectives_bench names its rows
 KIND_OF_OP = {
@@ -90,6 +92,6 @@ class CollectiveCounter(TorchDispatchMode):
         take (input, ..., group) and return the output."""
         if kind == "all_gather":
             return _nbytes(args[0] if in_place else result)
-        if kind == "reduce_scatter":
+        if kind in ("reduce_scatter", "all_to_all"):  # what this rank sends (to itself too)
             return _nbytes(args[1] if in_place else args[0])
         return _nbytes(args[0])  # all_reduce, broadcast, send, recv: the tensor(s) themselves

@@ -26,6 +26,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from common.moe import MoE, init_experts, moe_parameter_count
+
 
 @dataclass
 class GPTConfig:
@@ -49,6 +51,15 @@ class GPTConfig:
     positions: str = "learned"  # a learned position table; rope: rotary embeddings of q and k (no parameters)
     bias: bool = True  # the linear layers' biases (the key projection never has one); Llama has none
     rope_theta: float = 10_000.0  # rope's base period (Llama 3: 500,000)
+    # A mixture of experts in place of each block's MLP (common/moe.py), when n_experts > 0
+    n_experts: int = 0  # experts per block (0: the dense MLP)
+    top_k: int = 2  # experts each token goes to
+    router: str = "softmax"  # softmax (Switch, Mixtral) or sigmoid (DeepSeek-V3) scores
+    capacity_factor: float = 0.0  # 0: dropless; c > 0: an expert takes at most c x tokens x top_k / n_experts
+    aux_loss_coef: float = 0.0  # the auxiliary load-balancing loss's weight (0: none)
+    bias_update_rate: float = (
+        0.0  # auxiliary-loss-free balancing: the bias's step per optimizer step (0: none)
+    )
 
     @property
     def kv_heads(self) -> int:
@@ -142,7 +153,7 @@ class Block(nn.Module):
     def __init__(self, cfg: GPTConfig):
         super().__init__()
         self.ln_1, self.attn = norm(cfg), CausalSelfAttention(cfg)
-        self.ln_2, self.mlp = norm(cfg), MLP(cfg)
+        self.ln_2, self.mlp = norm(cfg), MoE(cfg) if cfg.n_experts else MLP(cfg)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = x + self.attn(self.ln_1(x))
@@ -173,6 +184,7 @@ class GPT(nn.Module):
         for name, param in self.named_parameters():  # GPT-2: residual projections scaled by depth
             if name.endswith(("o_proj.weight", "fc_out.weight")):
                 nn.init.normal_(param, mean=0.0, std=0.02 / math.sqrt(2 * cfg.n_layer))
+        init_experts(self, cfg.n_layer)
 
     @staticmethod
     def _init_weights(module: nn.Module) -> None:
@@ -274,6 +286,8 @@ def parameter_count(cfg: GPTConfig) -> int:
     mlp = (3 if cfg.mlp == "swiglu" else 2) * d * hidden + bias * (
         (2 if cfg.mlp == "swiglu" else 1) * hidden + d
     )
+    if cfg.n_experts:  # the experts have no biases
+        mlp = moe_parameter_count(cfg)
     norms = 2 * (d if cfg.norm == "rmsnorm" else 2 * d)  # weight (and bias, LayerNorm's)
     embeddings = cfg.vocab_size * d + (cfg.block_size * d if cfg.positions == "learned" else 0)
     head = 0 if cfg.tie_weights else cfg.vocab_size * d

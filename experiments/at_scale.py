@@ -133,6 +133,8 @@ class Config(RunArgs, ParallelArgs):
         given = math.prod(max(1, getattr(self, dim)) for dim in DIMS)
         layout = self.resolve_layout(self.world_size or given)
         self.world_size = layout.world_size
+        require(layout.ep == 1, f"--ep {layout.ep} at scale: not built (a mixture of experts' all-to-alls are sized by "
+                "its routing, which fake tensors do not hold)")  # fmt: skip
         require(layout.pp == 1 or self.pp_schedule in ("gpipe", "1f1b"),
                 f"--pp_schedule {self.pp_schedule} at scale: not built (one stage per rank: gpipe or 1f1b)")  # fmt: skip
         self.refuse_layout(layout, self.workload(), 0.0)

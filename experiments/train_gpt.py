@@ -69,6 +69,7 @@ from common.gpt import (
     require_trainable,
     sample_text,
 )
+from common.moe import active_parameter_count
 from common.optim import cosine_lr, set_lr
 from common.profiling import StepProfiler, report_profile
 from common.run import start_run
@@ -118,6 +119,17 @@ class Config(ResumableArgs, ParallelArgs, CheckArgs):
         "learned", "learned (a position table, GPT-2) or rope (rotary, Llama)", choices=("learned", "rope")
     )
     bias: bool = flag(True, "biases in the linear layers (Llama: none)")
+    n_experts: int = flag(0, "a mixture of experts in each block's MLP: this many experts (0: the dense MLP); "
+                          "--ep splits them over ranks")  # fmt: skip
+    top_k: int = flag(2, "with --n_experts: experts each token goes to")
+    router: str = flag("softmax", "with --n_experts: the router's scores, softmax (Switch, Mixtral) or sigmoid "
+                       "(DeepSeek-V3)", choices=("softmax", "sigmoid"))  # fmt: skip
+    capacity_factor: float = flag(0.0, "with --n_experts: 0 = dropless; c > 0: an expert takes at most c x tokens x "
+                                  "top_k / n_experts of a forward's tokens, the rest dropped (reported)")  # fmt: skip
+    aux_loss_coef: float = flag(0.0, "with --n_experts: the auxiliary load-balancing loss's weight (Switch: 0.01; 0: "
+                                "none)")  # fmt: skip
+    bias_update_rate: float = flag(0.0, "with --n_experts: auxiliary-loss-free balancing (DeepSeek-V3): each expert's "
+                                   "routing bias moves by this per step towards the mean load (0: none)")  # fmt: skip
     val_fraction: float = flag(0.1, "share of the token stream held out for validation")
     per_rank_batch_size: int = flag(PER_RANK_BATCH_SIZE, "blocks per data-parallel rank per micro-batch; "
                                     "global batch = this x data-parallel ranks x accumulation")  # fmt: skip
@@ -154,6 +166,10 @@ class Config(ResumableArgs, ParallelArgs, CheckArgs):
                 f"--positions rope turns pairs of channels: the head width --d_model / --n_head = "
                 f"{self.d_model // self.n_head} must be even")  # fmt: skip
         require(0 < self.val_fraction < 0.5, f"--val_fraction must be in (0, 0.5), got {self.val_fraction}")
+        require(self.n_experts >= 0 and (not self.n_experts or 1 <= self.top_k <= self.n_experts),
+                f"--n_experts {self.n_experts} --top_k {self.top_k}: need n_experts >= 0, 1 <= top_k <= n_experts")  # fmt: skip
+        require(min(self.capacity_factor, self.aux_loss_coef, self.bias_update_rate) >= 0,
+                "--capacity_factor, --aux_loss_coef, --bias_update_rate must be >= 0")  # fmt: skip
         non_negative = min(self.warmup_steps, self.lr_decay_steps, self.grad_clip, self.weight_decay) >= 0
         require(0 <= self.min_lr_ratio <= 1 and non_negative, "--min_lr_ratio must be in [0, 1]; --warmup_steps, "
                 "--lr_decay_steps, --grad_clip, --weight_decay >= 0")  # fmt: skip
@@ -180,7 +196,10 @@ class Config(ResumableArgs, ParallelArgs, CheckArgs):
     def model_config(self, vocab_size: int = 0) -> GPTConfig:
         """The model of these flags (the vocabulary the tokenizer really has, once it is trained)."""
         return GPTConfig(vocab_size or self.vocab_size, self.block_size, self.n_layer, self.n_head, self.d_model,
-                         self.tie_weights, self.n_kv_head, self.d_ff, self.mlp, self.norm, self.positions, self.bias)  # fmt: skip
+                         self.tie_weights, self.n_kv_head, self.d_ff, self.mlp, self.norm, self.positions, self.bias,
+                         n_experts=self.n_experts, top_k=self.top_k, router=self.router,
+                         capacity_factor=self.capacity_factor, aux_loss_coef=self.aux_loss_coef,
+                         bias_update_rate=self.bias_update_rate)  # fmt: skip
 
     def workload(self, vocab_size: int = 0) -> Workload:
         """What this run asks of its layout (the pieces' theory and refusals need nothing else of it)."""
@@ -289,7 +308,9 @@ def run(cfg: Config) -> int:
         )  # fmt: skip (it resumes the checkpoint, if any)
         eval_rows = max(cfg.per_rank_batch_size, EVAL_TOKENS // cfg.block_size)
         val_loss_before = job.evaluate_rows(val_rows, eval_rows)  # after any resume
-        session.print(f"{n_parameters:,} parameters, {corpus['tokens']:,} tokens of {corpus['name']}, {cfg.strategy}: "
+        active = active_parameter_count(model_cfg, n_parameters)
+        used = f" ({active:,} active a token)" if active < n_parameters else ""
+        session.print(f"{n_parameters:,} parameters{used}, {corpus['tokens']:,} tokens of {corpus['name']}, {cfg.strategy}: "
                       f"{layout.describe()}, validation loss {val_loss_before:.3f}")  # fmt: skip
 
         profiler = StepProfiler(cfg.profile_steps, os.path.join(session.output_dir, "profile"), rank,
@@ -303,7 +324,8 @@ def run(cfg: Config) -> int:
                     loss = job.forward_backward(x, y)
                     grad_norm = job.clip() if accelerator.sync_gradients else None  # by the GLOBAL norm
                     job.step(grad_norm)
-                loop.record(loss, lr=lr, grad_norm=grad_norm)
+                loop.record(loss, lr=lr, grad_norm=grad_norm,
+                            **(job.step_figures() if accelerator.sync_gradients else {}))  # fmt: skip
                 if accelerator.sync_gradients:
                     profiler.step()
         if cfg.profile_steps:
@@ -330,7 +352,8 @@ def run(cfg: Config) -> int:
             for k in ("name", "sha256", "characters", "tokens", "characters_per_token", "vocab_size")
         }
         session.metrics.update(loop.metrics(final_state), val_loss_before=val_loss_before, val_loss=val_loss,
-                               parameters=n_parameters, corpus=corpus_facts)  # fmt: skip
+                               parameters=n_parameters, corpus=corpus_facts,
+                               active_parameters=active)  # fmt: skip
         if session.is_main:
             prompt = corpus["val"][0][0][:8]  # the start of the validation text
             session.metrics["sample"] = sample_text(model_cfg, final_state[0], corpus["tokenizer"], prompt,

@@ -1,14 +1,15 @@
 """Parallelism for the GPT as degrees that compose (torchtitan's shape, with our proofs).
 
-A job's shape is five degrees (strategies/layout.py): --pp --dp_replicate --dp_shard --cp --tp, any
-combination, their product the ranks launched. Each dimension is one module that teaches it whole (its
-flags, how it is applied, what each rank holds and sends by theory, its mistakes and refusals) and knows
-nothing of the others:
+A job's shape is six degrees (strategies/layout.py): --pp --dp_replicate --dp_shard --ep --cp --tp, any
+combination (ep with a mixture of experts), their product the ranks launched. Each dimension is one module
+that teaches it whole (its flags, how it is applied, what each rank holds and sends by theory, its mistakes
+and refusals) and knows nothing of the others:
     replicate.py   dp_replicate: replicas, gradients all-reduced (Accelerate's DDP, or PyTorch's replicate)
     shard.py       dp_shard: FSDP2, ZeRO-3 or ZeRO-2 (--reshard_after_forward), HSDP with replicas
     tp.py          tp: Megatron tensor parallelism over DTensor (and --sequence_parallel)
     cp.py          cp: each sequence split over ranks, attention over all-gathered keys and values
     pp.py          pp: stages of blocks, torch.distributed.pipelining's schedules
+    ep.py          ep: a mixture of experts' experts split over ranks, tokens sent to them by all-to-all
     activation_checkpointing.py   full or selective recompute, any layout
 parallelize.py applies them in the canonical order and composes their theory; checks.py holds every layout
 to it; deepspeed.py is DeepSpeed's ZeRO-1/2/3 engine, chosen by the accelerate config.
@@ -34,7 +35,7 @@ from typing import ClassVar
 
 from common.config import flag, require
 from common.runtime import deepspeed_stage
-from strategies import activation_checkpointing, compile, cp, deepspeed, pp, replicate, shard, tp  # noqa: F401 (the pieces)
+from strategies import activation_checkpointing, compile, cp, deepspeed, ep, pp, replicate, shard, tp  # noqa: F401 (the pieces)
 from strategies.layout import DIMS, Layout, Workload
 
 REST = -1  # a preset's degree that takes the ranks the other degrees leave
@@ -94,6 +95,7 @@ WRONG_VARIANTS = {
     **tp.WRONG_VARIANTS,
     **pp.WRONG_VARIANTS,
     **cp.WRONG_VARIANTS,
+    **ep.WRONG_VARIANTS,
     **deepspeed.WRONG_VARIANTS,
 }
 
@@ -115,13 +117,15 @@ def is_a_mistake_under(variant: str, layout: Layout, engine_stage: int | None) -
         "row_parallel_without_all_reduce": layout.tp > 1,
         **dict.fromkeys(pp.WRONG_VARIANTS, layout.pp > 1),
         **dict.fromkeys(cp.WRONG_VARIANTS, layout.cp > 1),
+        **dict.fromkeys(ep.WRONG_VARIANTS, layout.ep > 1),
     }
     return applies[variant]
 
 
 @dataclass
 class ParallelArgs(
-    replicate.Flags, shard.Flags, cp.Flags, tp.Flags, pp.Flags, activation_checkpointing.Flags, compile.Flags
+    replicate.Flags, shard.Flags, ep.Flags, cp.Flags, tp.Flags, pp.Flags, activation_checkpointing.Flags,
+    compile.Flags,
 ):  # fmt: skip
     """The parallelism flags of an experiment: each dimension's own (its Flags), the preset that fills them
     in, and the deliberate mistake a check must catch. `layout_flags`: what a resume may change (a checkpoint
@@ -203,7 +207,7 @@ class ParallelArgs(
         stage = deepspeed_stage()
         if stage:
             deepspeed.refuse(self, layout, work, max_norm)
-        for piece in (shard, tp, cp, pp, compile):
+        for piece in (shard, ep, tp, cp, pp, compile):
             piece.refuse(self, layout, work)
         ac = self.activation_checkpointing
         require(not (ac == "selective" and layout.pp > 1 and self.pp_schedule in pp.SPLIT_BACKWARD),

@@ -31,6 +31,7 @@ from common.checkpoint import load_full_optimizer_state
 from common.comm_counter import CollectiveCounter
 from common.config import flag
 from common.gpt import build_gpt, lm_loss
+from common.moe import balance
 from common.optim import clip_by_global_norm, set_lr
 from common.reference import max_abs_difference, train_single_process
 from strategies.parallelize import Instruments
@@ -109,6 +110,8 @@ class Probe(Instruments):
         if phase == "forward" and "params_between_forward_and_backward" not in self.held:
             self.held["params_between_forward_and_backward"] = self.job.measure_window()
         self.phase_s[phase] = self.phase_s.get(phase, 0.0) + time.perf_counter() - started
+        if counter and phase == "forward":  # what its MoE blocks routed: the theory of ep's all-to-alls
+            self.collectives.setdefault("routing", []).extend(self.job.routing())
         if counter:
             for kind in counter.calls:
                 self.collectives["calls"][kind] = self.collectives["calls"].get(kind, 0) + counter.calls[kind]
@@ -180,7 +183,7 @@ def check_memory(session, job, reference, every_rank: list[dict], rtol: float) -
 
 def check_communication(session, job, reference, every_rank: list[dict]) -> None:
     """Every rank's counted collectives of one steady step against its theory, to the byte, kind by kind."""
-    theories = [job.sent_bytes(reference, rank) for rank in range(len(every_rank))]
+    theories = [job.sent_bytes(reference, rank, every_rank[rank]) for rank in range(len(every_rank))]
     wrong = []
     for rank, (counted, theory) in enumerate(zip(every_rank, theories, strict=True)):
         expected = theory["by_kind"]
@@ -228,6 +231,10 @@ def compare_with_one_process(session, model_cfg, probe: Probe, step_losses, *, s
 
     def clip_and_schedule(i: int) -> float:
         set_lr(optimizer, lr_at(session.start_step + i))
+        if (
+            model_cfg.n_experts
+        ):  # the step's loads move the balancing bias, as the distributed job's clip does
+            balance(model)
         return clip_by_global_norm(model.parameters(), max_norm)
 
     device = session.accelerator.device

@@ -119,7 +119,7 @@ class DeepSpeedJob(Job):
     def held_bytes(self, model, rank: int) -> dict:
         return held_bytes(model, self.layout, self.stage, self.args.wrong_variant)
 
-    def sent_bytes(self, model, rank: int) -> dict:
+    def sent_bytes(self, model, rank: int, counted: dict | None = None) -> dict:
         return sent_bytes(model, self.layout, self.stage, self.work, self.args.wrong_variant)
 
     # ------------------------------------------------------------------------------ measured: held

@@ -2,21 +2,25 @@
 where a rank sits in each, and the arithmetic of how a tensor is split, in which every piece's theory of
 bytes held and sent is written.
 
-Five degrees, outermost first (torchtitan's order: the pipeline outermost, its sends cross the slowest
+Six degrees, outermost first (torchtitan's order: the pipeline outermost, its sends cross the slowest
 links; tensor parallelism innermost, on the fastest), their product the world size:
   pp            pipeline stages: ranks that each hold some of the blocks (strategies/pp.py)
   dp_replicate  data-parallel replicas: whole copies of what the other dimensions split (replicate.py)
   dp_shard      data-parallel shards: ranks that split parameters, gradients, AdamW state (shard.py)
+  ep            expert parallelism: data-parallel ranks that also split each MoE block's experts (ep.py)
   cp            context parallelism: ranks that split each sample's sequence (cp.py)
   tp            tensor parallelism: ranks that split every matrix (tp.py)
-Ranks are numbered tp fastest, then cp, dp_shard, dp_replicate, pp. The dp_replicate x dp_shard ranks each
-read their own share of the data; the tp, cp and pp ranks of one data-parallel rank read the same samples.
+Ranks are numbered tp fastest, then cp, ep, dp_shard, dp_replicate, pp. The dp_replicate x dp_shard x ep ranks
+each read their own share of the data; the tp, cp and pp ranks of one data-parallel rank read the same samples.
 
 The gradient of a piece of the model is averaged over every rank that computed part of it: the data-parallel
-ranks and the cp ranks (each saw its own tokens). When dp_shard > 1, FSDP shards over dp_shard x cp and
+ranks and the cp ranks (each saw its own tokens). When dp_shard > 1, FSDP shards over dp_shard x ep x cp and
 replicates over dp_replicate (HSDP); otherwise every one of those ranks holds the piece whole and the
-gradients are all-reduced over dp_replicate x cp (`shard_dims`, `replicate_dims`, as torchtitan's
-"dp_shard_cp").
+gradients are all-reduced over dp_replicate x ep x cp (`shard_dims`, `replicate_dims`, as torchtitan's
+"dp_shard_cp"). The experts are the exception (ep.py): split over ep, averaged over the rest.
+
+torchtitan counts the ep ranks inside its dp_shard (its dp_shard 4 with ep 2 is our --dp_shard 2 --ep 2), so
+that ep borrows ranks from data parallelism; here every degree is a factor of the world size, ep too.
 """
 
 from __future__ import annotations
@@ -28,7 +32,7 @@ import torch
 
 from common.comm_counter import bus_factor
 
-DIMS = ("pp", "dp_replicate", "dp_shard", "cp", "tp")  # outermost first
+DIMS = ("pp", "dp_replicate", "dp_shard", "ep", "cp", "tp")  # outermost first
 
 
 @dataclass(frozen=True)
@@ -36,6 +40,7 @@ class Layout:
     pp: int = 1
     dp_replicate: int = 1
     dp_shard: int = 1
+    ep: int = 1
     cp: int = 1
     tp: int = 1
 
@@ -76,22 +81,25 @@ class Layout:
     @property
     def dp(self) -> int:
         """Data-parallel ranks: each reads its own share of every global batch."""
-        return self.dp_replicate * self.dp_shard
+        return self.dp_replicate * self.dp_shard * self.ep
 
     def dp_rank(self, rank: int) -> int:
         """Which share of the data rank `rank` reads."""
-        return self.coordinate(rank, "dp_replicate") * self.dp_shard + self.coordinate(rank, "dp_shard")
+        index = 0
+        for dim in ("dp_replicate", "dp_shard", "ep"):
+            index = index * getattr(self, dim) + self.coordinate(rank, dim)
+        return index
 
     # ------------------------------------------------------------------ how data parallelism covers cp
     @property
     def shard_dims(self) -> tuple[str, ...]:
         """The dimensions FSDP shards over (empty: nothing sharded)."""
-        return tuple(d for d in ("dp_shard", "cp") if getattr(self, d) > 1) if self.dp_shard > 1 else ()
+        return tuple(d for d in ("dp_shard", "ep", "cp") if getattr(self, d) > 1) if self.dp_shard > 1 else ()
 
     @property
     def replicate_dims(self) -> tuple[str, ...]:
         """The dimensions whose ranks hold the same piece whole and average its gradient."""
-        dims = ("dp_replicate",) + (() if self.dp_shard > 1 else ("cp",))
+        dims = ("dp_replicate",) + (() if self.dp_shard > 1 else ("ep", "cp"))
         return tuple(d for d in dims if getattr(self, d) > 1)
 
     def size(self, dims: tuple[str, ...]) -> int:

@@ -29,11 +29,13 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
+from common import moe
 from common.checkpoint import ShardedCheckpointer
 from common.gpt import lm_loss
+from common.moe import balance, moe_layers
 from common.optim import clip_by_global_norm
 from common.runtime import deepspeed_stage
-from strategies import activation_checkpointing, compile, cp, pp, replicate, shard, tp
+from strategies import activation_checkpointing, compile, cp, ep, pp, replicate, shard, tp
 from strategies.layout import Layout, Workload, submesh, unique_parameters
 
 
@@ -53,11 +55,15 @@ class Job:
     sharing its modules)."""
 
     def __init__(self, layout: Layout, rank: int, model, stages, optimizer, accelerator, args, work: Workload,
-                 max_norm: float, pipeline: pp.Pipeline | None, attentions: list):  # fmt: skip
+                 max_norm: float, pipeline: pp.Pipeline | None, attentions: list, exchanges: list = (),
+                 expert_replicas=None):  # fmt: skip
         self.layout, self.rank, self.model, self.stages = layout, rank, model, stages
         self.optimizer, self.accelerator, self.args, self.work = optimizer, accelerator, args, work
         self.max_norm = max_norm
         self.pipeline, self.attentions = pipeline, attentions
+        # expert parallelism's all-to-alls (their routing is the theory's) and the group of the experts' replicas
+        self.exchanges, self.expert_replicas = list(exchanges), expert_replicas
+        self.balance_history: list[dict] = []  # each step's MoE loads (common/moe.balance)
         self.instruments = Instruments()
         self._step_loss, self._micro_batches = torch.zeros((), device=accelerator.device), 0
 
@@ -89,17 +95,23 @@ class Job:
                 self.pipeline.after_backward()
         else:
             shard.set_gradient_sync(self.model, self.accelerator.sync_gradients)  # FSDP2's no_sync
+            ep.forget_routing(self.exchanges)
             with watch("forward"), self.accelerator.autocast():
                 loss = lm_loss(self.model(x), y)
             with watch("backward"):
                 self.accelerator.backward(loss)  # divided by the accumulation steps
+                if self.exchanges and self.accelerator.sync_gradients:
+                    ep.reduce_gradients(self.model, self.expert_replicas, self.layout.dp)
         self._step_loss += loss.detach()
         self._micro_batches += 1
         return loss
 
     def clip(self) -> float:
         """Clip to max_norm (--grad_clip) by the global norm and return it (local_grad_norm: each rank its own
-        piece's)."""
+        piece's). First, a mixture of experts' step loads (summed over the data-parallel ranks) move its balancing
+        bias."""
+        if self.work.model.n_experts:
+            self.balance_history.append(balance(self.model))
         return clip_by_global_norm(
             self.model.parameters(),
             self.max_norm,
@@ -145,7 +157,7 @@ class Job:
         """PyTorch's distributed checkpoint: any layout reads any other's. The full state is gathered from the
         first rank of each pipeline stage (the others hold copies or pieces of what it gathers)."""
         first_of_stage = all(
-            self.layout.coordinate(self.rank, d) == 0 for d in ("dp_replicate", "dp_shard", "cp", "tp")
+            self.layout.coordinate(self.rank, d) == 0 for d in ("dp_replicate", "dp_shard", "ep", "cp", "tp")
         )
         return ShardedCheckpointer(self.model, self.optimizer, restore_optimizer,
                                    aliases=self.pipeline.aliases if self.pipeline else {},
@@ -157,6 +169,17 @@ class Job:
             self.pipeline.report(session)
         if self.attentions:
             cp.report(session, self.attentions, self.args.cp_load_balance)
+        if self.balance_history:
+            # the forward's all-to-all seconds twice (the backward's send the same bytes back; not timed apart)
+            # over the forward and backward seconds of every step (this rank's)
+            trained = sum(
+                t.get("forward", 0) + t.get("backward", 0)
+                for t in getattr(self.instruments, "step_times", [])
+            )
+            a2a = sum(exchange.seconds for exchange in self.exchanges)
+            moe.report(
+                session, self.balance_history, 2 * a2a / trained if self.exchanges and trained else None
+            )
 
     def measure_held(self) -> dict:
         """Bytes this rank really holds at rest: parameters, gradients, optimizer state (local pieces)."""
@@ -179,8 +202,23 @@ class Job:
     def held_bytes(self, reference, rank: int) -> dict:
         return held_bytes(reference, self.layout, rank, self.args, self.work)
 
-    def sent_bytes(self, reference, rank: int) -> dict:
-        return sent_bytes(reference, self.layout, rank, self.args, self.work)
+    def sent_bytes(self, reference, rank: int, counted: dict | None = None) -> dict:
+        """`counted`: what rank `rank` counted in the step (the routing of its MoE blocks, ep's theory's input)."""
+        routing = (counted or {}).get("routing", [])
+        return sent_bytes(reference, self.layout, rank, self.args, self.work, routing)
+
+    def step_figures(self) -> dict:
+        """What a step adds to the logged metrics (W&B, metrics.jsonl): a mixture of experts' load imbalance (max /
+        mean tokens per expert, the blocks' mean) and dropped share."""
+        if not self.balance_history:
+            return {}
+        last = self.balance_history[-1]
+        return {"expert_imbalance": sum(last["imbalance"]) / len(last["imbalance"]),
+                "expert_dropped_fraction": last["dropped_fraction"]}  # fmt: skip
+
+    def routing(self) -> list[dict]:
+        """What this rank's MoE exchanges sent and received in the last forward (strategies/ep.py)."""
+        return [record for exchange in self.exchanges for record in exchange.routing]
 
 
 def unique_tensors(parameters) -> list:
@@ -212,21 +250,29 @@ def parallelize(
         pp.Pipeline(gpt, layout, rank, args, pp.activation_dtype(layout, work)) if layout.pp > 1 else None
     )
     stages = list(pipeline.stages) if pipeline else [gpt]
-    attentions = []
+    attentions, exchanges = [], []
+    data_dims = tuple(d for d in ("dp_replicate", "dp_shard", "ep") if getattr(layout, d) > 1)
     for index, stage in enumerate(stages):
         if layout.tp > 1:
             tp.apply(stage, mesh["tp"], args)
         if layout.cp > 1:
             attentions += cp.apply(stage, mesh["cp"], layout, rank, args)
+        if moe_layers(stage) and data_dims:
+            ep_mesh = mesh["ep"] if layout.ep > 1 else None
+            exchanges += ep.apply(stage, ep_mesh, submesh(mesh, data_dims).get_group(), layout, rank, args)
         activation_checkpointing.apply(stage, args.activation_checkpointing)
         if args.compile:
             compile.apply(stage)
         if layout.shard_dims:
-            shard.apply(stage, fsdp_mesh(mesh, layout), args, layout, work)
+            shard.apply(
+                stage, fsdp_mesh(mesh, layout), args, layout, work, ignored=set(ep.expert_parameters(stage))
+            )
         elif layout.replicate_dims:
             # every rank of an Accelerate launch a replica: Accelerate's DDP (a fake world of experiments/at_scale.py,
             # which Accelerate did not launch: PyTorch's replicate on the mesh)
             whole_world = layout.size(layout.replicate_dims) == layout.world_size == accelerator.num_processes
+            if whole_world:
+                ep.ignore_for_ddp(stage)
             stages[index] = replicate.apply(
                 stage, submesh(mesh, layout.replicate_dims), accelerator, whole_world
             )
@@ -235,9 +281,11 @@ def parallelize(
     model = pipeline.model if pipeline else stages[0]
     unwrapped = getattr(model, "module", model)  # DDP's wrapped module
     optimizer = accelerator.prepare(make_optimizer(unwrapped.parameters()))
-    return Job(
-        layout, rank, model, stages, optimizer, accelerator, args, work, max_norm, pipeline, attentions
-    )
+    # the ranks that hold the same experts (the data-parallel ranks of other ep coordinates' peers: not ep)
+    replica_dims = tuple(d for d in data_dims if d != "ep")
+    expert_replicas = submesh(mesh, replica_dims).get_group() if exchanges and replica_dims else None
+    return Job(layout, rank, model, stages, optimizer, accelerator, args, work, max_norm, pipeline, attentions,
+               exchanges, expert_replicas)  # fmt: skip
 
 
 @contextlib.contextmanager
@@ -275,7 +323,13 @@ def held_pieces(model, layout: Layout, rank: int, args) -> list[tuple[str, list[
     parameters = [(name, p.shape) for name, p in unique_parameters(model) if holding.holds(name)]
     if holding.tied_copy:
         parameters.append(("head.weight", model.tok_emb.weight.shape))
-    return [(name, tp.local_shape(name, shape, layout, rank)) for name, shape in parameters]
+    return [(name, ep.local_shape(name, tp.local_shape(name, shape, layout, rank), layout))
+            for name, shape in parameters]  # fmt: skip
+
+
+def at_rest(name: str, shape, layout: Layout, rank: int) -> list[int]:
+    """The piece of a parameter a rank holds at rest: FSDP's shard of its TP piece (experts split by ep: whole)."""
+    return list(shape) if ep.split(name, layout) else shard.local_shape(shape, layout, rank)
 
 
 def held_bytes(model, layout: Layout, rank: int, args, work: Workload) -> dict:
@@ -284,7 +338,7 @@ def held_bytes(model, layout: Layout, rank: int, args, work: Workload) -> dict:
     backward the gathered pieces of what FSDP keeps gathered (a pipeline's forward is its whole step: as at
     rest). `model` is the undistributed GPT (float32)."""
     pieces = held_pieces(model, layout, rank, args)
-    params = sum(math.prod(shard.local_shape(shape, layout, rank)) * 4 for _, shape in pieces)
+    params = sum(math.prod(at_rest(name, shape, layout, rank)) * 4 for name, shape in pieces)
     return {
         "params": params,
         "grads": params,
@@ -302,19 +356,23 @@ def gathered_bytes(model, layout: Layout, rank: int, args, work: Workload) -> in
     gathered_element = 2 if work.mixed_precision == "bf16" and layout.shard_dims else 4
     total = 0
     for name, shape in held_pieces(model, layout, rank, args):
-        gathered = layout.shard_dims and shard.gathered_between_forward_and_backward(name, args, layout)
+        gathered = (layout.shard_dims and not ep.split(name, layout)
+                    and shard.gathered_between_forward_and_backward(name, args, layout))  # fmt: skip
         total += (
             math.prod(shape) * gathered_element
             if gathered
-            else math.prod(shard.local_shape(shape, layout, rank)) * 4
+            else math.prod(at_rest(name, shape, layout, rank)) * 4
         )
     return total
 
 
-def sent_traffic(model, layout: Layout, rank: int, args, work: Workload) -> list:
-    """Rank `rank`'s collectives of one step's forwards and backwards, each piece's (strategies.layout.Traffic)."""
+def sent_traffic(model, layout: Layout, rank: int, args, work: Workload, routing: list = ()) -> list:
+    """Rank `rank`'s collectives of one step's forwards and backwards, each piece's (strategies.layout.Traffic).
+    `routing`: what its MoE blocks sent and received in the step (ep's all-to-alls depend on it)."""
     holding = pp.holding(layout, rank, args, model.cfg.n_layer, model.cfg.tie_weights)
     pieces = held_pieces(model, layout, rank, args)
+    experts = [(name, shape) for name, shape in pieces if ep.split(name, layout)]
+    pieces = [piece for piece in pieces if piece not in experts]  # ep's own: FSDP and DDP leave them alone
     blocks = len(holding.blocks)
     recomputed = blocks if args.activation_checkpointing == "full" else 0
     tied = tp.local_shape("tok_emb.weight", model.tok_emb.weight.shape, layout, rank)
@@ -324,13 +382,14 @@ def sent_traffic(model, layout: Layout, rank: int, args, work: Workload) -> list
         *pp.sent(layout, rank, args, work, math.prod(shard.local_shape(tied, layout, rank)) * 4),
         *shard.sent(layout, args, work, pieces),
         *replicate.sent(layout, pieces),
+        *ep.sent(layout, work, list(routing), sum(math.prod(shape) * 4 for _, shape in experts)),
     ]
 
 
-def sent_bytes(model, layout: Layout, rank: int, args, work: Workload) -> dict:
+def sent_bytes(model, layout: Layout, rank: int, args, work: Workload, routing: list = ()) -> dict:
     """Rank `rank`'s bytes of one step's forwards and backwards, by kind (what common/comm_counter.py counts:
     each call's whole tensor) and by the dimension that sends them, and what it puts on the wire."""
-    traffic = sent_traffic(model, layout, rank, args, work)
+    traffic = sent_traffic(model, layout, rank, args, work, routing)
     by_kind, by_dimension = {}, {}
     for t in traffic:
         by_kind[t.kind] = by_kind.get(t.kind, 0) + t.bytes

@@ -73,10 +73,12 @@ def zero3(args, layout: Layout) -> bool:
     )
 
 
-def apply(model: torch.nn.Module, mesh, args, layout: Layout, work: Workload) -> None:
+def apply(
+    model: torch.nn.Module, mesh, args, layout: Layout, work: Workload, ignored: set | None = None
+) -> None:
     """fully_shard each block (ZeRO-3), then the root, over `mesh` (1-D: FSDP; 2-D replicate x shard: HSDP).
     bf16: parameters gathered as bf16 copies, gradients reduced in float32. unwrapped_root is the classic
-    mistake of sharding the blocks only."""
+    mistake of sharding the blocks only. `ignored`: parameters another piece splits (ep's experts)."""
     policy = (
         MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
         if work.mixed_precision == "bf16"
@@ -85,11 +87,15 @@ def apply(model: torch.nn.Module, mesh, args, layout: Layout, work: Workload) ->
     blocks_apart, wrap_root = zero3(args, layout), args.wrong_variant != "unwrapped_root"
     if blocks_apart or not wrap_root:
         for block in model.blocks.values():
-            fully_shard(block, mesh=mesh, reshard_after_forward=blocks_apart, mp_policy=policy)
+            fully_shard(
+                block, mesh=mesh, reshard_after_forward=blocks_apart, mp_policy=policy, ignored_params=ignored
+            )
     if wrap_root:
         # None: FSDP2's default for the root, which keeps its parameters for the backward that starts at once
         root_reshards = True if args.reshard_after_forward == "always" else (None if blocks_apart else False)
-        fully_shard(model, mesh=mesh, reshard_after_forward=root_reshards, mp_policy=policy)
+        fully_shard(
+            model, mesh=mesh, reshard_after_forward=root_reshards, mp_policy=policy, ignored_params=ignored
+        )
 
 
 def set_gradient_sync(model: torch.nn.Module, sync: bool) -> None:

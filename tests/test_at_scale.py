@@ -66,7 +66,7 @@ def test_a_thousand_ranks_on_a_laptop(tmp_path, capsys):
     assert finished.returncode == 0, finished.stderr[-2000:]
     summary = json.loads((tmp_path / "run" / "summary.json").read_text())
     assert summary["passed"] and summary["metrics"]["layout"] == {"pp": 4, "dp_replicate": 1, "dp_shard": 32,
-                                                                  "cp": 1, "tp": 8}  # fmt: skip
+                                                                  "ep": 1, "cp": 1, "tp": 8}  # fmt: skip
     # a rank holds its 1/32 shard of its stage's tp pieces, and while the micro-batches run the gathered bf16 copy
     first = summary["metrics"]["ranks"][0]
     assert first["held"]["params_gathered"] > 10 * first["held"]["params"] > 0
@@ -94,6 +94,7 @@ def test_the_memory_check_catches_a_layout_that_holds_what_its_theory_does_not(t
             ["--world_size", "64", "--pp", "4", "--dp_shard", "16", "--pp_schedule", "zbv"],
             "--pp_schedule zbv at scale: not built",
         ),
+        (["--world_size", "16", "--dp_shard", "8", "--ep", "2"], "--ep 2 at scale: not built"),
         (["--world_size", "8", "--dp_shard", "8", "--ranks", "8"], "--ranks: 8 is not a rank of 8"),
         (["--model", "custom", "--n_layer", "2"], "--model custom needs --vocab_size > 0"),
     ],

@@ -62,7 +62,7 @@ def test_every_dimension_is_one_whole_module(piece):
 
 def test_every_mistake_says_what_it_is_and_is_one_under_some_layout():
     assert set(COMMON_WRONG_VARIANTS) < set(WRONG_VARIANTS) and all(WRONG_VARIANTS.values())
-    layouts = [Layout(dp_shard=2, tp=2, pp=2, cp=2), Layout(dp_replicate=2)]
+    layouts = [Layout(dp_shard=2, tp=2, pp=2, cp=2), Layout(dp_replicate=2), Layout(ep=2)]
     for variant in WRONG_VARIANTS:
         assert any(is_a_mistake_under(variant, layout, stage) for layout in layouts for stage in (None, 3)), (
             variant

@@ -1,0 +1,225 @@
+"""A mixture-of-experts MLP for common/gpt.py's blocks (GPTConfig.n_experts > 0), readable top to bottom.
+
+Each token's router scores every expert (softmax, or sigmoid as DeepSeek-V3); the token goes to its top_k
+experts, and their outputs come back weighted by its scores of them (renormalised over the k chosen, as
+Mixtral and DeepSeek-V3 do). Dropless by default: every expert takes every token sent to it. With
+capacity_factor c > 0 each expert takes at most ceil(c x tokens x k / experts) of one forward's tokens (the
+first in order), the rest dropped (their residual stream passes unchanged; the fraction reported).
+
+Load balancing, the field's two kinds:
+- the auxiliary loss (Switch Transformer, Megatron): aux_loss_coef x experts x sum_i f_i P_i, f_i the share of
+  the k x tokens assignments expert i got, P_i its mean router score. f_i counts the GLOBAL batch's tokens (every
+  data-parallel rank's), so that data parallelism's averaged gradient equals one process's; the term's
+  gradient is added to the router's in backward without changing the reported loss (Megatron's
+  MoEAuxLossAutoScaler): the GPT's loss stays the language-model loss;
+- auxiliary-loss-free balancing (DeepSeek-V3, torchtitan): a per-expert bias added to the scores only to choose
+  the experts (not to weigh them), moved after each optimizer step by bias_update_rate x sign(mean load - load),
+  from the step's global token counts.
+
+Expert parallelism (strategies/ep.py) splits the experts over ranks: the `exchange` hook sends each token to
+the rank of its expert and back (all-to-all). The experts' weights are stacked (experts, in, out), so that a
+split over ranks is a split of dim 0.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+ROUTERS = ("softmax", "sigmoid")
+
+
+class AttachAuxLoss(torch.autograd.Function):
+    """Returns `output` unchanged; in backward, also backpropagates `aux_loss` (gradient 1), so that the balancing
+    term trains the router without being part of the loss the run reports (Megatron's MoEAuxLossAutoScaler)."""
+
+    @staticmethod
+    def forward(ctx, output: torch.Tensor, aux_loss: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(aux_loss)
+        return output
+
+    @staticmethod
+    def backward(ctx, grad_output: torch.Tensor):
+        (aux_loss,) = ctx.saved_tensors
+        return grad_output, torch.ones_like(aux_loss)
+
+
+def local(weight: torch.Tensor) -> torch.Tensor:
+    """This rank's experts of a stacked weight (expert parallelism makes it a DTensor split on dim 0)."""
+    return weight.to_local() if hasattr(weight, "to_local") else weight
+
+
+def run_experts(moe: MoE, tokens: torch.Tensor, counts: list[int]) -> torch.Tensor:
+    """Tokens grouped by expert (counts[e] rows for this rank's e-th expert, in order) through their experts."""
+    w_in, w_out = local(moe.w_in), local(moe.w_out)
+    w_gate = local(moe.w_gate) if moe.w_gate is not None else None
+    outputs = []
+    for e, rows in enumerate(tokens.split(counts)):
+        hidden = rows @ w_in[e]
+        hidden = F.gelu(hidden) if w_gate is None else F.silu(rows @ w_gate[e]) * hidden
+        outputs.append(hidden @ w_out[e])
+    return torch.cat(outputs) if outputs else tokens.new_zeros(0, w_out.shape[-1])
+
+
+class LocalExchange:
+    """No expert parallelism: every expert is here, the tokens go straight to them."""
+
+    def __call__(self, moe: MoE, routed: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+        return run_experts(moe, routed, counts.tolist())
+
+
+class MoE(nn.Module):
+    def __init__(self, cfg):
+        super().__init__()
+        d, hidden, experts = cfg.d_model, cfg.hidden, cfg.n_experts
+        self.n_experts, self.top_k, self.router_kind = experts, cfg.top_k, cfg.router
+        self.capacity_factor, self.aux_loss_coef = cfg.capacity_factor, cfg.aux_loss_coef
+        self.bias_update_rate = cfg.bias_update_rate
+        self.router = nn.Linear(d, experts, bias=False)
+        self.w_in = nn.Parameter(torch.empty(experts, d, hidden))
+        self.w_gate = nn.Parameter(torch.empty(experts, d, hidden)) if cfg.mlp == "swiglu" else None
+        self.w_out = nn.Parameter(torch.empty(experts, hidden, d))
+        # the balancing bias is state, not a parameter (no gradient): in checkpoints, moved by `balance`
+        self.register_buffer("expert_bias", torch.zeros(experts))
+        # this step's tokens per expert (this rank's), and the dropped assignments, summed by `balance`
+        self.register_buffer("tokens_per_expert", torch.zeros(experts), persistent=False)
+        self.register_buffer("dropped", torch.zeros(()), persistent=False)
+        self.exchange = (
+            LocalExchange()
+        )  # a hook: expert parallelism puts its all-to-all here (strategies/ep.py)
+        self.global_counts = lambda counts: counts  # a hook: the data-parallel ranks' counts summed (ep.py)
+        self.weigh_outputs = True  # False only for ep.py's wrong variant combine_without_router_weights
+        self.last_aux_loss = torch.zeros(())
+
+    def route(self, flat: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(chosen experts (N, k), their weights (N, k), every expert's score (N, E)) of N tokens (N, d)."""
+        logits = self.router(flat).float()
+        scores = logits.softmax(-1) if self.router_kind == "softmax" else logits.sigmoid()
+        chosen = (
+            (scores.detach() + self.expert_bias).topk(self.top_k, dim=-1).indices
+        )  # the bias only chooses
+        weights = scores.gather(1, chosen)
+        return chosen, weights / weights.sum(-1, keepdim=True), scores
+
+    def keep_within_capacity(self, expert_ids: torch.Tensor, tokens: int) -> torch.Tensor:
+        """Which of the flattened assignments each expert takes: all (dropless), or each expert's first
+        ceil(capacity_factor x tokens x k / E) in token order."""
+        if self.capacity_factor <= 0:
+            return torch.ones_like(expert_ids, dtype=torch.bool)
+        capacity = math.ceil(self.capacity_factor * tokens * self.top_k / self.n_experts)
+        one_hot = F.one_hot(expert_ids, self.n_experts)
+        place_in_expert = (one_hot.cumsum(0) * one_hot).sum(-1)  # 1 for an expert's first token, 2 ...
+        return place_in_expert <= capacity
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        batch, time, width = x.shape
+        flat = x.reshape(-1, width)
+        chosen, weights, scores = self.route(flat)
+        expert_ids = chosen.flatten()  # assignment j = token j // k's (j % k)-th expert
+        kept = self.keep_within_capacity(expert_ids, flat.shape[0])
+        assignment = torch.argsort(expert_ids.masked_fill(~kept, self.n_experts), stable=True)[
+            : int(kept.sum())
+        ]
+        counts = torch.bincount(expert_ids[kept], minlength=self.n_experts)
+        if torch.is_grad_enabled():  # a training forward's tokens (not an evaluation's): what `balance` sums
+            self.tokens_per_expert += counts.to(self.tokens_per_expert.dtype)
+            self.dropped += (~kept).sum()
+        token_of = assignment // self.top_k
+        outputs = self.exchange(self, flat[token_of], counts)  # (kept assignments, d), in expert order
+        weighted = (
+            outputs * weights.flatten()[assignment].unsqueeze(-1).to(outputs.dtype)
+            if self.weigh_outputs
+            else outputs
+        )
+        combined = torch.zeros_like(flat).index_add(0, token_of, weighted.to(flat.dtype))
+        if self.aux_loss_coef > 0 and self.training and torch.is_grad_enabled():
+            combined = AttachAuxLoss.apply(combined, self.aux_loss(counts, scores))
+        return combined.view(batch, time, width)
+
+    def aux_loss(self, counts: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+        """coef x E x sum_i f_i P_i: f_i from every data-parallel rank's counts (no gradient), P_i over this rank's
+        tokens (averaged over the ranks by data parallelism's gradient average)."""
+        global_counts = self.global_counts(counts.float())
+        share = global_counts / global_counts.sum()
+        loss = self.aux_loss_coef * self.n_experts * (share * scores.mean(0)).sum()
+        self.last_aux_loss = loss.detach()
+        return loss
+
+
+def moe_layers(model: nn.Module) -> list[MoE]:
+    return [m for m in model.modules() if isinstance(m, MoE)]
+
+
+@torch.no_grad()
+def balance(model: nn.Module) -> dict:
+    """After a step's backward (every rank, each step): each MoE layer's step counts summed over the data-parallel
+    ranks (its `global_counts` hook), the bias moved by bias_update_rate x sign(mean - load) when the rate is > 0,
+    the counts reset.
+    Returns the step's figures: max / mean tokens per expert (1 = balanced) per layer, the dropped share, and the
+    loads themselves."""
+    imbalance, loads, dropped, assigned = [], [], 0.0, 0.0
+    for layer in moe_layers(model):
+        counts = layer.global_counts(layer.tokens_per_expert.clone())
+        lost = layer.global_counts(layer.dropped.clone().reshape(1)).item()
+        if layer.bias_update_rate > 0:
+            layer.expert_bias += layer.bias_update_rate * torch.sign(counts.mean() - counts)
+        imbalance.append((counts.max() / counts.mean().clamp(min=1e-9)).item())
+        loads.append(counts.tolist())
+        dropped, assigned = dropped + lost, assigned + counts.sum().item() + lost
+        layer.tokens_per_expert.zero_()
+        layer.dropped.zero_()
+    return {"imbalance": imbalance, "loads": loads, "dropped_fraction": dropped / max(assigned, 1.0)}
+
+
+def init_experts(model: nn.Module, n_layer: int) -> None:
+    """GPT-2's init for the experts' stacked weights: N(0, 0.02), the output projection scaled by depth."""
+    for layer in moe_layers(model):
+        for weight in (layer.w_in, layer.w_gate):
+            if weight is not None:
+                nn.init.normal_(weight, mean=0.0, std=0.02)
+        nn.init.normal_(layer.w_out, mean=0.0, std=0.02 / math.sqrt(2 * n_layer))
+
+
+def moe_parameter_count(cfg) -> int:
+    """The MoE MLP's parameters (router and every expert): replaces the dense MLP's in parameter_count."""
+    matrices = 3 if cfg.mlp == "swiglu" else 2
+    return cfg.d_model * cfg.n_experts + cfg.n_experts * matrices * cfg.d_model * cfg.hidden
+
+
+def active_parameter_count(cfg, total: int) -> int:
+    """Parameters a token uses: all but the experts it is not sent to (a dense GPT: all)."""
+    if not cfg.n_experts:
+        return total
+    matrices = 3 if cfg.mlp == "swiglu" else 2
+    unused = cfg.n_layer * (cfg.n_experts - cfg.top_k) * matrices * cfg.d_model * cfg.hidden
+    return total - unused
+
+
+def report(session, history: list[dict], all_to_all_share: float | None) -> None:
+    """What a user of a mixture of experts watches (main process): tokens per expert per step as max / mean (1 =
+    balanced; mean over the blocks), first and last steps, the dropped share, in the summary and a PNG."""
+    if not session.is_main or not history:
+        return
+    per_step = [sum(h["imbalance"]) / len(h["imbalance"]) for h in history]
+    window = max(1, len(per_step) // 10)
+    first, last = sum(per_step[:window]) / window, sum(per_step[-window:]) / window
+    dropped = sum(h["dropped_fraction"] for h in history) / len(history)
+    session.metrics["moe"] = {"imbalance_per_step": per_step, "imbalance_first": first, "imbalance_last": last,
+                              "dropped_fraction": dropped, "loads_last_step": history[-1]["loads"],
+                              "all_to_all_share_of_step": all_to_all_share}  # fmt: skip
+    share = f"; all-to-all {100 * all_to_all_share:.0f}% of the step" if all_to_all_share is not None else ""
+    session.print(f"experts: tokens per expert max / mean {first:.2f} (first {window} steps) -> {last:.2f} (last "
+                  f"{window}), {100 * dropped:.1f}% of assignments dropped{share}")  # fmt: skip
+    from matplotlib.figure import Figure  # no pyplot: no global backend or figure registry to leave behind
+
+    figure = Figure(figsize=(6, 3.2))
+    axes = figure.add_subplot()
+    axes.plot(range(1, len(per_step) + 1), per_step)
+    axes.axhline(1.0, color="grey", linewidth=0.8)
+    axes.set_xlabel("step")
+    axes.set_ylabel("tokens per expert, max / mean")
+    axes.set_title("expert load imbalance (mean over blocks)")
+    figure.savefig(f"{session.output_dir}/moe_balance.png", dpi=100, bbox_inches="tight")

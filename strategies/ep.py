@@ -1,0 +1,217 @@
+"""ep: expert parallelism for a mixture-of-experts GPT (common/moe.py). Each MoE block's experts are split over
+the --ep ranks (E / ep each, a DTensor split on dim 0: a checkpoint holds every expert whole, by name, and any
+layout reads it); each token goes to the rank of its expert and back:
+
+  1. every rank sorts its (token, expert) assignments by expert and counts them per expert;
+  2. the counts are exchanged (all_to_all_single, equal splits: E / ep counts to each peer): each rank learns how
+     many tokens every peer sends to each of its experts;
+  3. the tokens are dispatched (all_to_all_single, UNEVEN splits: to peer j the assignments of j's experts),
+     regrouped by local expert, run through it, put back in arrival order;
+  4. the outputs return by the reverse all-to-all (the splits swapped) and are combined by the router's
+     weights where they came from (common/moe.py).
+The all-to-alls are torch's autograd-aware functional ones: in backward each sends the gradients back the way
+its tokens came. The ep ranks are data-parallel ranks (each reads its own share of the data): the rest of the
+model is averaged over them as over any data-parallel rank (strategies/layout.py); an expert's gradient already
+sums every ep rank's tokens (the all-to-all's backward brought them), so it is all-reduced only over the ranks
+that hold the same experts (the other data-parallel ranks) and divided by all of them. FSDP and DDP leave the
+experts alone (`ignored_params`, DDP's params-to-ignore): FSDP2 cannot shard a tensor already split over a
+dimension of its own mesh. torchtitan shards its experts again over dp_shard / ep (its efsdp): not built here,
+the experts are whole on each rank of their ep group (DeepSpeed-MoE's expert data parallelism).
+
+With or without ep, every data-parallel layout sums each step's tokens per expert over the data-parallel ranks
+(`global_counts`): the auxiliary loss's f_i and the balancing bias's loads are the GLOBAL batch's, as one
+process computes them, else the ranks' routers drift apart.
+
+Theory, per step and MoE block on a rank: the counts' all-to-all (E x 8 bytes) per forward; the dispatch
+(kept assignments x d_model x the activation's bytes) and the combine (what came in, back) per forward, each
+again in backward; the aux loss's all-reduce of E floats per forward when its coefficient is > 0. The
+dispatch's bytes depend on where the router sent the tokens: the closed form is evaluated on the routing
+counts each block records for the step (`routing`), and the comm counter's count must equal it.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+import torch.distributed._functional_collectives as funcol
+
+from common.config import flag, require
+from common.moe import moe_layers, run_experts
+from common.runtime import deepspeed_stage
+from strategies.layout import Layout, Traffic, Workload
+
+WRONG_VARIANTS = {
+    "combine_without_router_weights": "the experts' outputs summed as they come back, not weighted by the router",
+    "reverse_all_to_all_with_forward_splits": "the outputs sent back with the dispatch's splits, not swapped",
+    "experts_initialised_per_rank": "each ep rank draws its own experts' weights (a seed per rank)",
+    "balance_on_local_tokens": "the balancing counts (aux loss, bias) of each rank's own tokens only",
+}
+EXPERT_WEIGHTS = ("w_in", "w_gate", "w_out")
+
+
+@dataclass
+class Flags:
+    ep: int = flag(0, "expert-parallel degree: data-parallel ranks that also split each MoE block's experts, tokens "
+                   "sent to their experts and back by all-to-all (needs --n_experts; 0, 1: off)")  # fmt: skip
+
+
+def refuse(args, layout: Layout, work: Workload) -> None:
+    experts = work.model.n_experts
+    require(
+        layout.ep == 1 or experts, f"--ep {layout.ep}: expert parallelism splits experts; add --n_experts N"
+    )
+    require(layout.ep == 1 or experts % layout.ep == 0,
+            f"--n_experts {experts} with --ep {layout.ep}: each ep rank holds n_experts / ep experts; pick a "
+            "divisor")  # fmt: skip
+    if not experts:
+        return
+    other = [f"--{dim} {getattr(layout, dim)}" for dim in ("tp", "pp", "cp") if getattr(layout, dim) > 1]
+    require(
+        not other,
+        f"--n_experts with {' '.join(other)}: not built (MoE runs under dp_replicate, dp_shard, ep)",
+    )
+    require(not deepspeed_stage(), "--n_experts under a DeepSpeed accelerate config: not built")
+    require(
+        layout.ep == 1 or (args.activation_checkpointing == "none" and not args.compile),
+        "--ep with --activation_checkpointing or --compile: not built (a recompute would send the tokens again)",
+    )
+
+
+def is_expert(name: str) -> bool:
+    return name.rsplit(".", 1)[-1] in EXPERT_WEIGHTS and ".mlp." in name
+
+
+def split(name: str, layout: Layout) -> bool:
+    """Whether parameter `name` is split by expert parallelism (then left alone by FSDP and DDP)."""
+    return layout.ep > 1 and is_expert(name)
+
+
+def local_shape(name: str, shape, layout: Layout) -> list[int]:
+    shape = list(shape)
+    if split(name, layout):
+        shape[0] //= layout.ep
+    return shape
+
+
+class AllToAll:
+    """The MoE block's `exchange` under expert parallelism (steps 1-4 of the module's docstring); it records each
+    forward's routing (what it sent and received) for the theory."""
+
+    def __init__(self, group, ep: int, wrong_variant: str):
+        self.group, self.ep = group, ep
+        self.swap_back = wrong_variant != "reverse_all_to_all_with_forward_splits"
+        self.routing: list[dict] = []
+        self.seconds = 0.0  # in the forward's all-to-alls (training forwards)
+
+    def __call__(self, moe, routed: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+        local_experts = moe.n_experts // self.ep
+        started = time.perf_counter()
+        counts_in = funcol.all_to_all_single(counts, None, None, self.group).wait()  # (peer, local expert)
+        send = counts.view(self.ep, local_experts).sum(1).tolist()
+        receive = counts_in.view(self.ep, local_experts).sum(1).tolist()
+        arrived = funcol.all_to_all_single_autograd(routed, receive, send, self.group)
+        arrived = arrived.wait() if hasattr(arrived, "wait") else arrived
+        waited = time.perf_counter() - started
+        # arrived in (peer, local expert) order: regrouped by local expert, stable, then put back
+        expert_of = torch.arange(local_experts, device=counts.device).repeat(self.ep)
+        by_expert = torch.argsort(expert_of.repeat_interleave(counts_in), stable=True)
+        outputs = run_experts(moe, arrived[by_expert], counts_in.view(self.ep, local_experts).sum(0).tolist())
+        back = torch.empty_like(outputs).index_copy(0, by_expert, outputs)
+        returned = funcol.all_to_all_single_autograd(back, *((send, receive) if self.swap_back else (receive, send)),
+                                                     self.group)  # fmt: skip
+        started = time.perf_counter()
+        returned = returned.wait() if hasattr(returned, "wait") else returned
+        if torch.is_grad_enabled():
+            self.seconds += waited + time.perf_counter() - started
+            self.routing.append({"sent_rows": sum(send), "received_rows": sum(receive), "width": routed.shape[-1],
+                                 "row_bytes": routed.shape[-1] * (routed.element_size() + back.element_size()),
+                                 "experts": moe.n_experts})  # fmt: skip
+        return returned
+
+
+def apply(model, ep_mesh, data_group, layout: Layout, rank: int, args) -> list[AllToAll]:
+    """Each MoE block's counts summed over `data_group` (the data-parallel ranks); under ep its experts split
+    over `ep_mesh` and its exchange made an all-to-all. Returns the exchanges (their routing is the theory's)."""
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    exchanges = []
+    for layer in moe_layers(model):
+        if args.wrong_variant != "balance_on_local_tokens":
+            layer.global_counts = lambda counts, group=data_group: summed(counts, group)
+        layer.weigh_outputs = args.wrong_variant != "combine_without_router_weights"
+        if layout.ep == 1:
+            continue
+        for name in EXPERT_WEIGHTS:
+            weight = getattr(layer, name)
+            if weight is None:
+                continue
+            split_weight = distribute_tensor(weight.detach(), ep_mesh, [Shard(0)])
+            if args.wrong_variant == "experts_initialised_per_rank":
+                with torch.random.fork_rng(devices=[]):
+                    torch.manual_seed(1000 + rank)
+                    torch.nn.init.normal_(split_weight.to_local(), std=0.02)
+            setattr(layer, name, torch.nn.Parameter(split_weight))
+        layer.exchange = AllToAll(ep_mesh.get_group(), layout.ep, args.wrong_variant)
+        exchanges.append(layer.exchange)
+    return exchanges
+
+
+def summed(counts: torch.Tensor, group) -> torch.Tensor:
+    counts = counts.clone()
+    dist.all_reduce(counts, group=group)
+    return counts
+
+
+def expert_parameters(model) -> list:
+    return [p for layer in moe_layers(model) for p in (layer.w_in, layer.w_gate, layer.w_out)
+            if p is not None and hasattr(p, "to_local")]  # fmt: skip
+
+
+def ignore_for_ddp(model) -> None:
+    """DDP's list of what to leave alone (its private hook, `_set_params_and_buffers_to_ignore_for_model`'s
+    attribute): the experts split by ep, and the MoE blocks' buffers, which DDP would broadcast from rank 0 in every
+    forward (each rank's own token counts; the bias, which every rank moves alike)."""
+    names = [name for name, p in model.named_parameters() if hasattr(p, "to_local")]
+    names += [name for name, _ in model.named_buffers() if ".mlp." in name]
+    model._ddp_params_and_buffers_to_ignore = names
+
+
+def reduce_gradients(model, replicas_group, data_ranks: int) -> None:
+    """The experts' gradients (each already the sum over its ep group's tokens) summed over the ranks that hold
+    the same experts and divided by every data-parallel rank: the mean gradient one process computes."""
+    for param in expert_parameters(model):
+        if param.grad is None:
+            continue
+        grad = param.grad.to_local()
+        if replicas_group is not None:
+            dist.all_reduce(grad, group=replicas_group)
+        grad.div_(data_ranks)
+
+
+def sent(layout: Layout, work: Workload, routing: list[dict], expert_bytes: int) -> list[Traffic]:
+    """One step's traffic of the MoE blocks on a rank, from the routing its exchanges recorded in that step
+    (every forward's: rows sent and received, bytes of a row there and back)."""
+    traffic = []
+    moe = work.model
+    if moe.n_experts and moe.aux_loss_coef > 0 and layout.dp > 1:
+        calls = moe.n_layer * work.micro_batches
+        traffic.append(Traffic("all_reduce", calls * moe.n_experts * 4, layout.dp, "ep"))
+    if layout.ep == 1:
+        return traffic
+    a2a = 0
+    for record in routing:
+        a2a += record["experts"] * 8  # the counts
+        # dispatch: sent rows forward, received rows' gradients back; combine: received rows forward, sent back
+        a2a += (record["sent_rows"] + record["received_rows"]) * record["row_bytes"]
+    traffic.append(Traffic("all_to_all", a2a, layout.ep, "ep"))
+    if layout.dp > layout.ep:
+        traffic.append(Traffic("all_reduce", expert_bytes, layout.dp // layout.ep, "ep"))
+    return traffic
+
+
+def forget_routing(exchanges: list[AllToAll]) -> None:
+    for exchange in exchanges:
+        exchange.routing.clear()

@@ -1,0 +1,259 @@
+"""A mixture of experts (common/moe.py) and expert parallelism (strategies/ep.py): the MoE block equals its
+definition token by token, drops what its capacity says, trains its router by the balancing loss without
+reporting it, and moves its bias towards balance; gloo's uneven all_to_all_single works on CPU (PyTorch's own
+tests skip it there); train_gpt --ep passes every check on 2 and 4 ranks, resumes across layouts, and each of
+its mistakes fails."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from common.gpt import GPT, GPTConfig, count_parameters, lm_loss, parameter_count
+from common.moe import MoE, balance, moe_layers
+from experiments.train_gpt import main
+from helpers import (
+    GPT_DISTRIBUTED_CHECKS,
+    GPT_TINY,
+    assert_gpt_passed,
+    fork_launch,
+    run_in_process,
+    run_main_in_process,
+)
+
+MOE = ["--n_experts", "4", "--top_k", "2", "--aux_loss_coef", "0.01"]
+
+
+def by_definition(moe: MoE, x: torch.Tensor) -> torch.Tensor:
+    """sum over a token's k chosen experts of weight x expert(token), one token at a time."""
+    out = torch.zeros_like(x)
+    chosen, weights, _ = moe.route(x)
+    for t in range(x.shape[0]):
+        for e, w in zip(chosen[t].tolist(), weights[t], strict=True):
+            hidden = x[t] @ moe.w_in[e]
+            hidden = F.gelu(hidden) if moe.w_gate is None else F.silu(x[t] @ moe.w_gate[e]) * hidden
+            out[t] += w * (hidden @ moe.w_out[e])
+    return out
+
+
+@pytest.mark.parametrize(("router", "mlp"), [("softmax", "gelu"), ("sigmoid", "swiglu")])
+def test_the_moe_block_is_its_definition_token_by_token(router, mlp):
+    torch.manual_seed(0)
+    moe = MoE(GPTConfig(d_model=16, n_experts=4, top_k=2, router=router, mlp=mlp))
+    for weight in (moe.w_in, moe.w_gate, moe.w_out):
+        if weight is not None:
+            torch.nn.init.normal_(weight, std=0.2)
+    x = torch.randn(2, 5, 16)
+    assert torch.allclose(moe(x).view(10, 16), by_definition(moe, x.view(10, 16)), atol=1e-5)
+
+
+def test_the_parameter_formula_counts_every_expert_and_the_active_ones_are_fewer():
+    from common.moe import active_parameter_count
+
+    for cfg in (GPTConfig(n_experts=4, top_k=2), GPTConfig(n_experts=8, top_k=1, mlp="swiglu", bias=False)):
+        total = count_parameters(GPT(cfg))
+        assert parameter_count(cfg) == total
+        matrices = 3 if cfg.mlp == "swiglu" else 2
+        unused = cfg.n_layer * (cfg.n_experts - cfg.top_k) * matrices * cfg.d_model * cfg.hidden
+        assert active_parameter_count(cfg, total) == total - unused < total
+
+
+def test_a_capacity_drops_each_experts_assignments_past_it_and_dropless_drops_none():
+    torch.manual_seed(0)
+    x = torch.randn(1, 64, 16)
+    for factor, expect_drops in ((0.0, False), (0.5, True)):
+        moe = MoE(GPTConfig(d_model=16, n_experts=4, top_k=2, capacity_factor=factor))
+        with torch.no_grad():
+            moe.router.weight[0] += 1.0  # a skewed router: expert 0 is everyone's favourite
+        moe(x)
+        figures = balance(moe)
+        assert (figures["dropped_fraction"] > 0) == expect_drops
+        if factor:
+            capacity = -(-factor * 64 * 2 // 4)  # ceil(c x tokens x k / E)
+            assert max(figures["loads"][0]) <= capacity
+
+
+def test_the_aux_loss_trains_the_router_and_stays_out_of_the_reported_loss():
+    """The router's gradient is that of lm loss + coef x E x sum f_i P_i; the loss returned is the lm loss."""
+    torch.manual_seed(0)
+    cfg = GPTConfig(
+        vocab_size=300, block_size=8, n_layer=1, d_model=16, n_head=2, n_experts=4, aux_loss_coef=0.5
+    )
+    model = GPT(cfg)
+    x = torch.randint(0, 300, (2, 8))
+    loss = lm_loss(model(x), x)
+    loss.backward()
+    attached = model.blocks["0"].mlp.router.weight.grad.clone()
+    layer = moe_layers(model)[0]
+    model.zero_grad()
+    layer.aux_loss_coef = 0.0  # the same forward without the attached term, the term added by hand
+    captured = {}
+    layer.register_forward_hook(lambda module, args, out: captured.update(x=args[0]))
+    plain = lm_loss(model(x), x)
+    flat = captured["x"].reshape(-1, 16)
+    chosen, _, scores = layer.route(flat)
+    share = torch.bincount(chosen.flatten(), minlength=4).float() / chosen.numel()
+    (plain + 0.5 * 4 * (share * scores.mean(0)).sum()).backward()
+    assert torch.allclose(loss, plain)  # reported: the language-model loss only
+    assert torch.allclose(attached, layer.router.weight.grad, atol=1e-7)
+    assert not torch.allclose(attached, torch.zeros_like(attached))
+
+
+def test_the_bias_moves_load_from_the_busiest_expert_to_the_idlest():
+    torch.manual_seed(0)
+    moe = MoE(GPTConfig(d_model=16, n_experts=4, top_k=1, bias_update_rate=0.01))
+    with torch.no_grad():
+        moe.router.weight[2] += 0.1  # expert 2 takes most tokens (x's mean is 1)
+    x = torch.randn(1, 256, 16) + 1.0
+    imbalance = []
+    for _ in range(60):
+        with torch.enable_grad():
+            moe(x)
+        imbalance.append(balance(moe)["imbalance"][0])
+    assert imbalance[0] > 2 and sum(imbalance[-10:]) / 10 < 1.3  # the sign steps overshoot: a mean
+    assert moe.expert_bias[2] < 0 < moe.expert_bias.max()
+
+
+def uneven_all_to_all(argv: list[str]) -> int:
+    """One rank (forked by fork_launch, torchrun's environment): rank 0 sends 1 row to itself and 3 to rank 1;
+    rank 1 sends 2 to rank 0 and none to itself; then backward. Prints what arrived and the gradients."""
+    import datetime
+    import json
+
+    import torch.distributed as dist
+    import torch.distributed._functional_collectives as funcol
+
+    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=60))
+    rank = dist.get_rank()
+    send = [1, 3] if rank == 0 else [2, 0]  # rows to rank 0, rank 1
+    receive = [1, 2] if rank == 0 else [3, 0]  # rows from rank 0, rank 1
+    x = torch.cat([torch.full((n, 2), 10.0 * rank + peer) for peer, n in enumerate(send)]).requires_grad_()
+    y = funcol.all_to_all_single_autograd(x, receive, send, dist.group.WORLD)
+    y = y.wait() if hasattr(y, "wait") else y
+    (y * torch.arange(1.0, y.shape[0] + 1).unsqueeze(1)).sum().backward()
+    print(json.dumps({"rank": rank, "arrived": y[:, 0].tolist(), "grad": x.grad[:, 0].tolist()}))
+    return 0
+
+
+@pytest.mark.launch
+def test_gloo_all_to_all_single_with_uneven_splits_forward_and_backward(tmp_path):
+    """Backward returns each received row's gradient (its 1-based position where it arrived) to the row it came
+    from: rank 0's rows went to positions 1 (its own), 1, 2, 3 (rank 1's); rank 1's to rank 0's 2, 3."""
+    import json
+
+    finished = fork_launch(uneven_all_to_all, [], tmp_path / "run", output_flag=False)
+    assert finished.returncode == 0, finished.stderr[-2000:]
+    results = {
+        r["rank"]: r
+        for r in (json.loads(line) for line in finished.stdout.splitlines() if line.startswith("{"))
+    }
+    assert results[0]["arrived"] == [0.0, 10.0, 10.0] and results[0]["grad"] == [1.0, 1.0, 2.0, 3.0]
+    assert results[1]["arrived"] == [1.0, 1.0, 1.0] and results[1]["grad"] == [2.0, 3.0]
+
+
+@pytest.mark.parametrize(
+    ("flags", "said"),
+    [
+        (["--n_experts", "4", "--top_k", "5"], "--n_experts 4 --top_k 5: need n_experts >= 0, 1 <= top_k <= n_experts"),
+        (["--n_experts", "4", "--capacity_factor", "-1"], "--capacity_factor, --aux_loss_coef, --bias_update_rate must be >= 0"),
+    ],
+)  # fmt: skip
+def test_bad_moe_flags_are_one_line_and_exit_2(flags, said, capsys, tmp_path):
+    code, err = run_main_in_process(main, [*GPT_TINY, "--output_dir", str(tmp_path), *flags], capsys)
+    assert code == 2 and said in err
+
+
+@pytest.mark.parametrize(
+    ("degrees", "experts", "said"),
+    [
+        ({"ep": 2}, 0, "--ep 2: expert parallelism splits experts; add --n_experts N"),
+        ({"ep": 2}, 3, "--n_experts 3 with --ep 2: each ep rank holds n_experts / ep experts; pick a divisor"),
+        ({"tp": 2, "ep": 2}, 4, "--n_experts with --tp 2: not built"),
+    ],
+)  # fmt: skip
+def test_expert_parallelism_refuses_what_it_cannot_split_in_one_line(degrees, experts, said):
+    from common.config import UsageError
+    from strategies import ep
+    from strategies.layout import Layout, Workload
+
+    args = type("Args", (), {"activation_checkpointing": "none", "compile": False})()
+    with pytest.raises(UsageError) as refused:
+        ep.refuse(args, Layout(**degrees), Workload(GPTConfig(n_experts=experts), rows=4))
+    assert said in str(refused.value)
+
+
+@pytest.mark.launch
+def test_expert_parallel_on_two_ranks_passes_every_check_and_counts_the_routing(tmp_path):
+    args = [*GPT_TINY, *MOE, "--ep", "2", "--bias_update_rate", "0.001"]
+    finished = fork_launch(main, args, tmp_path / "run")
+    summary = assert_gpt_passed(finished, 2)
+    assert set(summary["checks"]) == GPT_DISTRIBUTED_CHECKS
+    metrics = summary["metrics"]
+    counted, theory = metrics["communication"]["counted"], metrics["communication"]["theory"]
+    # per block: counts, dispatch, combine forward; the two back in backward; the routing drove the theory
+    assert (
+        counted["calls"]["all_to_all"] == 2 * 5
+        and counted["bytes"]["all_to_all"] == theory["by_kind"]["all_to_all"]
+    )
+    routing = counted["routing"]
+    width = 32 * (4 + 4)  # float32 there and back
+    assert theory["by_kind"]["all_to_all"] == sum(
+        4 * 8 + (r["sent_rows"] + r["received_rows"]) * width for r in routing
+    )
+    assert sum(r["sent_rows"] for r in routing) == 2 * 4 * 32 * 2  # blocks x rows x tokens x top_k: dropless
+    experts = 2 * 2 * 4 * 32 * 128  # blocks x (w_in, w_out) x experts x d x hidden: each rank holds half
+    assert [held["params"] for held in metrics["bytes_per_rank"]] == [
+        4 * (metrics["parameters"] - experts // 2)
+    ] * 2
+    assert metrics["moe"]["imbalance_first"] >= 1 and 0 < metrics["moe"]["all_to_all_share_of_step"] < 1
+    assert (finished.output_dir / "moe_balance.png").stat().st_size > 0
+
+
+@pytest.mark.launch
+def test_expert_parallel_inside_sharded_data_parallel_on_four_ranks_passes_every_check(tmp_path):
+    args = [*GPT_TINY, *MOE, "--ep", "2", "--dp_shard", "2", "--bias_update_rate", "0.001", "--max_steps", "8",
+            "--parity_steps", "4"]  # fmt: skip
+    summary = assert_gpt_passed(fork_launch(main, args, tmp_path / "run", num_processes=4), 4)
+    assert set(summary["checks"]) == GPT_DISTRIBUTED_CHECKS
+    kinds = summary["metrics"]["communication"]["counted"]["bytes"]
+    assert {"all_to_all", "all_gather", "reduce_scatter", "all_reduce"} <= set(
+        kinds
+    )  # the experts' all-reduce
+
+
+@pytest.mark.launch
+@pytest.mark.parametrize(
+    "variant", ["combine_without_router_weights", "experts_initialised_per_rank", "balance_on_local_tokens"]
+)
+def test_each_expert_parallel_mistake_fails_the_parity_check(tmp_path, variant):
+    args = [*GPT_TINY, *MOE, "--ep", "2", "--wrong_variant", variant, "--max_steps", "4", "--parity_steps", "3",
+            "--min_loss_drop", "-9"]  # fmt: skip
+    finished = fork_launch(main, args, tmp_path / "run")
+    assert finished.returncode == 1, finished.stderr[-3000:]
+    failed = {name for name, check in finished.summary["checks"].items() if not check["passed"]}
+    assert "matches_single_process" in failed
+
+
+@pytest.mark.launch
+def test_the_combine_sent_back_with_the_dispatch_splits_is_refused_by_torch(tmp_path):
+    args = [*GPT_TINY, *MOE, "--ep", "2", "--wrong_variant", "reverse_all_to_all_with_forward_splits"]
+    with pytest.raises(Exception, match="Split sizes doesn't match total dim 0 size"):  # a rank's exception
+        fork_launch(main, args, tmp_path / "run")
+
+
+@pytest.mark.launch
+def test_an_expert_parallel_checkpoint_resumes_in_one_process_then_sharded(tmp_path):
+    common = [*GPT_TINY, *MOE, "--bias_update_rate", "0.001", "--checkpoint_every", "3", "--lr_decay_steps", "20",
+              "--parity_steps", "3"]  # fmt: skip
+    first = fork_launch(main, [*common, "--ep", "2", "--max_steps", "3"], tmp_path / "ep")
+    assert first.returncode == 0, first.stderr[-3000:]
+    resume = ["--resume_from_checkpoint", str(tmp_path / "ep" / "checkpoints" / "step_00000003")]
+    one = run_in_process(main, [*common, "--per_rank_batch_size", "8", "--max_steps", "6", *resume], tmp_path / "one",
+                         capsys=None)  # fmt: skip
+    assert one.returncode == 0 and one.summary["checks"]["resume_restored_state"]["passed"]
+    sharded = fork_launch(main, [*common, "--dp_shard", "2", "--max_steps", "9", "--resume_from_checkpoint",
+                                 str(tmp_path / "one" / "checkpoints" / "step_00000006")], tmp_path / "ds")  # fmt: skip
+    checks = sharded.summary["checks"]
+    assert sharded.returncode == 0 and checks["resume_restored_state"]["passed"]
+    assert checks["matches_single_process"]["passed"]
