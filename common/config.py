@@ -14,6 +14,7 @@ import gc
 import math
 import os
 import sys
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, TypeVar
@@ -259,6 +260,11 @@ def run_cli(main: Callable[[], int]) -> None:
     except UsageError as error:
         if int(os.environ.get("RANK", "0")) == 0 or not error.same_on_every_rank:
             print(f"{os.path.basename(sys.argv[0])}: error: {error}", file=sys.stderr)
+        elif "TORCHELASTIC_RUN_ID" in os.environ:
+            # the main process says it; under torchrun's agent (accelerate launch's too) the others give it time
+            # to, before the agent sees them exit and terminates every rank (on a loaded machine a peer refused
+            # first and the line was never said)
+            time.sleep(5)
         code = 2
     except KeyboardInterrupt:  # Ctrl-C before a run started (a run says where it stopped itself)
         if int(os.environ.get("RANK", "0")) == 0:

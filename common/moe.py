@@ -67,8 +67,8 @@ def run_experts(moe: MoE, tokens: torch.Tensor, counts: list[int]) -> torch.Tens
 class LocalExchange:
     """No expert parallelism: every expert is here, the tokens go straight to them."""
 
-    def __call__(self, moe: MoE, routed: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
-        return run_experts(moe, routed, counts.tolist())
+    def __call__(self, moe: MoE, routed: torch.Tensor, counts: list[int]) -> torch.Tensor:
+        return run_experts(moe, routed, counts)
 
 
 class MoE(nn.Module):
@@ -92,6 +92,7 @@ class MoE(nn.Module):
         )  # a hook: expert parallelism puts its all-to-all here (strategies/ep.py)
         self.global_counts = lambda counts: counts  # a hook: the data-parallel ranks' counts summed (ep.py)
         self.weigh_outputs = True  # False only for ep.py's wrong variant combine_without_router_weights
+        self.order = self.order_by_expert
         self.last_aux_loss = torch.zeros(())
 
     def route(self, flat: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -114,19 +115,25 @@ class MoE(nn.Module):
         place_in_expert = (one_hot.cumsum(0) * one_hot).sum(-1)  # 1 for an expert's first token, 2 ...
         return place_in_expert <= capacity
 
+    def order_by_expert(self, expert_ids: torch.Tensor, tokens: int) -> tuple[torch.Tensor, list[int]]:
+        """The kept assignments in expert order (indices into the flattened (token, choice) pairs) and how many
+        each expert got; a forward with gradients adds them to the step's counts (what `balance` sums)."""
+        kept = self.keep_within_capacity(expert_ids, tokens)
+        assignment = torch.argsort(expert_ids.masked_fill(~kept, self.n_experts), stable=True)
+        counts = torch.bincount(expert_ids[kept], minlength=self.n_experts)
+        if torch.is_grad_enabled():  # a training forward's tokens (not an evaluation's)
+            self.tokens_per_expert += counts.to(self.tokens_per_expert.dtype)
+            self.dropped += (~kept).sum()
+        counts = counts.tolist()
+        return assignment[: sum(counts)], counts
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         batch, time, width = x.shape
         flat = x.reshape(-1, width)
         chosen, weights, scores = self.route(flat)
         expert_ids = chosen.flatten()  # assignment j = token j // k's (j % k)-th expert
-        kept = self.keep_within_capacity(expert_ids, flat.shape[0])
-        assignment = torch.argsort(expert_ids.masked_fill(~kept, self.n_experts), stable=True)[
-            : int(kept.sum())
-        ]
-        counts = torch.bincount(expert_ids[kept], minlength=self.n_experts)
-        if torch.is_grad_enabled():  # a training forward's tokens (not an evaluation's): what `balance` sums
-            self.tokens_per_expert += counts.to(self.tokens_per_expert.dtype)
-            self.dropped += (~kept).sum()
+        # a hook: experiments/at_scale.py, whose fake tensors hold no routing, puts a uniform one here
+        assignment, counts = self.order(expert_ids, flat.shape[0])
         token_of = assignment // self.top_k
         outputs = self.exchange(self, flat[token_of], counts)  # (kept assignments, d), in expert order
         weighted = (
@@ -136,7 +143,9 @@ class MoE(nn.Module):
         )
         combined = torch.zeros_like(flat).index_add(0, token_of, weighted.to(flat.dtype))
         if self.aux_loss_coef > 0 and self.training and torch.is_grad_enabled():
-            combined = AttachAuxLoss.apply(combined, self.aux_loss(counts, scores))
+            combined = AttachAuxLoss.apply(
+                combined, self.aux_loss(torch.tensor(counts, device=x.device), scores)
+            )
         return combined.view(batch, time, width)
 
     def aux_loss(self, counts: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:

@@ -45,6 +45,29 @@ MODELS = {
         2048,
         "Llama 3 paper, Table 3",
     ),  # fmt: skip
+    # Muennighoff et al. 2024 (OLMoE-1B-7B), Table 1: 16 layers, width 2,048, 16 heads, 64 experts of FFN width
+    # 1,024, 8 a token (6.9B parameters, 1.3B active), vocabulary 50,304, context 4,096, batch 4M tokens (1,024
+    # sequences); SwiGLU, RMSNorm, rope, no biases, untied. Its QK-norm (2 x 2,048 a layer) is not ours, and its
+    # router does not renormalise the top 8 (ours does: the same bytes and FLOPs).
+    "olmoe_1b_7b": Model(
+        GPTConfig(
+            vocab_size=50_304,
+            block_size=4096,
+            n_layer=16,
+            n_head=16,
+            d_model=2048,
+            d_ff=1024,
+            tie_weights=False,
+            mlp="swiglu",
+            norm="rmsnorm",
+            positions="rope",
+            bias=False,
+            n_experts=64,
+            top_k=8,
+        ),
+        1024,
+        "Muennighoff et al. 2024 (OLMoE), Table 1",
+    ),  # fmt: skip
 }
 
 

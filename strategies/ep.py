@@ -61,7 +61,8 @@ class Flags:
 def refuse(args, layout: Layout, work: Workload) -> None:
     experts = work.model.n_experts
     require(
-        layout.ep == 1 or experts, f"--ep {layout.ep}: expert parallelism splits experts; add --n_experts N"
+        layout.ep == 1 or experts,
+        f"--ep {layout.ep}: expert parallelism splits experts; the model has none (--n_experts N)",
     )
     require(layout.ep == 1 or experts % layout.ep == 0,
             f"--n_experts {experts} with --ep {layout.ep}: each ep rank holds n_experts / ep experts; pick a "
@@ -104,21 +105,32 @@ class AllToAll:
         self.group, self.ep = group, ep
         self.swap_back = wrong_variant != "reverse_all_to_all_with_forward_splits"
         self.routing: list[dict] = []
+        self.assume_same_routing = False  # experiments/at_scale.py's fake tensors: every rank routes alike
         self.seconds = 0.0  # in the forward's all-to-alls (training forwards)
 
-    def __call__(self, moe, routed: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+    def __call__(self, moe, routed: torch.Tensor, counts: list[int]) -> torch.Tensor:
         local_experts = moe.n_experts // self.ep
         started = time.perf_counter()
-        counts_in = funcol.all_to_all_single(counts, None, None, self.group).wait()  # (peer, local expert)
-        send = counts.view(self.ep, local_experts).sum(1).tolist()
-        receive = counts_in.view(self.ep, local_experts).sum(1).tolist()
+        sent_counts = torch.tensor(counts, device=routed.device)
+        # each peer's counts for this rank's experts, (peer, local expert); tolist() waits for them
+        counts_in = funcol.all_to_all_single(sent_counts, None, None, self.group)
+        # fake tensors (experiments/at_scale.py) hold no counts: there every rank routes alike (uniform)
+        counts_in = counts if self.assume_same_routing else counts_in.tolist()
+        send = [sum(counts[j * local_experts : (j + 1) * local_experts]) for j in range(self.ep)]
+        receive = [sum(counts_in[j * local_experts : (j + 1) * local_experts]) for j in range(self.ep)]
+        per_local_expert = [
+            sum(counts_in[j * local_experts + e] for j in range(self.ep)) for e in range(local_experts)
+        ]
         arrived = funcol.all_to_all_single_autograd(routed, receive, send, self.group)
         arrived = arrived.wait() if hasattr(arrived, "wait") else arrived
         waited = time.perf_counter() - started
         # arrived in (peer, local expert) order: regrouped by local expert, stable, then put back
-        expert_of = torch.arange(local_experts, device=counts.device).repeat(self.ep)
-        by_expert = torch.argsort(expert_of.repeat_interleave(counts_in), stable=True)
-        outputs = run_experts(moe, arrived[by_expert], counts_in.view(self.ep, local_experts).sum(0).tolist())
+        expert_of = torch.arange(local_experts, device=routed.device).repeat(self.ep)
+        arrivals = torch.tensor(counts_in, device=routed.device)
+        by_expert = torch.argsort(
+            expert_of.repeat_interleave(arrivals, output_size=sum(receive)), stable=True
+        )
+        outputs = run_experts(moe, arrived[by_expert], per_local_expert)
         back = torch.empty_like(outputs).index_copy(0, by_expert, outputs)
         returned = funcol.all_to_all_single_autograd(back, *((send, receive) if self.swap_back else (receive, send)),
                                                      self.group)  # fmt: skip

@@ -292,12 +292,16 @@ def parallelize(
 def quiet():
     """What the pieces say that is expected, silenced for the run only (restored after): FSDP2 warns that a root
     returns a view (the logits, cut out of tensor parallelism's padded all-gather; only an in-place change of it
-    would be wrong, and nothing changes logits in place), DTensor logs that gathering a 2-D-sharded parameter
+    would be wrong, and nothing changes logits in place), DeviceMesh that slicing a flattened dimension will be
+    deprecated, DTensor logs that gathering a 2-D-sharded parameter
     takes two all-gathers, and DeepSpeed calls torch.distributed's deprecated collective names every step."""
     logger = logging.getLogger("torch.distributed.tensor._redistribute")
     level = logger.level
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="FSDP2-wrapped module .* returned a view tensor")
+        # torch 2.13 warns that slicing a flattened dimension (dp_shard_ep, dp_shard_cp) from the root mesh "will be
+        # deprecated in PT 2.11" (it still works here); layout.submesh slices it by name after its first flatten
+        warnings.filterwarnings("ignore", message="Slicing a flattened dim from root mesh")
         warnings.filterwarnings("ignore", message=".*(all_gather_into_tensor|reduce_scatter_tensor). is deprecated",
                                 category=FutureWarning)  # fmt: skip
         logger.setLevel(logging.ERROR)

@@ -19,6 +19,7 @@ from common.cost_model import (
     predict_step,
 )
 from common.gpt import GPT, GPTConfig, parameter_count
+from common.moe import active_parameter_count
 from common.published import MODELS, PUBLISHED_RUNS
 from experiments.at_scale import Config, main, ranks_that_differ, schedule_order
 from helpers import run_in_process, run_main_in_process
@@ -73,6 +74,23 @@ def test_a_thousand_ranks_on_a_laptop(tmp_path, capsys):
 
 
 @pytest.mark.launch
+def test_a_mixture_of_experts_at_scale_sends_what_uniform_routing_sends(tmp_path, capsys):
+    """OLMoE's MoE blocks (64 experts, top 8) narrowed, on dp_shard 4 x ep 4: fake tensors hold no routing, so it
+    is uniform, and each rank's all-to-all is then a closed form: per block, 32 tokens x 8 assignments sent and as
+    many received, 64 wide, bf16 both ways (4 bytes a row element there and back), plus 64 counts of 8 bytes."""
+    args = ["--report_to", "none", "--model", "olmoe_1b_7b", "--n_layer", "1", "--d_model", "64", "--n_head", "4",
+            "--vocab_size", "512", "--block_size", "32", "--world_size", "16", "--dp_shard", "4", "--ep", "4",
+            "--per_rank_batch_size", "1"]  # fmt: skip
+    finished = run_in_process(main, args, tmp_path / "run", capsys)
+    assert finished.returncode == 0, finished.stderr[-2000:]
+    summary = json.loads((tmp_path / "run" / "summary.json").read_text())
+    rank = summary["metrics"]["ranks"][0]
+    assert rank["counted"]["bytes"]["all_to_all"] == (32 * 8 + 32 * 8) * 64 * 4 + 64 * 8
+    assert rank["counted"]["bytes"]["all_reduce"] > 0  # the experts' gradients over their dp_shard replicas
+    assert "routing assumed uniform" in finished.stdout and summary["metrics"]["prediction"] is None
+
+
+@pytest.mark.launch
 def test_the_memory_check_catches_a_layout_that_holds_what_its_theory_does_not(tmp_path, capsys):
     # the classic FSDP mistake: the blocks sharded, the root (embeddings, head) not: every rank holds them whole
     args = [*TINY, "--world_size", "4", "--dp_shard", "4", "--wrong_variant", "unwrapped_root"]
@@ -94,7 +112,10 @@ def test_the_memory_check_catches_a_layout_that_holds_what_its_theory_does_not(t
             ["--world_size", "64", "--pp", "4", "--dp_shard", "16", "--pp_schedule", "zbv"],
             "--pp_schedule zbv at scale: not built",
         ),
-        (["--world_size", "16", "--dp_shard", "8", "--ep", "2"], "--ep 2 at scale: not built"),
+        (
+            ["--world_size", "16", "--dp_shard", "8", "--ep", "2"],
+            "--ep 2: expert parallelism splits experts; the model has none",
+        ),
         (["--world_size", "8", "--dp_shard", "8", "--ranks", "8"], "--ranks: 8 is not a rank of 8"),
         (["--model", "custom", "--n_layer", "2"], "--model custom needs --vocab_size > 0"),
     ],
@@ -163,6 +184,9 @@ def test_the_published_shapes_have_their_papers_parameter_counts():
     assert round(billions["megatron_1t"], 1) == 1008.0  # Table 1
     assert round(billions["llama3_70b"], 2) == 70.55 and round(billions["llama3_405b"], 2) == 405.85
     assert 174.5 < billions["gpt3_175b"] < 175.1  # "175.0B" in GPT-3's Table 2.1
+    olmoe = MODELS["olmoe_1b_7b"].shape  # "6.9B total, 1.3B active"
+    assert round(billions["olmoe_1b_7b"], 1) == 6.9
+    assert round(active_parameter_count(olmoe, parameter_count(olmoe)) / 1e9, 1) == 1.3
     for run in PUBLISHED_RUNS:
         assert run.model in MODELS and run.world_size in (3072, 8192, 16384)
 

@@ -295,13 +295,29 @@ def test_ctrl_c_while_the_program_is_still_importing_is_one_line(tmp_path):
         "--output_dir",
         str(tmp_path / "run"),
     ]
-    starting = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=REPO)
+
+    def as_a_terminal_starts_it() -> (
+        None
+    ):  # SIGINT handled and not blocked, whatever this test process inherited
+        signal.signal(signal.SIGINT, signal.SIG_DFL)
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
+
+    starting = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=REPO,
+                                env={**os.environ, "PYTHONFAULTHANDLER": "1"}, preexec_fn=as_a_terminal_starts_it)  # fmt: skip
     deadline = time.monotonic() + 60
     while not any("libtorch" in m.path for m in psutil.Process(starting.pid).memory_maps()):
         assert time.monotonic() < deadline and starting.poll() is None
         time.sleep(0.005)
     starting.send_signal(signal.SIGINT)
-    _, stderr = starting.communicate(timeout=60)
+    try:
+        _, stderr = starting.communicate(timeout=30)
+    except (
+        subprocess.TimeoutExpired
+    ):  # say where it was: its signal masks, then every thread's stack (SIGABRT)
+        masks = [line for line in open(f"/proc/{starting.pid}/status") if line.startswith("Sig")]
+        starting.send_signal(signal.SIGABRT)
+        _, stderr = starting.communicate(timeout=30)
+        raise AssertionError(f"Ctrl-C ignored for 30 s; {masks}; {stderr[-4000:]}") from None
     assert starting.returncode in (-signal.SIGINT, 130), stderr
     assert stderr.strip().count("\n") == 0 and "interrupted (Ctrl-C)" in stderr, stderr
     assert not (tmp_path / "run").exists()

@@ -167,7 +167,7 @@ def test_bad_moe_flags_are_one_line_and_exit_2(flags, said, capsys, tmp_path):
 @pytest.mark.parametrize(
     ("degrees", "experts", "said"),
     [
-        ({"ep": 2}, 0, "--ep 2: expert parallelism splits experts; add --n_experts N"),
+        ({"ep": 2}, 0, "--ep 2: expert parallelism splits experts; the model has none (--n_experts N)"),
         ({"ep": 2}, 3, "--n_experts 3 with --ep 2: each ep rank holds n_experts / ep experts; pick a divisor"),
         ({"tp": 2, "ep": 2}, 4, "--n_experts with --tp 2: not built"),
     ],

@@ -54,7 +54,9 @@ class PlanArgs:
     top: int = flag(10, "fitting layouts to list")
 
     def validate(self) -> None:
-        model_named(self.model)
+        require(not model_named(self.model).shape.n_experts,
+                f"--model {self.model}: a mixture of experts; the planner's cost model (FLOPs, activations) is the dense "
+                "GPT's: not built (experiments/at_scale.py measures its memory and all-to-alls)")  # fmt: skip
         load_hardware(self.hardware)
         for name in ("gpus", "top"):
             require(getattr(self, name) > 0, f"--{name} must be > 0, got {getattr(self, name)}")
