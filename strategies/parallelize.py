@@ -7,7 +7,8 @@ rank holds and sends by theory, composed from each piece's closed form.
     job.step(norm)                           # AdamW on what each rank holds
 
 The order is torchtitan's: the pipeline split first (each rank keeps its stages, each a GPT holding None for
-what it does not run), then on each stage tensor parallelism -> context parallelism -> activation
+what it does not run), then on each stage tensor parallelism -> context parallelism -> expert parallelism (a
+mixture of experts: its counts summed over the data-parallel ranks, its experts split over ep) -> activation
 checkpointing -> torch.compile per block (--compile) -> FSDP (dp_shard; HSDP with dp_replicate) or replicate,
 each applied when its degree is > 1.
 Each piece is one module that knows its own flags and nothing of the others: this file is the only place
