@@ -174,8 +174,17 @@ class _OneLineParser(argparse.ArgumentParser):
 
     def error(self, message: str):  # noqa: D401 - argparse API
         # every rank of a launch parses the same flags and refuses them alike: the main process says it, once
-        said = f"{self.prog}: error: {message} (see --help)\n" if os.environ.get("RANK", "0") == "0" else None
-        self.exit(2, said)
+        main_process = os.environ.get("RANK", "0") == "0"
+        if not main_process and "TORCHELASTIC_RUN_ID" in os.environ:
+            wait_for_the_main_process_to_say_it()
+        self.exit(2, f"{self.prog}: error: {message} (see --help)\n" if main_process else None)
+
+
+def wait_for_the_main_process_to_say_it() -> None:
+    """A refusal every rank makes alike is said by the main process; under torchrun's agent (accelerate launch's
+    too) the other ranks give it time to, before the agent sees one of them exit and terminates every rank: on a
+    loaded machine a peer refused first and the main process's line was never said (the agent's came first)."""
+    time.sleep(5)
 
 
 def finite_float(text: str) -> float:
@@ -261,10 +270,7 @@ def run_cli(main: Callable[[], int]) -> None:
         if int(os.environ.get("RANK", "0")) == 0 or not error.same_on_every_rank:
             print(f"{os.path.basename(sys.argv[0])}: error: {error}", file=sys.stderr)
         elif "TORCHELASTIC_RUN_ID" in os.environ:
-            # the main process says it; under torchrun's agent (accelerate launch's too) the others give it time
-            # to, before the agent sees them exit and terminates every rank (on a loaded machine a peer refused
-            # first and the line was never said)
-            time.sleep(5)
+            wait_for_the_main_process_to_say_it()
         code = 2
     except KeyboardInterrupt:  # Ctrl-C before a run started (a run says where it stopped itself)
         if int(os.environ.get("RANK", "0")) == 0:
