@@ -17,7 +17,6 @@ this_machine.yaml, and every run's folder.
 
 from __future__ import annotations
 
-import json
 import os
 import sys
 import time
@@ -31,7 +30,7 @@ import yaml
 
 from benchmarks import compare_strategies, mfu
 from benchmarks.performance import bench_collectives, fit_alpha_beta
-from benchmarks.workers import benchmark_parser, dated_folder
+from benchmarks.workers import benchmark_parser, dated_folder, write_table
 from common.cost_model import hardware_from, predict_step
 from common.gpt import GPT, GPTConfig
 from strategies import PRESETS
@@ -153,10 +152,7 @@ def main(argv: list[str] | None = None) -> int:
         argv if argv is not None else sys.argv[1:]
     )
     table = markdown(rows, profile, command.strip())
-    (folder / "calibration.md").write_text(table)
-    (folder / "calibration.json").write_text(json.dumps({"profile": profile, "rows": rows}, indent=2))
-    print(table)
-    print(f"written: {folder}/calibration.md, calibration.json, this_machine.yaml")
+    write_table(folder, "calibration", table, {"profile": profile, "rows": rows}, also=", this_machine.yaml")
     return 0 if all("error" not in r for r in rows) else 1
 
 

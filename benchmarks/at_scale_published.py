@@ -18,7 +18,7 @@ from pathlib import Path
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from benchmarks.workers import benchmark_parser, dated_folder
+from benchmarks.workers import benchmark_parser, dated_folder, write_table
 from common.cost_model import model_flops_per_token
 from common.processes import run_process_tree
 from common.published import MODELS, PUBLISHED_RUNS, ZERO_FIGURE_1
@@ -158,10 +158,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     text = f"`{command.strip()}`\n\n" + "\n\n".join(f"**{title}**\n\n" + "\n".join(lines)
                                                   for title, lines in sections.items()) + "\n"  # fmt: skip
-    (folder / "published.md").write_text(text)
-    (folder / "published.json").write_text(json.dumps(sections, indent=2))
-    print(text)
-    print(f"written: {folder}/published.md")
+    write_table(folder, "published", text, sections)
     return 0
 
 

@@ -17,7 +17,6 @@ Writes <output_dir>/<UTC time>/comparison.md, comparison.png and comparison.json
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 from dataclasses import dataclass
@@ -25,7 +24,7 @@ from pathlib import Path
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from benchmarks.workers import accelerate_launch, checks_verdict, dated_folder, run_for_summary
+from benchmarks.workers import accelerate_launch, checks_verdict, dated_folder, run_for_summary, write_table
 from common.config import finite_float  # noqa: E402
 from strategies import PRESETS
 from strategies.layout import DIMS, Layout
@@ -236,11 +235,8 @@ def main(argv: list[str] | None = None) -> int:
         argv if argv is not None else sys.argv[1:]
     )
     table = markdown(rows, command.strip())
-    (folder / "comparison.md").write_text(table)
-    (folder / "comparison.json").write_text(json.dumps(rows, indent=2))
     plot(rows, folder / "comparison.png")
-    print(table)
-    print(f"written: {folder}/comparison.md, comparison.png, comparison.json")
+    write_table(folder, "comparison", table, rows, also=", comparison.png")
     return 0 if all("error" not in r and r["checks"] == "all passed" for r in rows) else 1
 
 

@@ -14,7 +14,6 @@ C++ build, later ones load it; the table says which runs started with a cold cac
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import shutil
 import sys
@@ -23,7 +22,7 @@ import tempfile
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from benchmarks.compare_strategies import QUICK
-from benchmarks.workers import accelerate_launch, checks_verdict, dated_folder, run_for_summary
+from benchmarks.workers import accelerate_launch, checks_verdict, dated_folder, run_for_summary, write_table
 from common.config import finite_float
 from strategies import PRESETS
 
@@ -87,10 +86,7 @@ def main(argv: list[str] | None = None) -> int:
                      f"| {compiled['tokens_per_s'] / eager['tokens_per_s']:.2f} "
                      f"| {eager['checks']}, {compiled['checks']} |")  # fmt: skip
     table = "\n".join(lines) + "\n"
-    (folder / "compile.md").write_text(table)
-    (folder / "compile.json").write_text(json.dumps(rows, indent=2))
-    print(table)
-    print(f"written: {folder}/compile.md, compile.json")
+    write_table(folder, "compile", table, rows)
     passed = all(r.get(m, {}).get("checks") == "all passed" for r in rows for m in ("eager", "compiled"))
     return 0 if passed else 1
 

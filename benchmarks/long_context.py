@@ -13,13 +13,12 @@ long_context.md and .json; never overwrites.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from benchmarks.workers import accelerate_launch, checks_verdict, dated_folder, run_for_summary
+from benchmarks.workers import accelerate_launch, checks_verdict, dated_folder, run_for_summary, write_table
 from common.config import finite_float  # noqa: E402
 
 RUNS = [  # (label, strategy, ranks, extra flags)
@@ -71,10 +70,7 @@ def main(argv: list[str] | None = None) -> int:
         })  # fmt: skip
     command = "python -m benchmarks.long_context " + " ".join(argv if argv is not None else sys.argv[1:])
     table = markdown(rows, command.strip(), context)
-    (folder / "long_context.md").write_text(table)
-    (folder / "long_context.json").write_text(json.dumps(rows, indent=2))
-    print(table)
-    print(f"written: {folder}/long_context.md, long_context.json")
+    write_table(folder, "long_context", table, rows)
     return 0 if all(r.get("checks") == "all passed" for r in rows) else 1
 
 

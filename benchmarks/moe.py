@@ -16,13 +16,12 @@ Writes <output_dir>/<UTC time>/moe.md and moe.json; the table goes into docs/tra
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from benchmarks.workers import accelerate_launch, checks_verdict, dated_folder, run_for_summary
+from benchmarks.workers import accelerate_launch, checks_verdict, dated_folder, run_for_summary, write_table
 from common.config import finite_float
 
 MOE = ["--n_experts", "4", "--top_k", "2", "--d_ff", "256"]
@@ -93,10 +92,7 @@ def main(argv: list[str] | None = None) -> int:
                      f"| {row['tokens_per_s']:,.0f} | {row['params_bytes_rank0']:,} | {row['all_to_all_bytes']:,} / "
                      f"{row['all_reduce_bytes']:,} | {balance} | {share} | {row['checks']} |")  # fmt: skip
     table = "\n".join(lines) + "\n"
-    (folder / "moe.md").write_text(table)
-    (folder / "moe.json").write_text(json.dumps(rows, indent=2))
-    print(table)
-    print(f"written: {folder}/moe.md, moe.json")
+    write_table(folder, "moe", table, rows)
     return 0 if all(row.get("checks") == "all passed" for row in rows) else 1
 
 

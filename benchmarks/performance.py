@@ -38,7 +38,13 @@ from pathlib import Path
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from benchmarks import compare_strategies, mfu
-from benchmarks.workers import accelerate_launch, dated_folder, free_port, run_one_thread_per_rank
+from benchmarks.workers import (
+    accelerate_launch,
+    dated_folder,
+    free_port,
+    run_one_thread_per_rank,
+    write_table,
+)
 from common.config import finite_float  # noqa: E402
 from common.profiling import (
     STEP_KINDS,
@@ -328,10 +334,7 @@ def main(argv: list[str] | None = None) -> int:
     plot_timelines(strategies_folder, rows, folder / "timelines.png")
     command = "python -m benchmarks.performance " + " ".join(argv if argv is not None else sys.argv[1:])
     table = markdown(report, command.strip())
-    (folder / "performance.md").write_text(table)
-    (folder / "performance.json").write_text(json.dumps(report, indent=2))
-    print(table)
-    print(f"written: {folder}/performance.md, performance.json, timelines.png")
+    write_table(folder, "performance", table, report, also=", timelines.png")
     return 0 if compared == 0 else 1
 
 

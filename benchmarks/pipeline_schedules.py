@@ -13,14 +13,13 @@ schedules.json and each schedule's run folder with its pipeline_timeline.png; ne
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from benchmarks.compare_strategies import QUICK
-from benchmarks.workers import accelerate_launch, checks_verdict, dated_folder, run_for_summary
+from benchmarks.workers import accelerate_launch, checks_verdict, dated_folder, run_for_summary, write_table
 from common.config import finite_float  # noqa: E402
 from strategies.pp import SCHEDULES
 
@@ -82,10 +81,7 @@ def main(argv: list[str] | None = None) -> int:
         argv if argv is not None else sys.argv[1:]
     )
     table = markdown(rows, command.strip())
-    (folder / "schedules.md").write_text(table)
-    (folder / "schedules.json").write_text(json.dumps(rows, indent=2))
-    print(table)
-    print(f"written: {folder}/schedules.md, schedules.json, <schedule>/pipeline_timeline.png")
+    write_table(folder, "schedules", table, rows, also=", <schedule>/pipeline_timeline.png")
     return 0 if all(r.get("checks") == "all passed" for r in rows) else 1
 
 

@@ -139,6 +139,15 @@ def scratch_folder(args) -> str:
     return os.path.dirname(os.path.abspath(args.result)) if args.result else tempfile.mkdtemp()
 
 
+def write_table(folder, name: str, table: str, payload, also: str = "") -> None:
+    """A benchmark's table: <folder>/<name>.md (the markdown the docs take) and <name>.json (its figures), the
+    table printed, then what was written (`also`: the other files it wrote, as ", a.png")."""
+    (folder / f"{name}.md").write_text(table)
+    (folder / f"{name}.json").write_text(json.dumps(payload, indent=2))
+    print(table)
+    print(f"written: {folder}/{name}.md, {name}.json{also}")
+
+
 def write_result(path: str, payload: dict) -> None:
     with open(path, "w") as handle:
         json.dump(payload, handle, indent=2)

@@ -87,21 +87,18 @@ class MoE(nn.Module):
         # this step's tokens per expert (this rank's), and the dropped assignments, summed by `balance`
         self.register_buffer("tokens_per_expert", torch.zeros(experts), persistent=False)
         self.register_buffer("dropped", torch.zeros(()), persistent=False)
-        self.exchange = (
-            LocalExchange()
-        )  # a hook: expert parallelism puts its all-to-all here (strategies/ep.py)
-        self.global_counts = lambda counts: counts  # a hook: the data-parallel ranks' counts summed (ep.py)
+        # hooks: expert parallelism's all-to-all (strategies/ep.py); the data-parallel ranks' counts summed (ep.py)
+        self.exchange = LocalExchange()
+        self.global_counts = lambda counts: counts
         self.weigh_outputs = True  # False only for ep.py's wrong variant combine_without_router_weights
         self.order = self.order_by_expert
-        self.last_aux_loss = torch.zeros(())
 
     def route(self, flat: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """(chosen experts (N, k), their weights (N, k), every expert's score (N, E)) of N tokens (N, d)."""
         logits = self.router(flat).float()
         scores = logits.softmax(-1) if self.router_kind == "softmax" else logits.sigmoid()
-        chosen = (
-            (scores.detach() + self.expert_bias).topk(self.top_k, dim=-1).indices
-        )  # the bias only chooses
+        # the bias only chooses (the weights are the scores themselves)
+        chosen = (scores.detach() + self.expert_bias).topk(self.top_k, dim=-1).indices
         weights = scores.gather(1, chosen)
         return chosen, weights / weights.sum(-1, keepdim=True), scores
 
@@ -153,9 +150,7 @@ class MoE(nn.Module):
         tokens (averaged over the ranks by data parallelism's gradient average)."""
         global_counts = self.global_counts(counts.float())
         share = global_counts / global_counts.sum()
-        loss = self.aux_loss_coef * self.n_experts * (share * scores.mean(0)).sum()
-        self.last_aux_loss = loss.detach()
-        return loss
+        return self.aux_loss_coef * self.n_experts * (share * scores.mean(0)).sum()
 
 
 def moe_layers(model: nn.Module) -> list[MoE]:
@@ -171,8 +166,9 @@ def balance(model: nn.Module) -> dict:
     loads themselves."""
     imbalance, loads, dropped, assigned = [], [], 0.0, 0.0
     for layer in moe_layers(model):
-        counts = layer.global_counts(layer.tokens_per_expert.clone())
-        lost = layer.global_counts(layer.dropped.clone().reshape(1)).item()
+        # the step's loads and dropped assignments, summed over the data-parallel ranks in one all-reduce
+        summed = layer.global_counts(torch.cat([layer.tokens_per_expert, layer.dropped.reshape(1)]))
+        counts, lost = summed[:-1], summed[-1].item()
         if layer.bias_update_rate > 0:
             layer.expert_bias += layer.bias_update_rate * torch.sign(counts.mean() - counts)
         imbalance.append((counts.max() / counts.mean().clamp(min=1e-9)).item())

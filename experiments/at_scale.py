@@ -77,7 +77,7 @@ from common.gpt import GPT, GPTConfig, adamw, lm_loss, parameter_count
 from common.moe import moe_layers
 from common.published import MODELS, PUBLISHED_RUNS, model_named
 from strategies import ParallelArgs, ep, pp, tp
-from strategies.layout import DIMS, Layout, Workload
+from strategies.layout import DIMS, Layout, Workload, chunk_rows
 from strategies.parallelize import (
     Instruments,
     gathered_bytes,
@@ -330,8 +330,7 @@ def uniform_order(layer, expert_ids: torch.Tensor, tokens: int) -> tuple[torch.T
     shared out evenly over the experts (torch.chunk's split of tokens x top_k), the same on every rank. Stands in
     for MoE.order_by_expert; the run says so."""
     assignments = tokens * layer.top_k
-    counts = [len(c) for c in torch.chunk(torch.empty(assignments, device="meta"), layer.n_experts)]
-    counts += [0] * (layer.n_experts - len(counts))
+    counts = [chunk_rows(assignments, layer.n_experts, e) for e in range(layer.n_experts)]
     return torch.arange(assignments, device=expert_ids.device), counts
 
 
@@ -441,14 +440,14 @@ def report(
                       f"{gb(r['activations_per_microbatch']):>10} {estimate(r['activations_estimate']):>10} "
                       f"{r['in_flight']:>9} {gb(peak):>9} {estimate(r['peak_estimate']):>10}  "
                       f"{'yes' if peak <= capacity else 'NO'} ({gb(capacity)} GiB)")  # fmt: skip
+    session.metrics.update(model=cfg.model, parameters=parameter_count(work.model), layout=layout.degrees(),
+                           ranks=results, memory=rows, hardware=hardware.name, fits=all(row["fits"] for row in rows))  # fmt: skip
     if work.model.n_experts:  # the cost model's FLOPs and activations are the dense GPT's
-        a2a = [r["counted"]["bytes"].get("all_to_all", 0) for r in results]
+        a2a = max(r["counted"]["bytes"].get("all_to_all", 0) for r in results)
         session.print(f"a mixture of experts, routing assumed uniform (fake tensors hold none): all-to-all "
-                      f"{gb(max(a2a))} GiB a rank per step (counted = theory); PREDICTED: not modelled for a mixture "
+                      f"{gb(a2a)} GiB a rank per step (counted = theory); PREDICTED: not modelled for a mixture "
                       "of experts")  # fmt: skip
-        session.metrics.update(model=cfg.model, parameters=parameter_count(work.model), layout=layout.degrees(),
-                               ranks=results, memory=rows, hardware=hardware.name, prediction=None, published=[],
-                               fits=all(row["fits"] for row in rows), all_to_all_bytes_per_rank=max(a2a))  # fmt: skip
+        session.metrics.update(prediction=None, published=[], all_to_all_bytes_per_rank=a2a)
         return
     calls = results[0]["counted"]["calls"]
     prediction = predict_step(reference, layout, cfg, work, hardware, calls)
@@ -468,11 +467,8 @@ def report(
         ours = theirs / prediction["step_s"] / layout.world_size / 1e12
         session.print(f"PUBLISHED ({p.source}): {p.tflops_per_gpu:.0f} TFLOP/s per GPU, MFU {p.mfu:.0%}; predicted in "
                       f"its count {ours:.0f} TFLOP/s: predicted / published {ours / p.tflops_per_gpu:.2f}")  # fmt: skip
-    session.metrics.update(
-        model=cfg.model, parameters=parameter_count(work.model), layout=layout.degrees(), ranks=results,
-        memory=rows, hardware=hardware.name, prediction=prediction | {"tflops_per_gpu": tflops, "mfu": mfu},
-        published=[p.__dict__ for p in published], fits=all(row["fits"] for row in rows),
-    )  # fmt: skip
+    session.metrics.update(prediction=prediction | {"tflops_per_gpu": tflops, "mfu": mfu},
+                           published=[p.__dict__ for p in published])  # fmt: skip
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -69,7 +69,7 @@ from common.gpt import (
     require_trainable,
     sample_text,
 )
-from common.moe import active_parameter_count
+from common.moe import ROUTERS, active_parameter_count
 from common.optim import cosine_lr, set_lr
 from common.profiling import StepProfiler, report_profile
 from common.run import start_run
@@ -123,7 +123,7 @@ class Config(ResumableArgs, ParallelArgs, CheckArgs):
                           "--ep splits them over ranks")  # fmt: skip
     top_k: int = flag(2, "with --n_experts: experts each token goes to")
     router: str = flag("softmax", "with --n_experts: the router's scores, softmax (Switch, Mixtral) or sigmoid "
-                       "(DeepSeek-V3)", choices=("softmax", "sigmoid"))  # fmt: skip
+                       "(DeepSeek-V3)", choices=ROUTERS)  # fmt: skip
     capacity_factor: float = flag(0.0, "with --n_experts: 0 = dropless; c > 0: an expert takes at most c x tokens x "
                                   "top_k / n_experts of a forward's tokens, the rest dropped (reported)")  # fmt: skip
     aux_loss_coef: float = flag(0.0, "with --n_experts: the auxiliary load-balancing loss's weight (Switch: 0.01; 0: "

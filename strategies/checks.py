@@ -231,9 +231,8 @@ def compare_with_one_process(session, model_cfg, probe: Probe, step_losses, *, s
 
     def clip_and_schedule(i: int) -> float:
         set_lr(optimizer, lr_at(session.start_step + i))
-        if (
-            model_cfg.n_experts
-        ):  # the step's loads move the balancing bias, as the distributed job's clip does
+        # the step's loads move the balancing bias, as the distributed job's clip does
+        if model_cfg.n_experts:
             balance(model)
         return clip_by_global_norm(model.parameters(), max_norm)
 

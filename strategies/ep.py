@@ -138,7 +138,7 @@ class AllToAll:
         returned = returned.wait() if hasattr(returned, "wait") else returned
         if torch.is_grad_enabled():
             self.seconds += waited + time.perf_counter() - started
-            self.routing.append({"sent_rows": sum(send), "received_rows": sum(receive), "width": routed.shape[-1],
+            self.routing.append({"sent_rows": sum(send), "received_rows": sum(receive),
                                  "row_bytes": routed.shape[-1] * (routed.element_size() + back.element_size()),
                                  "experts": moe.n_experts})  # fmt: skip
         return returned

@@ -33,7 +33,6 @@ from torch.distributed.tensor import DTensor
 from common import moe
 from common.checkpoint import ShardedCheckpointer
 from common.gpt import lm_loss
-from common.moe import balance, moe_layers
 from common.optim import clip_by_global_norm
 from common.runtime import deepspeed_stage
 from strategies import activation_checkpointing, compile, cp, ep, pp, replicate, shard, tp
@@ -112,7 +111,7 @@ class Job:
         piece's). First, a mixture of experts' step loads (summed over the data-parallel ranks) move its balancing
         bias."""
         if self.work.model.n_experts:
-            self.balance_history.append(balance(self.model))
+            self.balance_history.append(moe.balance(self.model))
         return clip_by_global_norm(
             self.model.parameters(),
             self.max_norm,
@@ -258,7 +257,7 @@ def parallelize(
             tp.apply(stage, mesh["tp"], args)
         if layout.cp > 1:
             attentions += cp.apply(stage, mesh["cp"], layout, rank, args)
-        if moe_layers(stage) and data_dims:
+        if moe.moe_layers(stage) and data_dims:
             ep_mesh = mesh["ep"] if layout.ep > 1 else None
             exchanges += ep.apply(stage, ep_mesh, submesh(mesh, data_dims).get_group(), layout, rank, args)
         activation_checkpointing.apply(stage, args.activation_checkpointing)
