@@ -71,7 +71,7 @@ def run_for_summary(command: list[str], run_dir, timeout_s: float) -> dict:
 
 def checks_verdict(summary: dict) -> str:
     """'all passed', or 'FAILED: ' and the checks that failed."""
-    failed = [name for name, check in summary["checks"].items() if not check["passed"]]
+    failed = [name for name, check in summary["checks"].items() if check["passed"] is False]
     return "all passed" if not failed else "FAILED: " + ", ".join(failed)
 
 

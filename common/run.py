@@ -277,6 +277,11 @@ class Run:
     def check(self, name: str, passed: bool, detail: str) -> None:
         self.checks[name] = {"passed": bool(passed), "detail": detail}
 
+    def skip_check(self, name: str, why: str) -> None:
+        """A check this run cannot make (`why` says what would let it): neither passed nor failed (`passed` null,
+        `skipped` true), shown as SKIP; the run's verdict is that of the checks that ran."""
+        self.checks[name] = {"passed": None, "skipped": True, "detail": f"not run: {why}"}
+
     def parity_check(self, name: str, difference: float, atol: float, what: str) -> None:
         """`what` = difference, within atol: e.g. ("matches_single_process", 3e-8, 1e-5, "max |DDP - one process|")."""
         self.checks[name] = parity_check(difference, atol, what)

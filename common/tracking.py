@@ -90,6 +90,7 @@ class TrackerPlan:
 
 
 WANDB_ID_FILE = "wandb_run_id"  # in --output_dir: the W&B run a resumed run continues
+FAILED_TAG = "checks_failed"  # the W&B tag of a run whose own checks failed
 
 
 def resolve_trackers(report_to: str, output_dir: str, continuing: bool = False) -> TrackerPlan:
@@ -248,7 +249,8 @@ class RunRecorder:
         """
         from accelerate.utils import broadcast_object_list
 
-        passed = all(c["passed"] for c in checks.values()) if checks else False
+        # a skipped check (passed None: the run could not make it) neither passes nor fails the run
+        passed = all(c["passed"] is not False for c in checks.values()) if checks else False
         if self.is_main:
             summary = {
                 "experiment": self.experiment,
@@ -272,7 +274,7 @@ class RunRecorder:
             write_json_atomic(os.path.join(self.output_dir, "summary.json"), summary)
             self._record_verdict_in_trackers(checks, passed)
             for name, check in checks.items():
-                self.print(f"check {name:<36} {'PASS' if check['passed'] else 'FAIL'}  {check['detail']}")
+                self.print(f"check {name:<36} {verdict_word(check)}  {check['detail']}")
             self.print(
                 f"{self.experiment}: "
                 f"{'PASSED' if passed else 'FAILED'} -> {os.path.join(self.output_dir, 'summary.json')}"
@@ -283,15 +285,18 @@ class RunRecorder:
         return 0 if verdict[0] else 1
 
     def _record_verdict_in_trackers(self, checks: dict, passed: bool) -> None:
-        """PASS/FAIL per check into the W&B run's summary, where the runs table shows it."""
+        """PASS/FAIL per check into the W&B run's summary, where the runs table shows it; a run with a failed check
+        is tagged `checks_failed` (a sweep never ranks it: tools/sweep.py), so W&B's runs table can filter it out."""
         if not (self.trackers_alive and "wandb" in self.tracker_notes):
             return
         try:
             run = self.accelerator.get_tracker("wandb", unwrap=True)
+            if not passed:
+                run.tags = (*(run.tags or ()), FAILED_TAG)
             run.summary.update(
                 {
                     "passed": passed,
-                    **{f"check/{name}": "PASS" if c["passed"] else "FAIL" for name, c in checks.items()},
+                    **{f"check/{name}": verdict_word(c) for name, c in checks.items()},
                 }
             )
         except Exception as error:
@@ -305,6 +310,10 @@ class RunRecorder:
             except Exception as error:
                 self._drop_trackers("finish", error)
         self.trackers_alive = False
+
+
+def verdict_word(check: dict) -> str:
+    return "SKIP" if check.get("skipped") else "PASS" if check["passed"] else "FAIL"
 
 
 def _step_of(line: str) -> float:

@@ -105,9 +105,12 @@ class DeepSpeedJob(Job):
         super().__init__(layout, accelerator.process_index, engine, [engine], optimizer, accelerator, args, work,
                          max_norm, pipeline=None, attentions=[])  # fmt: skip
         self.stage = stage
-        # ZeRO-3 traces the order modules run in over the first iterations (the evaluation's forwards count)
-        # and settles it with broadcasts in step 3 (measured): steady from step 4
-        self.steady_step = 4 if stage == 3 else 3
+
+    @property
+    def steady_step(self) -> int:
+        """ZeRO-3 traces the order modules run in over the first iterations (the evaluation's forwards count)
+        and settles it with broadcasts in step 3 (measured): steady from step 4."""
+        return 4 if self.stage == 3 else 3
 
     def clip(self) -> float:
         """The engine clipped inside accelerator.backward (its optimizer step): the global norm it used."""

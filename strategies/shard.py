@@ -106,6 +106,15 @@ def set_gradient_sync(model: torch.nn.Module, sync: bool) -> None:
             module.set_requires_gradient_sync(sync, recurse=False)
 
 
+def reshard(model: torch.nn.Module) -> None:
+    """Free every gathered copy. After an evaluation (forwards, no backward) FSDP2 keeps the root gathered (it
+    reshards the root only after backward), so the next step would skip the root's all-gather its theory counts
+    and hold a whole root between evaluation and training. A no-op for a model without FSDP modules."""
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            module.reshard()
+
+
 # ------------------------------------------------------------------------------------------------ theory
 def shard_index(layout: Layout, rank: int) -> int:
     """The rank's place among the sharding ranks (dp_shard outer, cp inner: the flattened mesh's order)."""

@@ -120,6 +120,11 @@ BAD = {
         "command sets --output_dir: each trial writes into its own folder",
     ),
     "not utf-8": (b"program: experiments/ddp_linear.py\nmethod: \xff\xfe\n", "is not UTF-8 text (byte 0xff"),
+    "a degree that changes the global batch": (
+        "program: experiments/train_gpt.py\nmethod: grid\nmetric: {name: val_loss}\nparameters: {tp: {values: [1, 2]}}\n"
+        'command: ["${env}", "torchrun", "--nproc_per_node", "2", "${program}", "${args}"]\n',
+        "its trials would train different global batches (tp=1: 8; tp=2: 4 samples a step on 2 rank(s))",
+    ),
     "missing program": (
         "program: experiments/nope.py\nmethod: grid\nmetric: {name: final_mse}\nparameters: {lr: {values: [0.1]}}\n",
         "program 'experiments/nope.py' not found",
@@ -152,65 +157,6 @@ def test_cli_refuses_a_bad_sweep_with_one_line_and_exit_2(tmp_path):
     )
     assert done.returncode == 2 and done.stderr.count("\n") == 1 and "learning_rate" in done.stderr
     assert not (tmp_path / "out" / "trial001").exists()
-
-
-@pytest.mark.launch
-def test_offline_two_trial_grid_end_to_end(tmp_path):
-    out = tmp_path / "sweep"
-    home = tmp_path / "home"
-    home.mkdir()
-    done = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "tools.sweep",
-            "sweep_configs/ddp_linear_lr.yaml",
-            "--count",
-            "2",
-            "--output_dir",
-            str(out),
-        ],
-        capture_output=True,
-        text=True,
-        cwd=REPO,
-        timeout=300,
-        env=clean_env(HOME=str(home), NETRC=str(home / "none")),
-    )
-    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
-    with open(out / "leaderboard.csv") as handle:
-        rows = list(csv.DictReader(handle))
-    assert [r["state"] for r in rows] == ["finished", "finished"] and {r["checks_passed"] for r in rows} == {
-        "True"
-    }
-    assert {r["per_rank_batch_size"] for r in rows} == {"16", "32"} and {r["lr"] for r in rows} == {"0.02"}
-    assert float(rows[0]["final_mse"]) <= float(rows[1]["final_mse"])  # sorted best first (minimize)
-    assert f"best: {rows[0]['trial']}" in done.stdout
-    assert (out / "leaderboard.png").read_bytes()[:4] == b"\x89PNG"
-    for row in rows:
-        trial = Path(row["dir"])
-        summary = json.loads((trial / "summary.json").read_text())
-        assert (
-            summary["passed"] and summary["world_size"] == 2
-        )  # each trial ran on 2 ranks, every rank got the flags
-        assert summary["config"]["per_rank_batch_size"] == int(row["per_rank_batch_size"])
-        assert summary["metrics"]["final_mse"] == pytest.approx(float(row["final_mse"]))
-        run_dir = summary["trackers"]["wandb"]["run_dir"]
-        assert (
-            summary["trackers"]["wandb"]["mode"] == "offline" and row["trial"] in run_dir
-        )  # the agent's WANDB_RUN_ID
-        assert (
-            row["trial"].startswith("sweep-") and summary["trackers"]["wandb"]["run_id"] == row["trial"]
-        )  # unique per sweep
-        inspected = subprocess.run(
-            [sys.executable, "-m", "wandb", "leet", "inspect", "--summary", "--json", run_dir],
-            capture_output=True,
-            text=True,
-            timeout=60,
-            check=True,
-        )
-        assert json.loads(inspected.stdout)["config"]["per_rank_batch_size"] == int(
-            row["per_rank_batch_size"]
-        )
 
 
 def test_the_search_is_seeded():
@@ -302,3 +248,105 @@ def test_an_output_dir_that_is_a_file_is_one_line(tmp_path, capsys, monkeypatch)
         main, ["sweep_configs/ddp_linear_lr.yaml", "--output_dir", str(tmp_path / "a_file")], capsys
     )
     assert code == 2 and "exists and is not a directory" in stderr and stderr.strip().count("\n") == 0
+
+
+@pytest.mark.launch
+def test_offline_grid_end_to_end_ranks_only_the_trial_whose_checks_pass(tmp_path):
+    """An offline grid through accelerate launch, end to end. Two trials that train the same run: the first with
+    a truth tolerance no run can meet, so its own check fails. Its metric equals the other's, yet only the verified
+    trial is ranked and named best; the failed one is listed with its failed check in the table and the CSV, told
+    to the search as failed, and its W&B run tagged."""
+    out, home = tmp_path / "sweep", tmp_path / "home"
+    home.mkdir()
+    sweep_file = tmp_path / "tolerance.yaml"
+    sweep_file.write_text(
+        (REPO / "sweep_configs" / "ddp_linear_lr.yaml")
+        .read_text()
+        .replace("values: [0.02, 0.1]", "value: 0.1")
+        .replace("per_rank_batch_size:\n    values: [16, 32]", "truth_tolerance:\n    values: [1.0e-9, 0.05]")
+        .replace("value: 150", "value: 100")
+    )
+    done = subprocess.run(
+        [sys.executable, "-m", "tools.sweep", str(sweep_file), "--count", "2", "--output_dir", str(out)],
+        capture_output=True, text=True, cwd=REPO, timeout=300,
+        env=clean_env(HOME=str(home), NETRC=str(home / "none")),
+    )  # fmt: skip
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+    with open(out / "leaderboard.csv") as handle:
+        rows = list(csv.DictReader(handle))
+    verified, failed = rows
+    assert verified["ranked"] == "True" and verified["truth_tolerance"] == "0.05"
+    assert (
+        failed["ranked"] == "False"
+        and failed["state"] == "failed"
+        and failed["failed_checks"] == "recovers_truth"
+    )
+    assert failed["not_ranked_because"] == "checks failed: recovers_truth"
+    assert float(failed["final_mse"]) == pytest.approx(
+        float(verified["final_mse"])
+    )  # the same run, only unverified
+    assert f"best: {verified['trial']}" in done.stdout and f"best: {failed['trial']}" not in done.stdout
+    assert f"{failed['trial']} failed (exit 1) not ranked: checks failed: recovers_truth" in done.stdout
+    record = json.loads((out / "sweep.json").read_text())
+    assert record["best"]["trial"] == verified["trial"]
+    assert (out / "leaderboard.png").read_bytes()[:4] == b"\x89PNG"
+    tags = {}
+    for row in rows:
+        summary = json.loads((Path(row["dir"]) / "summary.json").read_text())
+        # each trial ran on 2 ranks, every rank got the flags
+        assert summary["world_size"] == 2 and summary["passed"] == (row["ranked"] == "True")
+        assert summary["config"]["truth_tolerance"] == float(row["truth_tolerance"])
+        assert summary["metrics"]["final_mse"] == pytest.approx(float(row["final_mse"]))
+        wandb_run = summary["trackers"]["wandb"]
+        # the agent's WANDB_RUN_ID, unique per sweep; offline, syncable later
+        assert (
+            wandb_run["mode"] == "offline"
+            and row["trial"].startswith("sweep-")
+            and wandb_run["run_id"] == row["trial"]
+        )
+        inspected = subprocess.run(
+            [sys.executable, "-m", "wandb", "leet", "inspect", "--summary", "--json", wandb_run["run_dir"]],
+            capture_output=True, text=True, timeout=60, check=True,
+        )  # fmt: skip
+        inspected = json.loads(inspected.stdout)
+        assert inspected["config"]["truth_tolerance"] == float(row["truth_tolerance"])
+        tags[row["ranked"]] = inspected.get("tags") or []
+    assert "checks_failed" in tags["False"] and "checks_failed" not in tags["True"], tags
+
+
+def test_no_verified_trial_means_no_best_and_the_search_is_told_each_failed(tmp_path, capsys):
+    """A trial that completed with a failed check, one that crashed: neither is ranked, nothing is named best, and
+    read_outcome hands the search a failure (no score), with the failed checks' names."""
+    from tools.sweep import Sweep, read_outcome, write_leaderboard
+
+    completed = tmp_path / "t1"
+    completed.mkdir()
+    (completed / "summary.json").write_text(json.dumps({
+        "completed": True, "metrics": {"val_loss": 1.5},
+        "checks": {"loss_decreased": {"passed": True}, "communication_volume": {"passed": False},
+                   "matches_single_process": {"passed": None, "skipped": True}},
+    }))  # fmt: skip
+    crashed = tmp_path / "t2"
+    crashed.mkdir()
+    assert read_outcome(str(completed), "val_loss") == (
+        1.5,
+        "checks failed: communication_volume",
+        ["communication_volume"],
+    )
+    assert read_outcome(str(crashed), "val_loss")[:2] == (
+        None,
+        "no summary.json: it crashed or was ended before its end (see trial.log)",
+    )
+    sweep = Sweep(
+        "s.yaml", {"parameters": {"tp": {"values": [1, 2]}}}, "p.py", ["tp"], "val_loss", "minimize", []
+    )
+    rows = [
+        {"trial": "t1", "state": "failed", "ranked": False, "val_loss": 1.5, "tp": 1, "dir": str(completed)},
+        {"trial": "t2", "state": "failed", "ranked": False, "val_loss": None, "tp": 2, "dir": str(crashed)},
+    ]
+    assert write_leaderboard(sweep, rows, str(tmp_path)) is None
+    printed = capsys.readouterr().out
+    assert (
+        "best:" not in printed
+        and "no trial ran to its end and passed every check, so there is no best" in printed
+    )

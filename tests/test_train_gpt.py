@@ -83,6 +83,27 @@ def test_each_wrong_variant_is_caught(tmp_path, variant, failing):
     assert {name for name, check in checks.items() if not check["passed"]} == failing
 
 
+@pytest.mark.launch
+@pytest.mark.parametrize(
+    ("layout", "steps", "verdict"),
+    [(["--cp", "2"], 2, "PASS"), (["--pp", "2"], 1, "SKIP")],
+    ids=["cp_2_steps", "pp_1_step"],
+)
+def test_a_short_run_counts_a_steady_step_or_says_why_it_cannot(tmp_path, layout, steps, verdict):
+    """The bytes sent are counted in the layout's first step free of one-time work: step 1 (the evaluation before
+    it reshards FSDP's root; DDP rebuilds its buckets in step 2), a pipeline's step 2 (its first schedule step
+    votes and sends shapes once). A 2-step cp run passes (it failed on DDP's rebuild broadcast, 268 bytes); a
+    1-step pipeline has no such step and says so: not run, neither pass nor fail."""
+    args = [*GPT_TINY, *layout, "--max_steps", str(steps), "--parity_steps", str(steps), "--min_loss_drop", "0"]
+    summary = assert_gpt_passed(fork_launch(main, args, tmp_path / "run"), 2)
+    check = summary["checks"]["communication_volume"]
+    if verdict == "PASS":
+        assert check["passed"] is True and "every rank equals its theory" in check["detail"]
+    else:
+        assert check["passed"] is None and check["skipped"] and "train at least 2 steps" in check["detail"]
+    assert all(c["passed"] for name, c in summary["checks"].items() if name != "communication_volume")
+
+
 def test_a_model_that_does_not_learn_fails_loss_decreased(tmp_path, capsys):
     finished = run_in_process(main, [*GPT_TINY, "--lr", "1e-7"], tmp_path / "run", capsys)
     assert finished.returncode == 1 and not finished.summary["checks"]["loss_decreased"]["passed"]

@@ -13,7 +13,8 @@ Before any trial runs, the sweep is validated: YAML and W&B schema, every parame
 program, every trial the search can propose (all its values together, with the command's own flags, at the
 world size its launcher starts: grid combinations, both ends of a range) accepted by the program's own flag
 checks, the metric one the program declares in its Config's `sweep_metrics`, the command's words one per
-item. A trial is ranked only if its summary.json says it ran to its end. Problems are one line, exit 2. A trial that runs past
+item. A trial is ranked only if its summary.json says it ran to its end and passed every check it made (the search is told
+the others failed, not scored). Problems are one line, exit 2. A trial that runs past
 --trial_timeout_s is ended with every process of its launch (torchrun's ranks live in sessions of
 their own), before it is reported failed, so nothing writes into its folder afterwards.
 The search is seeded (--seed): the same sweep proposes the same values again.
@@ -251,6 +252,8 @@ def proposable_values(spec: dict) -> list:
 
 
 MOST_TRIALS_CHECKED = 512  # a grid larger than this is checked on each value's corners, as a range is
+# a sweep over these means to change the batch; over anything else, its trials must train one global batch
+BATCH_FLAGS = ("per_rank_batch_size", "gradient_accumulation_steps")
 
 
 def refuse_trials(path: str, config_cls, config: dict, fixed: list[str], command: list) -> None:
@@ -264,6 +267,9 @@ def refuse_trials(path: str, config_cls, config: dict, fixed: list[str], command
     if math.prod(len(c) for c in choices) > MOST_TRIALS_CHECKED:
         trials = itertools.product(*([c[0], c[-1]] for c in choices))
     world_size = launched_ranks([str(c) for c in command])
+    global_batches: dict[
+        tuple, dict[str, int]
+    ] = {}  # batch flags' values -> {a trial's values: global batch}
     for trial in trials:
         values = {name: value for name, value in zip(names, trial, strict=True) if value is not None}
         argv = [f"--{name}={value}" for name, value in values.items()] + fixed + ["--report_to", "none"]
@@ -272,14 +278,26 @@ def refuse_trials(path: str, config_cls, config: dict, fixed: list[str], command
         ):
             argv += ["--expected_world_size", str(world_size)]
         said = io.StringIO()
+        shown = ", ".join(f"{name}={value}" for name, value in values.items())
         try:
             with contextlib.redirect_stderr(said):
-                parse_config(config_cls, argv)
+                parsed = parse_config(config_cls, argv)
         except SystemExit:
             reason = said.getvalue().strip().split("error: ", 1)[-1].removesuffix(" (see --help)")
-            shown = ", ".join(f"{name}={value}" for name, value in values.items())
             raise UsageError(f"sweep file {path!r}: a trial may run with {shown} on {world_size} rank(s), which "
                              f"{config['program']} refuses: {reason}") from None  # fmt: skip
+        if hasattr(parsed, "global_batch_size"):
+            # trials that set the batch flags alike must train one global batch: a degree that changes the
+            # data-parallel ranks changes it silently (tp 2 on 2 ranks halves it), and the bigger batch "wins"
+            batch = tuple(values.get(name) for name in BATCH_FLAGS)
+            global_batches.setdefault(batch, {})[shown] = parsed.global_batch_size()
+    for trials in global_batches.values():
+        if len(set(trials.values())) > 1:
+            figures = "; ".join(f"{shown or 'the defaults'}: {size}" for shown, size in trials.items())
+            raise UsageError(f"sweep file {path!r}: its trials would train different global batches ({figures} "
+                             f"samples a step on {world_size} rank(s)), so the leaderboard would rank unlike runs: "
+                             "keep the data-parallel degree fixed, or sweep --per_rank_batch_size / "
+                             "--gradient_accumulation_steps with the degree so the global batch stays the same")  # fmt: skip
 
 
 def launched_ranks(command: list[str]) -> int:
@@ -344,32 +362,36 @@ def expand_command(sweep: Sweep, values: dict, args_json_path: str) -> list[str]
     return command
 
 
-def read_outcome(trial_dir: str, metric: str) -> tuple[float | None, str | None]:
-    """(the metric, None) of a trial that ran to its end (its summary.json says `completed`; the final figure, or
-    the last value logged to metrics.jsonl), else (None, why it did not finish). A run that crashed, was killed
-    or ended early is never ranked, whatever it logged before."""
+def read_outcome(trial_dir: str, metric: str) -> tuple[float | None, str | None, list[str]]:
+    """(the metric, why it is not ranked or None, the names of its failed checks). Ranked: a trial that ran to its
+    end (its summary.json says `completed`) and passed every check it made; its metric is the final figure, or
+    the last value logged to metrics.jsonl. A run that crashed, was killed or ended early is never ranked, nor is
+    one whose own checks say its result is wrong (a metric it logged is kept for the table, never for the best)."""
     try:
         with open(os.path.join(trial_dir, "summary.json")) as handle:
             summary = json.load(handle)
     except FileNotFoundError:
-        return None, "no summary.json: it crashed or was ended before its end (see trial.log)"
+        return None, "no summary.json: it crashed or was ended before its end (see trial.log)", []
     except (OSError, json.JSONDecodeError) as error:
-        return None, f"its summary.json is unreadable ({type(error).__name__})"
+        return None, f"its summary.json is unreadable ({type(error).__name__})", []
+    failed = [name for name, check in summary.get("checks", {}).items() if check.get("passed") is False]
     if not summary.get("completed", False):
-        return None, "it ended early (summary.json: completed false; see its checks)"
+        return None, "it ended early (summary.json: completed false; see its checks)", failed
     value = summary.get("metrics", {}).get(metric)
-    if isinstance(value, int | float):
-        return float(value), None
-    last = None
-    try:
-        with open(os.path.join(trial_dir, "metrics.jsonl")) as handle:
-            for line in handle:
-                last = json.loads(line).get(metric, last)
-    except (OSError, json.JSONDecodeError):
-        pass
-    if isinstance(last, int | float):
-        return float(last), None
-    return None, f"it ran to its end but never logged {metric!r}"
+    if not isinstance(value, int | float):
+        value = None
+        try:
+            with open(os.path.join(trial_dir, "metrics.jsonl")) as handle:
+                for line in handle:
+                    value = json.loads(line).get(metric, value)
+        except (OSError, json.JSONDecodeError):
+            pass
+    value = float(value) if isinstance(value, int | float) else None
+    if failed:
+        return value, f"checks failed: {', '.join(failed)}", failed
+    if value is None:
+        return None, f"it ran to its end but never logged {metric!r}", []
+    return value, None, []
 
 
 def run_sweep(sweep: Sweep, count: int, output_dir: str, trial_timeout_s: float, seed: int = 0) -> list[dict]:
@@ -414,22 +436,27 @@ def run_sweep(sweep: Sweep, count: int, output_dir: str, trial_timeout_s: float,
                 command, trial_timeout_s, capture=False, env=env, stdout=log, stderr=log
             ).returncode
         exit_code = "timeout" if exit_code == TIMED_OUT else exit_code
-        value, why = read_outcome(trial_dir, sweep.metric) if exit_code != "timeout" else (None, "timed out")
-        # A run that ran to its end with a check failed (exit 1: e.g. an lr too small to recover the truth) has a
-        # real metric the search should learn from. Anything else is a failed trial: under `accelerate launch` a
-        # crash exits 1 too, so the exit code alone cannot tell; summary.json's `completed` does.
+        value, why, failed_checks = (
+            read_outcome(trial_dir, sweep.metric) if exit_code != "timeout" else (None, "timed out", [])
+        )
+        # Only a trial that ran to its end and passed every check is a result. Anything else is a failure, and
+        # the search is told so (W&B's engine then proposes around it, not from its figure): a crash (under
+        # `accelerate launch` it exits 1, like a failed check: summary.json tells them apart), a timeout, or a run
+        # whose own checks say its result is wrong (an lr too small to recover the truth, a layout that failed
+        # parity): its metric is not the metric of a correct run.
         state = sweeps.RunState.finished if why is None else sweeps.RunState.failed
-        checks_passed = exit_code == 0
-        proposal.state, proposal.summary_metrics = state, ({sweep.metric: value} if value is not None else {})
+        proposal.state = state
+        proposal.summary_metrics = {sweep.metric: value} if why is None else {}
         runs.append(proposal)
         rows.append(
             {
                 "trial": run_id,
                 "state": state.value,
-                "checks_passed": checks_passed,
+                "ranked": why is None,
                 "exit_code": exit_code,
                 sweep.metric: value,
-                "failed_because": why or "",
+                "failed_checks": " ".join(failed_checks),
+                "not_ranked_because": why or "",
                 **values,
                 "seconds": round(time.perf_counter() - started, 1),
                 "dir": trial_dir,
@@ -442,8 +469,8 @@ def run_sweep(sweep: Sweep, count: int, output_dir: str, trial_timeout_s: float,
 
 def write_leaderboard(sweep: Sweep, rows: list[dict], output_dir: str) -> dict | None:
     sign = 1 if sweep.goal == "minimize" else -1
-    # finished trials by their metric; failed ones after them, never ranked
-    ranked = sorted(rows, key=lambda r: (r["state"] != "finished", sign * (r[sweep.metric] or 0)))
+    # ranked trials (ran to their end, passed every check) by their metric; the others after them, never ranked
+    ranked = sorted(rows, key=lambda r: (not r["ranked"], sign * (r[sweep.metric] or 0)))
     columns = list(dict.fromkeys(k for r in ranked for k in r))
     with open(os.path.join(output_dir, "leaderboard.csv"), "w", newline="") as handle:
         writer = csv.DictWriter(handle, fieldnames=columns)
@@ -454,13 +481,17 @@ def write_leaderboard(sweep: Sweep, rows: list[dict], output_dir: str) -> dict |
     print("  ".join(c.ljust(widths[c]) for c in shown))
     for row in ranked:
         print("  ".join(format_cell(row.get(c)).ljust(widths[c]) for c in shown))
-    best = next((r for r in ranked if r["state"] == "finished"), None)
+    best = next((r for r in ranked if r["ranked"]), None)
     swept = [p for p in sweep.config["parameters"] if len({repr(r.get(p)) for r in rows}) > 1]
     plot_leaderboard(sweep, rows, swept, output_dir)
     if best:
         print(
             f"best: {best['trial']} {sweep.metric}={best[sweep.metric]:.6g} with "
             + " ".join(f"{p}={best[p]}" for p in sweep.config["parameters"])
+        )
+    else:
+        print(
+            f"sweep: no trial ran to its end and passed every check, so there is no best ({len(rows)} not ranked)"
         )
     print(
         f"leaderboard: {os.path.join(output_dir, 'leaderboard.csv')}, {os.path.join(output_dir, 'leaderboard.png')}"
@@ -480,16 +511,18 @@ def plot_leaderboard(sweep: Sweep, rows: list[dict], swept: list[str], output_di
     figure = Figure(figsize=(4.5 * max(len(shown), 1), 3.5))
     axes = figure.subplots(1, max(len(shown), 1), squeeze=False)
     for axis, param in zip(axes[0], shown, strict=False):
-        points = [
-            (r[param], r[sweep.metric])
-            for r in rows
-            if r[sweep.metric] is not None and isinstance(r.get(param), int | float)
-        ]
-        if points:
-            axis.scatter(*zip(*points, strict=True))
-            xs = [p[0] for p in points]
-            if min(xs) > 0 and max(xs) / min(xs) > 10:
-                axis.set_xscale("log")
+        xs = []
+        for ranked, style in ((True, {"marker": "o", "label": "ranked"}),
+                              (False, {"marker": "x", "color": "tab:red", "label": "not ranked (a check failed)"})):  # fmt: skip
+            points = [(r[param], r[sweep.metric]) for r in rows if r["ranked"] == ranked
+                      and r[sweep.metric] is not None and isinstance(r.get(param), int | float)]  # fmt: skip
+            if points:
+                axis.scatter(*zip(*points, strict=True), **style)
+                xs += [p[0] for p in points]
+        if xs and min(xs) > 0 and max(xs) / min(xs) > 10:
+            axis.set_xscale("log")
+        if any(not r["ranked"] and r[sweep.metric] is not None for r in rows):
+            axis.legend(fontsize="small")
         axis.set(xlabel=param, ylabel=sweep.metric)
     figure.suptitle(f"{os.path.basename(sweep.path)}: {sweep.metric} ({sweep.goal}) per trial")
     figure.tight_layout()
@@ -528,7 +561,7 @@ def main(argv: list[str] | None = None) -> int:
             indent=2,
             default=str,
         )
-    return 0 if best is not None and not math.isnan(best[sweep.metric]) else 1
+    return 0 if best is not None and not math.isnan(best[sweep.metric]) else 1  # no verified trial: exit 1
 
 
 if __name__ == "__main__":
