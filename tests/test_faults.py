@@ -54,9 +54,10 @@ def test_a_trial_that_did_not_run_to_its_end_is_failed_and_never_ranked(tmp_path
     assert sweep.read_outcome(early, "tokens_per_s") == (
         None,
         "it ended early (summary.json: completed false; see its checks)",
+        [],
     )
-    assert sweep.read_outcome(done, "tokens_per_s") == (1000.0, None)
-    rows = [{"trial": name, "state": state, sweep_metric: value, "fail_at_step": step}
+    assert sweep.read_outcome(done, "tokens_per_s") == (1000.0, None, [])
+    rows = [{"trial": name, "state": state, "ranked": state == "finished", sweep_metric: value, "fail_at_step": step}
             for name, state, value, step in (("crashed", "failed", None, 5), ("done", "finished", 1000.0, 0))
             for sweep_metric in ("tokens_per_s",)]  # fmt: skip
     config = {"parameters": {"fail_at_step": {"values": [0, 5]}}}
@@ -66,7 +67,8 @@ def test_a_trial_that_did_not_run_to_its_end_is_failed_and_never_ranked(tmp_path
 
 
 def test_summary_json_says_whether_a_run_ran_to_its_end(tmp_path, capsys):
-    # a check failed (4 steps are too few for the loss to fall by 0.1), but the run ran to its end: it is ranked
+    # a check failed (4 steps are too few for the loss to fall by 0.1), but the run ran to its end (a sweep still
+    # never ranks it: its result is not verified)
     args = [*GPT_TINY, "--max_steps", "4", "--parity_steps", "0"]
     finished = run_in_process(train_gpt, args, tmp_path / "r", capsys)
     assert finished.returncode == 1 and finished.summary["completed"] is True
