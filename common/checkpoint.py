@@ -54,6 +54,7 @@ from common.reliability import FaultArgs
 CHECKPOINT_PREFIX = "step_"
 CHECKPOINT_NAME = re.compile(r"^step_(\d{8})$")
 STEP_FILE = "step.json"
+WEIGHTS_FILE = "weights.json"  # beside state/ in the weights-only folder tools.convert_checkpoint from-safetensors writes
 FORMAT = 2  # format 1 (before 2026-12-04) had no file digests: refused, it cannot be verified
 REJECTED_FOLDER = (
     "rejected"  # checkpoints/rejected/: newer checkpoints that failed verification, kept for a look
@@ -194,7 +195,13 @@ def read_sealed(folder: str, name: str = STEP_FILE) -> tuple[dict | None, str | 
         with open(os.path.join(folder, name), encoding="utf-8") as handle:
             meta = json.load(handle)
     except FileNotFoundError:
+        if name == STEP_FILE and os.path.isfile(os.path.join(folder, WEIGHTS_FILE)):
+            return None, ("a weights-only folder (tools.convert_checkpoint from-safetensors wrote it: no optimizer "
+                          "state, no step, no data position), which no run resumes; to train from these weights, "
+                          "start a new run with --init_from FILE.safetensors (to-safetensors writes one from it)")  # fmt: skip
         return None, f"no {name}: not a checkpoint folder, or one whose writing never finished"
+    except IsADirectoryError:
+        return None, folder_in_place_of(name)
     except (UnicodeDecodeError, json.JSONDecodeError) as error:
         return None, f"{name} is not the JSON that was written ({type(error).__name__})"
     except OSError as error:  # a permission or an I/O error: the checkpoint may be whole
@@ -211,12 +218,20 @@ def read_sealed(folder: str, name: str = STEP_FILE) -> tuple[dict | None, str | 
     return meta, None
 
 
+def folder_in_place_of(name: str) -> str:
+    """One fault, one message: a folder where a checkpoint's file was written (its size or its read would
+    otherwise say 4,096 bytes in one place and a read error in another)."""
+    return f"{name} is a folder where a file was written"
+
+
 def verify_files(folder: str, files) -> str | None:
     """None if every file recorded is there with its size and sha256, else what is wrong."""
     if not isinstance(files, dict) or not files:
         return "no files recorded"
     for relative, record in files.items():
         path = os.path.join(folder, relative)
+        if os.path.isdir(path):
+            return folder_in_place_of(relative)
         size = _size(path)
         if not isinstance(record, dict) or size is None:
             return f"{relative} is missing"

@@ -45,9 +45,24 @@ class UsageError(Exception):
         self.same_on_every_rank = same_on_every_rank
 
 
-def flag(default: Any, help: str, choices: Sequence[Any] | None = None, positional: bool = False) -> Any:
-    """A dataclass field that is also a CLI flag (`positional`: a bare argument, as a tool's input file)."""
-    return field(default=default, metadata={"help": help, "choices": choices, "positional": positional})
+def flag(
+    default: Any, help: str, choices: Sequence[Any] | None = None, positional: bool = False, parse=None
+) -> Any:
+    """A dataclass field that is also a CLI flag (`positional`: a bare argument, as a tool's input file; `parse`:
+    the text -> value of a flag whose values need more than its type, raising argparse.ArgumentTypeError)."""
+    return field(
+        default=default, metadata={"help": help, "choices": choices, "positional": positional, "parse": parse}
+    )
+
+
+def given_path(text: str) -> str:
+    """A path flag's value when given: not empty (an empty --output_dir would silently mean the default folder,
+    inside the repository)."""
+    if not text.strip():
+        raise argparse.ArgumentTypeError(
+            f"{text!r} is empty: give a path, or leave the flag out for its default"
+        )
+    return text
 
 
 # a week: longer is a typo, and torch's timedelta arithmetic overflows near 1e300
@@ -92,6 +107,7 @@ class RunArgs:
     output_dir: str = flag(
         "",
         "folder for summary.json, metrics.jsonl, config.json and tracker files (default runs/<experiment>)",
+        parse=given_path,
     )
     seed: int = flag(0, "seed for data, initial weights and shuffling; the same on every rank")
     report_to: str = flag(
@@ -238,7 +254,11 @@ def build_parser(
             # `--overwrite` alone means true; `--overwrite false` is accepted too (sweeps pass values).
             kwargs.update(nargs="?", const=True, type=_parse_bool, metavar="BOOL")
         else:
-            kwargs.update(type=finite_float if kind is float else kind)
+            kwargs.update(type=f.metadata.get("parse") or (finite_float if kind is float else kind))
+            if f.metadata.get(
+                "parse"
+            ):  # argparse would parse a string default too: left out, the dataclass's holds
+                kwargs["default"] = argparse.SUPPRESS
             if f.metadata.get("choices"):
                 kwargs["choices"] = f.metadata["choices"]
         parser.add_argument(f"--{f.name}", **kwargs)

@@ -118,6 +118,25 @@ def shard_rows(tensors: tuple[torch.Tensor, ...], rank: int, world_size: int) ->
     return tuple(t[rank * per_rank : (rank + 1) * per_rank] for t in tensors)
 
 
+IGNORED_TARGET = -100  # cross_entropy's ignore_index: a target that scores nothing
+
+
+def padded_share(
+    rows: tuple[torch.Tensor, torch.Tensor], rank: int, parts: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rank `rank`'s contiguous share of (inputs, targets) when EVERY row must count (an evaluation): ceil(rows /
+    parts) rows each, the last shares padded with copies of the first row whose targets are IGNORED_TARGET. Every
+    rank runs the same batches (FSDP all-gathers in each forward), and the padding scores nothing, so the mean
+    over the scored tokens is the same on any number of ranks (201 rows on 2: 101 + 100 and one padding row)."""
+    inputs, targets = rows
+    per_part = -(-len(inputs) // parts)
+    start, end = min(rank * per_part, len(inputs)), min((rank + 1) * per_part, len(inputs))
+    padding = per_part - (end - start)
+    padded_targets = torch.full_like(targets[:1], IGNORED_TARGET).expand(padding, -1)
+    return (torch.cat([inputs[start:end], inputs[:1].expand(padding, -1)]),
+            torch.cat([targets[start:end], padded_targets]))  # fmt: skip
+
+
 def dataset_tensors(dataset: Dataset) -> tuple[torch.Tensor, torch.Tensor]:
     """A Dataset(x, y) as (x, y) float32 tensors, y a column."""
     columns = dataset.with_format("torch")[:]

@@ -70,12 +70,33 @@ class OutputLock:
             holder = os.pread(self.descriptor, 32, 0).decode(errors="replace").strip() or "unknown"
             os.close(self.descriptor)
             self.descriptor = None
-            raise UsageError(
-                f"--output_dir {os.path.dirname(self.path)} is in use by another run (pid {holder}); "
-                "wait for it to finish or choose another --output_dir"
-            ) from None
+            raise self.in_use(os.path.dirname(self.path), holder) from None
         os.ftruncate(self.descriptor, 0)
         os.pwrite(self.descriptor, f"{os.getpid()}\n".encode(), 0)
+
+    @staticmethod
+    def in_use(output_dir: str, holder: str) -> UsageError:
+        return UsageError(
+            f"--output_dir {output_dir} is in use by another run (pid {holder}); "
+            "wait for it to finish or choose another --output_dir"
+        )
+
+    @classmethod
+    def refuse_if_held(cls, output_dir: str) -> None:
+        """Refuse a folder a live run holds, before anything reads its files as an earlier run's (a live run's
+        folder has a config.json and no summary.json yet: it is not a run that did not finish). Takes nothing:
+        a shared lock tried and dropped at once."""
+        try:
+            descriptor = os.open(os.path.join(output_dir, cls.NAME), os.O_RDONLY)
+        except OSError:
+            return  # no lock file (no run has held it), or unreadable: acquire() says what is wrong
+        try:
+            fcntl.flock(descriptor, fcntl.LOCK_SH | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = os.pread(descriptor, 32, 0).decode(errors="replace").strip() or "unknown"
+            raise cls.in_use(output_dir, holder) from None
+        finally:
+            os.close(descriptor)  # closing the descriptor drops the shared lock, if it was taken
 
     def release(self) -> None:
         if self.descriptor is not None:

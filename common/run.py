@@ -144,6 +144,10 @@ class Run:
                 f"--resume_from_checkpoint {self.checkpoint} lies inside --output_dir {self.output_dir}, which "
                 "--overwrite moves aside: resume into another --output_dir"
             )
+        if (
+            int(os.environ.get("RANK", "0")) == 0
+        ):  # (the other ranks would see their own run's lock, once taken)
+            OutputLock.refuse_if_held(self.output_dir)
         self._refuse_finished_run(world_size)
         if resumable:
             refuse_mixed_lineage(cfg, self.output_dir, found)

@@ -59,8 +59,9 @@ import torch
 
 from common.checkpoint import ResumableArgs
 from common.config import flag, parse_config, require, require_positive, run_cli
-from common.data import iterate_sample_stream, shard_rows
+from common.data import iterate_sample_stream, padded_share, shard_rows
 from common.gpt import (
+    GPT,
     PER_RANK_BATCH_SIZE,
     GPTConfig,
     adamw,
@@ -76,6 +77,7 @@ from common.run import start_run
 from common.runtime import launched_world_size
 from common.text import load_corpus
 from common.training import TrainLoop
+from common.weights import read_weights, refuse_unfit
 from strategies import ParallelArgs
 from strategies.checks import CheckArgs, Probe, check_layout
 from strategies.layout import DIMS, Layout, Workload
@@ -102,6 +104,9 @@ class Config(ResumableArgs, ParallelArgs, CheckArgs):
                       "min_loss_drop", "sample_tokens", "profile_steps", "text_files", "activation_checkpointing")  # fmt: skip
 
     text_files: str = flag("", "comma-separated text files to train on (default: CPython's pydoc topics)")
+    init_from: str = flag("", "a .safetensors file of full weights (tools.convert_checkpoint to-safetensors) to start "
+                          "this new run from: fine-tuning, with a fresh optimizer at step 0 (a resumed run continues "
+                          "from its checkpoint instead)")  # fmt: skip
     vocab_size: int = flag(MODEL.vocab_size, "BPE vocabulary trained on the corpus")
     block_size: int = flag(MODEL.block_size, "context length in tokens")
     n_layer: int = flag(MODEL.n_layer, "transformer blocks")
@@ -264,6 +269,11 @@ def run(cfg: Config) -> int:
         work.model, vocab_size=corpus["vocab_size"]
     )  # what the tokenizer really has
     work = dataclasses.replace(work, model=model_cfg)
+    # exported weights to start from, verified and fitted to this model before anything is written
+    init_weights, init_digest = read_weights(cfg.init_from, "--init_from") if cfg.init_from else ({}, "")
+    if init_weights:
+        with torch.device("meta"):
+            refuse_unfit(init_weights, GPT(model_cfg).state_dict(), f"--init_from {cfg.init_from}")
     with (
         start_run(cfg, EXPERIMENT, data_identity=corpus["identity"], gradient_accumulation_steps=work.micro_batches,
                   mixed_precision="no" if layout.shard_dims else cfg.mixed_precision) as session,  # FSDP2: its policy
@@ -280,7 +290,9 @@ def run(cfg: Config) -> int:
         global_rows = cfg.per_rank_batch_size * layout.dp
         stream = iterate_sample_stream(*corpus["train"], global_rows, cfg.seed, start_sample)
         batches = (shard_rows(batch, data_rank, layout.dp) for batch in stream)
-        val_rows = shard_rows(corpus["val"], layout.dp_rank(rank), layout.dp)
+        # every validation row counts, on any layout: a data-parallel rank's share, padded to the others' size with
+        # rows that score nothing (the loss is a property of the weights, not of the layout)
+        val_rows = padded_share(corpus["val"], layout.dp_rank(rank), layout.dp)
         # the one-process reference replays the same global batches, from where the data stream really was
         replayed = functools.partial(
             iterate_sample_stream, *corpus["train"], global_rows, cfg.seed, session.samples_seen
@@ -289,6 +301,11 @@ def run(cfg: Config) -> int:
         # The model: the same initial weights on every rank and in the reference (unless seed_per_rank); then the
         # layout decides who holds what (strategies/parallelize.py), and AdamW steps on whatever each rank holds.
         gpt = build_gpt(model_cfg, cfg.seed + rank * (variant == "seed_per_rank"))
+        if (
+            init_weights and not session.checkpoint
+        ):  # a new run from exported weights (a resume: its checkpoint's)
+            gpt.load_state_dict(init_weights)
+            session.metrics["init_from"] = {"path": cfg.init_from, "weights_sha256": init_digest}
         initial_state, n_parameters = copy.deepcopy(gpt.state_dict()), count_parameters(gpt)
         job = parallelize(gpt, layout, cfg, work, accelerator, cfg.make_optimizer, cfg.grad_clip)
         checkpointer = job.checkpointer(restore_optimizer=variant != "resume_without_optimizer_state")
@@ -337,10 +354,11 @@ def run(cfg: Config) -> int:
         val_loss = job.evaluate_rows(val_rows, eval_rows)
         job.report(session)  # what the pieces measure beyond the checks (a pipeline's bubble, cp's balance)
         # from where THIS run started: the initialisation, or a checkpoint that has learned (it must only fall)
-        min_drop = 0.0 if session.checkpoint else cfg.min_loss_drop
+        start = ("the loaded checkpoint" if session.checkpoint else "the initial weights of --init_from" if init_weights
+                 else "the initialisation")  # fmt: skip
+        min_drop = cfg.min_loss_drop if start == "the initialisation" else 0.0
         session.check("loss_decreased", val_loss < val_loss_before - min_drop,
-                      f"validation loss {val_loss_before:.3f} -> {val_loss:.3f} (from "
-                      f"{'the loaded checkpoint' if session.checkpoint else 'the initialisation'}), must fall by more "
+                      f"validation loss {val_loss_before:.3f} -> {val_loss:.3f} (from {start}), must fall by more "
                       f"than {min_drop}")  # fmt: skip
         replay = lambda: dict(start_state=loop.resumed_full_state or (initial_state, None), global_batches=replayed(),  # noqa: E731
                               lr_at=lr_at, make_optimizer=cfg.make_optimizer, max_norm=cfg.grad_clip,

@@ -32,6 +32,7 @@ from torch.distributed.tensor import DTensor
 
 from common import moe
 from common.checkpoint import ShardedCheckpointer
+from common.data import IGNORED_TARGET
 from common.gpt import lm_loss
 from common.optim import clip_by_global_norm
 from common.runtime import deepspeed_stage
@@ -142,17 +143,17 @@ class Job:
             return self.pipeline.evaluate(x, y) if self.pipeline else lm_loss(self.model(x), y)
 
     def evaluate_rows(self, rows: tuple[torch.Tensor, torch.Tensor], batch_size: int) -> float:
-        """The mean loss over every rank's `rows` (inputs, targets), `batch_size` rows a forward: every rank runs
-        the same number of forwards (FSDP all-gathers in each); the ranks that split a sample weigh their mean
-        alike."""
+        """The mean loss over the scored tokens of every rank's `rows` (inputs, targets; a target of
+        IGNORED_TARGET scores nothing: common/data.padded_share), `batch_size` rows a forward. Every rank runs the
+        same number of forwards (FSDP all-gathers in each); each forward's mean is weighed by the tokens it
+        scored on this rank (cp: its chunks'), so every token counts once however the rows are split."""
         device = self.accelerator.device
         total = torch.zeros(2, dtype=torch.float64, device=device)
         for start in range(0, len(rows[0]), batch_size):
             x, y = (t[start : start + batch_size].to(device) for t in rows)
-            loss = self.evaluate(x, y)
-            total += torch.stack(
-                [loss.double() * y.numel(), torch.tensor(float(y.numel()), dtype=torch.float64)]
-            )
+            scored = (self.split_batch(x, y)[1] != IGNORED_TARGET).sum().double()
+            loss = self.evaluate(x, y).double()
+            total += torch.stack([loss * scored if scored else torch.zeros_like(loss), scored])
         shard.reshard(self.model)  # the next step all-gathers the root, as its theory says
         total = self.accelerator.reduce(total, "sum")
         return (total[0] / total[1]).item()

@@ -20,7 +20,17 @@ from pathlib import Path
 import pytest
 
 from experiments.train_gpt import main as train_gpt
-from helpers import CPU_DDP, GPT_TINY, REPO, clean_env, free_port, launch, run_in_process, run_main_in_process
+from helpers import (
+    CPU_DDP,
+    GPT_TINY,
+    REPO,
+    clean_env,
+    fork_launch,
+    free_port,
+    launch,
+    run_in_process,
+    run_main_in_process,
+)
 
 pytestmark = pytest.mark.launch  # trains models end to end: the slow tier
 CHECKPOINTED = [*GPT_TINY, "--checkpoint_every", "3", "--keep_checkpoints", "5", "--log_every", "3"]
@@ -106,7 +116,15 @@ def test_latest_passes_over_a_corrupt_checkpoint_and_ends_as_the_clean_run(
 
 @pytest.mark.parametrize(
     "damage",
-    ["bit-flip", "truncated-shard", "missing-shard", "corrupt-metadata", "edited-step-json"],
+    [
+        "bit-flip",
+        "truncated-shard",
+        "missing-shard",
+        "corrupt-metadata",
+        "edited-step-json",
+        "shard-is-a-folder",
+        "step-json-is-a-folder",
+    ],
 )
 def test_a_bad_checkpoint_named_explicitly_is_refused_and_nothing_is_written(
     interrupted, text, tmp_path, capsys, damage
@@ -122,6 +140,10 @@ def test_a_bad_checkpoint_named_explicitly_is_refused_and_nothing_is_written(
         shard.unlink()
     elif damage == "corrupt-metadata":
         flip_a_byte(bad / "state" / ".metadata")
+    elif damage.endswith("is-a-folder"):  # one fault, one message (was "has 4,096 bytes" or a read error)
+        where = shard if damage == "shard-is-a-folder" else bad / "step.json"
+        where.unlink()
+        where.mkdir()
     else:
         step = json.loads((bad / "step.json").read_text())
         (bad / "step.json").write_text(json.dumps({**step, "samples_seen": -4}))
@@ -138,6 +160,79 @@ def test_a_bad_checkpoint_named_explicitly_is_refused_and_nothing_is_written(
         f"the newest checkpoint there that verifies is {out}/checkpoints/step_00000006"
     )
     assert snapshot(out) == before  # nothing written, pruned, moved or marked finished
+    if damage.endswith("is-a-folder"):
+        name = "state/__0_0.distcp" if damage == "shard-is-a-folder" else "step.json"
+        assert f"cannot be used: {name} is a folder where a file was written;" in refused.stderr
+
+
+def test_a_weights_only_folder_is_refused_for_what_it_is_and_init_from_starts_from_its_weights(
+    interrupted, text, tmp_path, capsys
+):
+    """tools.convert_checkpoint from-safetensors writes weights only: a resume is refused saying so and what to
+    use; --init_from the safetensors file starts a new run from those weights (step 0, a fresh optimizer), whose
+    first validation loss is the loss of the weights it started from."""
+    from tools.convert_checkpoint import main as convert
+
+    source = interrupted["dir"] / "checkpoints" / "step_00000009"
+    weights, folder = tmp_path / "model.safetensors", tmp_path / "weights_dcp"
+    assert convert(["to-safetensors", str(source), str(weights)]) == 0
+    assert convert(["from-safetensors", str(weights), str(folder)]) == 0
+    refused = run_in_process(
+        train_gpt, [*CHECKPOINTED, "--text_files", str(text), "--resume_from_checkpoint", str(folder)],
+        tmp_path / "resumed", capsys,
+    )  # fmt: skip
+    assert refused.returncode == 2 and refused.stderr.strip().count("\n") == 0, refused.stderr
+    assert "a weights-only folder (tools.convert_checkpoint from-safetensors wrote it" in refused.stderr
+    assert "start a new run with --init_from FILE.safetensors" in refused.stderr
+    assert not (tmp_path / "resumed").exists()
+    args = [
+        *CHECKPOINTED,
+        "--text_files",
+        str(text),
+        "--init_from",
+        str(weights),
+        "--max_steps",
+        "3",
+        "--parity_steps",
+        "0",
+    ]
+    started = run_in_process(train_gpt, args, tmp_path / "fine_tuned", capsys)
+    assert started.returncode == 0, started.stderr[-2000:]
+    summary = started.summary
+    assert summary["metrics"]["init_from"]["weights_sha256"] and summary["metrics"]["init_from"][
+        "path"
+    ] == str(weights)
+    resumed_at_9 = run_in_process(
+        train_gpt, [*CHECKPOINTED, "--text_files", str(text), "--resume_from_checkpoint", str(source),
+                    "--max_steps", "12"], tmp_path / "at_9", capsys,
+    )  # fmt: skip
+    # the same weights, the same validation rows: the same loss (the optimizer state, not part of it, is fresh)
+    assert summary["metrics"]["val_loss_before"] == pytest.approx(resumed_at_9.summary["metrics"]["val_loss_before"],
+                                                                  abs=1e-6)  # fmt: skip
+    assert "from the initial weights of --init_from" in summary["checks"]["loss_decreased"]["detail"]
+
+
+def test_the_same_weights_score_the_same_validation_loss_on_1_2_and_4_ranks(
+    interrupted, text, tmp_path, capsys
+):
+    """89 validation rows (--val_fraction 0.105): on 2 and 4 data-parallel ranks a share is one row short. Every row
+    counts on every layout (the short shares padded with rows that score nothing), so the same weights score the
+    same loss on one process, on 2 ranks (ddp) and on 4 (dp_shard 2 x tp 2); before, the row left over was
+    dropped and the loss depended on the layout."""
+    from tools.convert_checkpoint import main as convert
+
+    weights = tmp_path / "model.safetensors"
+    assert (
+        convert(["to-safetensors", str(interrupted["dir"] / "checkpoints" / "step_00000009"), str(weights)])
+        == 0
+    )
+    args = [*CHECKPOINTED, "--text_files", str(text), "--init_from", str(weights), "--val_fraction", "0.105",
+            "--max_steps", "1", "--parity_steps", "0", "--sample_tokens", "0"]  # fmt: skip
+    one = run_in_process(train_gpt, args, tmp_path / "one", capsys).summary["metrics"]["val_loss_before"]
+    for ranks, layout in ((2, ["--strategy", "ddp"]), (4, ["--dp_shard", "2", "--tp", "2"])):
+        finished = fork_launch(train_gpt, [*args, *layout], tmp_path / f"ranks{ranks}", num_processes=ranks)
+        assert finished.summary["world_size"] == ranks, finished.stderr[-2000:]
+        assert finished.summary["metrics"]["val_loss_before"] == pytest.approx(one, abs=1e-6), ranks
 
 
 def test_a_resume_on_other_text_is_refused_naming_both_hashes(interrupted, text, tmp_path, capsys):
@@ -303,7 +398,7 @@ def test_the_converter_verifies_both_ways(interrupted, tmp_path, capsys):
             ["from-safetensors", str(not_safetensors), str(tmp_path / "y")],
             "is not a readable safetensors file",
         ),
-        (["from-safetensors", str(tmp_path / "none.safetensors"), str(tmp_path / "y")], "is not a file"),
+        (["from-safetensors", str(tmp_path / "none.safetensors"), str(tmp_path / "y")], ": no such file"),
     ]
     for argv, message in cases:
         code, stderr = convert(argv, capsys)

@@ -51,6 +51,8 @@ def test_bool_accepts_explicit_values():
         (["--report_to", "wandbb"], "unknown tracker 'wandbb'"),
         (["--overwrite", "maybe"], "invalid boolean value: 'maybe'"),
         (["--l", "0.1"], "unrecognized arguments: --l"),  # no silent prefix matching
+        # an empty folder would silently mean the default one, runs/<experiment> inside the repository
+        (["--output_dir", ""], "argument --output_dir: '' is empty: give a path, or leave the flag out"),
     ],
 )
 def test_bad_input_is_one_line_and_exit_2(argv, expected, capsys):

@@ -148,6 +148,9 @@ def test_resume_latest_never_overwrites_a_finished_run(tmp_path, capsys):
 
 def test_a_second_run_into_a_busy_folder_is_refused_naming_the_holder(tmp_path, capsys):
     (tmp_path / "run").mkdir()
+    # what a live run has written so far: its config.json, no summary.json (it is not an earlier run that did not
+    # finish, which is what the folder was called when the lock was looked at after the folder's files)
+    (tmp_path / "run" / "config.json").write_text("{}")
     holder = OutputLock(str(tmp_path / "run"))
     holder.acquire()  # as the main process of a running job holds it
     try:
@@ -155,7 +158,9 @@ def test_a_second_run_into_a_busy_folder_is_refused_naming_the_holder(tmp_path, 
     finally:
         holder.release()
     assert refused.returncode == 2 and f"is in use by another run (pid {os.getpid()})" in refused.stderr
+    assert "did not finish" not in refused.stderr and refused.stderr.count("\n") == 1
     assert not (tmp_path / "run" / "metrics.jsonl").exists()
+    (tmp_path / "run" / "config.json").unlink()  # (the live run would have finished and written summary.json)
     assert ddp_linear([], tmp_path / "run", capsys).returncode == 0  # free again once the holder is gone
 
 

@@ -94,7 +94,16 @@ def test_a_short_run_counts_a_steady_step_or_says_why_it_cannot(tmp_path, layout
     it reshards FSDP's root; DDP rebuilds its buckets in step 2), a pipeline's step 2 (its first schedule step
     votes and sends shapes once). A 2-step cp run passes (it failed on DDP's rebuild broadcast, 268 bytes); a
     1-step pipeline has no such step and says so: not run, neither pass nor fail."""
-    args = [*GPT_TINY, *layout, "--max_steps", str(steps), "--parity_steps", str(steps), "--min_loss_drop", "0"]
+    args = [
+        *GPT_TINY,
+        *layout,
+        "--max_steps",
+        str(steps),
+        "--parity_steps",
+        str(steps),
+        "--min_loss_drop",
+        "0",
+    ]
     summary = assert_gpt_passed(fork_launch(main, args, tmp_path / "run"), 2)
     check = summary["checks"]["communication_volume"]
     if verdict == "PASS":

@@ -46,7 +46,7 @@ from common.checkpoint import (
     FORMAT,
     STATE_FOLDER,
     STEP_FILE,
-    digest_named_values,
+    WEIGHTS_FILE,
     files_manifest,
     full_state_digest,
     read_sealed,
@@ -55,13 +55,7 @@ from common.checkpoint import (
     verify_files,
 )
 from common.config import UsageError
-
-WEIGHTS_FILE = "weights.json"  # beside state/ in a checkpoint written by from-safetensors
-DIGEST_KEY = "weights_sha256"  # in the safetensors file's metadata
-
-
-def weights_digest(weights: dict[str, torch.Tensor]) -> str:
-    return digest_named_values((name, weights[name]) for name in sorted(weights))
+from common.weights import DIGEST_KEY, read_weights, weights_digest
 
 
 def checkpoint_format(folder: str) -> str | None:
@@ -191,23 +185,10 @@ def to_safetensors(checkpoint: str, output: str) -> dict[str, torch.Tensor]:
 
 def read_safetensors(weights_file: str) -> dict[str, torch.Tensor]:
     """The tensors of a safetensors file written by to-safetensors, checked against its recorded digest."""
-    from safetensors import safe_open
-
-    if not os.path.isfile(weights_file):
-        fail(f"{weights_file!r} is not a file")
     try:
-        with safe_open(weights_file, framework="pt") as handle:
-            metadata = handle.metadata() or {}
-            weights = {name: handle.get_tensor(name) for name in handle.keys()}  # noqa: SIM118 (not a dict)
-    except Exception as error:  # safetensors raises its own types for a file that is not safetensors
-        fail(f"{weights_file!r} is not a readable safetensors file: {one_line(error)}")
-    if DIGEST_KEY not in metadata:
-        fail(
-            f"{weights_file!r} records no {DIGEST_KEY} (not written by to-safetensors): it cannot be verified"
-        )
-    if weights_digest(weights) != metadata[DIGEST_KEY]:
-        fail(f"{weights_file!r}: its tensors do not match the digest recorded in it (corrupted?)")
-    return weights
+        return read_weights(weights_file)[0]
+    except UsageError as error:
+        fail(str(error))
 
 
 def from_safetensors(weights_file: str, checkpoint: str) -> dict[str, torch.Tensor]:

@@ -41,7 +41,16 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import yaml
 
-from common.config import MAX_SEED, UsageError, flag, parse_config, require, require_positive, run_cli
+from common.config import (
+    MAX_SEED,
+    UsageError,
+    flag,
+    given_path,
+    parse_config,
+    require,
+    require_positive,
+    run_cli,
+)
 from common.processes import TIMED_OUT, run_process_tree
 
 
@@ -51,7 +60,9 @@ class SweepArgs:
 
     sweep_file: str = flag("", "a W&B sweep YAML (e.g. sweep_configs/ddp_linear_lr.yaml)", positional=True)
     count: int = flag(4, "most trials to run (grid stops earlier when exhausted)")
-    output_dir: str = flag("", "folder for trials and leaderboard (default runs/sweeps/local-<name>-<time>)")
+    output_dir: str = flag(
+        "", "folder for trials and leaderboard (default runs/sweeps/local-<name>-<time>)", parse=given_path
+    )
     trial_timeout_s: float = flag(
         1800.0, "end a trial (every process of its launch) that runs longer than this"
     )
