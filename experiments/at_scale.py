@@ -64,7 +64,7 @@ from tqdm import tqdm
 
 from common.activations import SavedActivations
 from common.comm_counter import CollectiveCounter
-from common.config import RunArgs, flag, parse_config, require, run_cli
+from common.config import RunArgs, UsageError, flag, parse_config, require, run_cli
 from common.cost_model import (
     activation_bytes,
     hardware_names,
@@ -379,13 +379,27 @@ def run_ranks(
     measured), so one process plays one rank. A worker that takes longer than --dist_timeout_s fails the run."""
     context = multiprocessing.get_context("spawn")
     workers = min(len(ranks), os.cpu_count() or 1)
-    with ProcessPoolExecutor(workers, mp_context=context, max_tasks_per_child=1) as pool:
-        futures = [pool.submit(run_rank, cfg, layout, work, rank) for rank in ranks]
-        done = as_completed(futures, timeout=cfg.dist_timeout_s * math.ceil(len(ranks) / workers))
-        results = [
-            f.result()
-            for f in tqdm(done, total=len(futures), desc="at_scale ranks", disable=not show_progress)
-        ]
+    limit_s = cfg.dist_timeout_s * math.ceil(len(ranks) / workers)
+    pool = ProcessPoolExecutor(workers, mp_context=context, max_tasks_per_child=1)
+    futures = {pool.submit(run_rank, cfg, layout, work, rank): rank for rank in ranks}
+    bar = tqdm(total=len(futures), desc="at_scale ranks", disable=not show_progress, leave=False)
+    try:
+        results = []
+        for future in as_completed(futures, timeout=limit_s):
+            results.append(future.result())
+            bar.update()
+    except TimeoutError:
+        late = [rank for future, rank in futures.items() if not future.done()]
+        raise UsageError(f"rank {late[0]} did not finish within --dist_timeout_s {cfg.dist_timeout_s:g} ({limit_s:g} s for "
+                         f"{len(ranks)} rank(s) on {workers} worker(s)); ranks {late} were still running and are ended: "
+                         "raise --dist_timeout_s") from None  # fmt: skip
+    finally:
+        bar.close()
+        # Ends the workers at once on a timeout or Ctrl-C (a pool's exit would wait for every rank to finish;
+        # the executor has no public way to stop a running task)
+        for process in list(getattr(pool, "_processes", {}).values()):
+            process.kill()
+        pool.shutdown(wait=True, cancel_futures=True)
     return sorted(results, key=lambda r: r["rank"])
 
 

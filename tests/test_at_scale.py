@@ -127,6 +127,25 @@ def test_bad_input_is_one_line(tmp_path, args, message, capsys):
     assert not (tmp_path / "r").exists()
 
 
+def test_a_rank_past_the_timeout_is_one_line_naming_it_and_every_worker_is_ended(tmp_path, capsys):
+    """--dist_timeout_s 1: a worker spawns and imports torch for longer than that. The run ends at the limit (it
+    waited for every worker before: a 1 s limit took 63 s), in one line naming the rank, no worker left."""
+    import time
+
+    import psutil
+
+    started = time.perf_counter()
+    args = [*TINY, "--world_size", "8", "--pp", "2", "--dp_shard", "2", "--tp", "2", "--per_rank_batch_size", "4",
+            "--dist_timeout_s", "1"]  # fmt: skip
+    code, stderr = run_main_in_process(main, ["--output_dir", str(tmp_path / "r"), *args], capsys)
+    assert code == 2 and "rank 0 did not finish within --dist_timeout_s 1 (1 s for 2 rank(s)" in stderr, (
+        stderr
+    )
+    assert stderr.strip().count("\n") == 0 and "ranks [0, 4] were still running and are ended" in stderr
+    assert time.perf_counter() - started < 20
+    assert [p for p in psutil.Process().children(recursive=True) if "spawn" in " ".join(p.cmdline())] == []
+
+
 def test_the_schedule_orders_each_stages_forwards_and_backwards():
     assert schedule_order("1f1b", 4, 0, 6) == "FFF" + "FB" * 3 + "BBB"  # 3 warm-up forwards, 4 in flight
     assert schedule_order("1f1b", 4, 3, 6) == "FB" * 6  # the last stage: one at a time
