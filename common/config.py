@@ -68,6 +68,7 @@ def given_path(text: str) -> str:
 # a week: longer is a typo, and torch's timedelta arithmetic overflows near 1e300
 MAX_TIMEOUT_S = 7 * 24 * 3600
 MAX_SEED = 2**31 - 1  # the data order's generator is seeded with seed * 100_003 + epoch, which must fit int64
+INTERRUPTED_EXIT_CODE = 130  # 128 + SIGINT, what a shell reports for a program ended by Ctrl-C
 
 
 @dataclass
@@ -292,10 +293,12 @@ def run_cli(main: Callable[[], int]) -> None:
         elif "TORCHELASTIC_RUN_ID" in os.environ:
             wait_for_the_main_process_to_say_it()
         code = 2
+    except SystemExit as stop:  # the parser's exit 2, or a run that ended early (RunEnded: a Ctrl-C's 130)
+        code = stop.code
     except KeyboardInterrupt:  # Ctrl-C before a run started (a run says where it stopped itself)
         if int(os.environ.get("RANK", "0")) == 0:
             print(f"{os.path.basename(sys.argv[0])}: interrupted (Ctrl-C)", file=sys.stderr)
-        code = 130
+        code = INTERRUPTED_EXIT_CODE
     finally:
         # Collect the run's models (DDP holds the process group) while the interpreter is fully alive,
         # and close a group a run that stopped early left open: gloo threads alive at interpreter exit
@@ -308,4 +311,12 @@ def run_cli(main: Callable[[], int]) -> None:
         # interpreter runs at shutdown, which took 0.5 s per process with torch + datasets loaded
         # (0.1 s frozen). Results and trackers are closed explicitly by then; atexit handlers still run.
         gc.freeze()
+    if code == INTERRUPTED_EXIT_CODE:
+        # Ctrl-C: what is ours is closed and said (one line). The interpreter's teardown would add torch's
+        # "unwaited collective calls" warning for each functional collective the interrupt left in flight (cp's
+        # and tp's all-gathers), printed by the process's static destructors: after our line, or from a rank
+        # that exits first, before it. Leave without that teardown.
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
     sys.exit(code)

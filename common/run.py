@@ -44,7 +44,7 @@ from common.checkpoint import (
     refuse_mixed_lineage,
     tidy_checkpoints,
 )
-from common.config import RunArgs, UsageError
+from common.config import INTERRUPTED_EXIT_CODE, RunArgs, UsageError
 from common.reliability import OutputLock, clear_ctrl_c_marks, explain_timeout, is_interrupt, marking_ctrl_c
 from common.runtime import check_distributed, launched_world_size, make_accelerator
 from common.tracking import RunRecorder, resolve_trackers
@@ -52,9 +52,6 @@ from common.tracking import RunRecorder, resolve_trackers
 
 class RunEnded(SystemExit):
     """The run ended early but cleanly (a failed `distributed` check, nothing to resume): exit with `code`."""
-
-
-INTERRUPTED_EXIT_CODE = 130  # 128 + SIGINT, what a shell reports for a program ended by Ctrl-C
 
 
 def resolve_output_dir(cfg: RunArgs, experiment: str) -> str:

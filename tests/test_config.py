@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import subprocess
+import sys
 from dataclasses import dataclass
 
 import pytest
 
 from common.config import TrainArgs, UsageError, build_parser, flag, parse_config, require
+from helpers import REPO
 
 
 @dataclass
@@ -134,3 +137,26 @@ def test_help_shows_each_default_once():
     text = " ".join(build_parser(WithDefaultInHelp).format_help().split())
     assert text.endswith("size of things (default: as large as fits)")  # no second "(default: 0)" after it
     assert "(default: 300)" in text  # --max_steps still shows its default
+
+
+@pytest.mark.launch
+def test_a_ctrl_c_leaves_no_warning_of_a_collective_it_left_in_flight(tmp_path):
+    """An interrupted cp or tp step leaves a functional collective unwaited; torch warns of it when the process's
+    static destructors run, after our one line or, from a rank that exits first, before it. run_cli ends an
+    interrupted program without that teardown: exit 130, our line alone."""
+    script = tmp_path / "interrupted.py"
+    script.write_text(
+        "import sys, torch, torch.distributed as dist\n"
+        f"sys.path.insert(0, {str(REPO)!r})\n"
+        "from torch.distributed import _functional_collectives as funcol\n"
+        "from common.config import run_cli\n"
+        "def main():\n"
+        "    dist.init_process_group('gloo', init_method='tcp://127.0.0.1:0', rank=0, world_size=1)\n"
+        "    in_flight = funcol.all_reduce(torch.ones(4), 'sum', dist.group.WORLD)  # never waited: Ctrl-C came\n"
+        "    raise KeyboardInterrupt\n"
+        "run_cli(main)\n"
+    )
+    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 130 and done.stderr.strip() == "interrupted.py: interrupted (Ctrl-C)", (
+        done.stderr
+    )
