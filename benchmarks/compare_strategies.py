@@ -188,36 +188,38 @@ def markdown(rows: list[dict], command: str) -> str:
 
 
 def plot(rows: list[dict], path: Path) -> None:
-    """Four panels, one bar per strategy: bytes held, bytes sent, step time split, tokens/s."""
+    """Four panels, one horizontal bar per strategy or layout (its name and ranks fit beside it, on the left panels'
+    axis): bytes held, bytes sent by kind, step time split, tokens/s."""
     from matplotlib.figure import Figure  # no pyplot: no global backend or figure registry to leave behind
 
     rows = [r for r in rows if "error" not in r]
-    names = [f"{r['strategy']}\n{r['ranks']}" for r in rows]
-    figure = Figure(figsize=(12, 8))
-    axes = figure.subplots(2, 2)
+    names = [f"{r['strategy']} ({r['ranks']} rank{'s' * (r['ranks'] > 1)})" for r in rows]
+    figure = Figure(figsize=(14, 2.6 + 0.5 * len(rows)), layout="constrained")  # room for the legends beside
+    axes = figure.subplots(2, 2, sharey=True)
+    mib = 2**20
+    sent_kinds = sorted({kind for r in rows for kind, size in r["comm_counted"].items() if size})
 
     def stacked(axis, parts: list[str], values, title: str, unit: str) -> None:
-        bottom = [0.0] * len(rows)
+        left = [0.0] * len(rows)
         for part in parts:
-            heights = [values(r).get(part, 0) for r in rows]
-            axis.bar(names, heights, bottom=bottom, label=part)
-            bottom = [b + h for b, h in zip(bottom, heights, strict=True)]
+            widths = [values(r).get(part, 0) for r in rows]
+            axis.barh(names, widths, left=left, label=part)
+            left = [b + w for b, w in zip(left, widths, strict=True)]
         axis.set_title(title)
-        axis.set_ylabel(unit)
-        axis.legend(fontsize=8)
+        axis.set_xlabel(unit)
+        axis.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.0, 1.0))  # beside the bars, never on them
 
-    mib = 2**20
     stacked(axes[0][0], ["params", "grads", "optimizer"], lambda r: {k: v / mib for k, v in r["bytes"].items()},
             "held by rank 0 at rest", "MiB")  # fmt: skip
-    stacked(axes[0][1], ["all_reduce", "all_gather", "reduce_scatter"],
-            lambda r: {k: v / mib for k, v in r["comm_counted"].items()}, "sent per step (counted)", "MiB")  # fmt: skip
+    stacked(axes[0][1], sent_kinds, lambda r: {k: v / mib for k, v in r["comm_counted"].items()},
+            "sent per step by rank 0 (counted)", "MiB")  # fmt: skip
     stacked(
         axes[1][0], ["forward", "backward", "optimizer"], lambda r: r["step_time_ms"], "median step", "ms"
     )
-    axes[1][1].bar(names, [r["tokens_per_s"] for r in rows])
+    axes[1][1].barh(names, [r["tokens_per_s"] for r in rows])
     axes[1][1].set_title("training throughput")
-    axes[1][1].set_ylabel("tokens/s")
-    figure.tight_layout()
+    axes[1][1].set_xlabel("tokens/s")
+    axes[0][0].invert_yaxis()  # the first row on top, as in the table (shared by every panel)
     figure.savefig(path, dpi=100)
 
 
