@@ -1,4 +1,4 @@
-"""The step-time predictor (common/cost_model.py) against steps this machine really runs: measure this machine
+"""The step-time predictor (planning/cost_model.py) against steps this machine really runs: measure this machine
 into a hardware profile, train every 2-rank layout, predict each one's step from its own workload, compare.
 
     python -m benchmarks.at_scale_calibration                # the profile, then ddp, zero2, fsdp, tp, pp, cp: ~5 min
@@ -7,7 +7,7 @@ into a hardware profile, train every 2-rank layout, predict each one's step from
 1. The profile: one thread's matmul peak (float32, a 2048 square: benchmarks/mfu.py) and copy bandwidth
    (256 MiB), and gloo's collectives on 2 ranks (experiments/collectives_bench.py) fitted per kind as
    alpha + bytes / bandwidth (benchmarks/performance.py's fit). Written as this_machine.yaml, the entry
-   common/hardware.yaml keeps (pasted by hand, with this command).
+   planning/hardware.yaml keeps (pasted by hand, with this command).
 2. Each preset's run: train_gpt on 2 ranks through `accelerate launch`, one thread per rank; its median step
    (forward + backward + optimizer) and the collectives it counted (calls per kind).
 3. The prediction of that step: predict_step on the run's own layout, workload and flags, the calls counted.
@@ -31,8 +31,8 @@ import yaml
 from benchmarks import compare_strategies, mfu
 from benchmarks.performance import bench_collectives, fit_alpha_beta
 from benchmarks.workers import benchmark_parser, dated_folder, write_table
-from common.cost_model import hardware_from, predict_step
 from common.gpt import GPT, GPTConfig
+from planning.cost_model import hardware_from, predict_step
 from strategies import PRESETS
 from strategies.layout import Layout, Workload
 

@@ -19,9 +19,9 @@ from pathlib import Path
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from benchmarks.workers import benchmark_parser, dated_folder, write_table
-from common.cost_model import model_flops_per_token
 from common.processes import run_process_tree
-from common.published import MODELS, PUBLISHED_RUNS, ZERO_FIGURE_1
+from planning.cost_model import model_flops_per_token
+from planning.published import MODELS, PUBLISHED_RUNS, ZERO_FIGURE_1
 
 REPO = Path(__file__).resolve().parent.parent
 GB = 1e9  # the papers' gigabytes

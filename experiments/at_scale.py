@@ -4,7 +4,7 @@ One process plays, one after another, each rank of an N-rank job whose work diff
 group: every collective returns at once, nothing is sent), on fake tensors (shapes and dtypes, no memory): the
 project's GPT at a published shape, the same `parallelize` train_gpt runs (strategies/), one whole optimizer
 step. What each rank holds and sends is measured as train_gpt measures it and checked against the same closed
-forms, to the byte; the step is predicted on a hardware profile (common/cost_model.py: a prediction, labelled
+forms, to the byte; the step is predicted on a hardware profile (planning/cost_model.py: a prediction, labelled
 as one).
 
     python experiments/at_scale.py                         # GPT-3 175B on 1,024 ranks: pp 16 x dp_shard 8 x tp 8
@@ -65,7 +65,9 @@ from tqdm import tqdm
 from common.activations import SavedActivations
 from common.comm_counter import CollectiveCounter
 from common.config import RunArgs, UsageError, flag, parse_config, require, run_cli
-from common.cost_model import (
+from common.gpt import GPT, GPTConfig, adamw, lm_loss, parameter_count
+from common.moe import moe_layers
+from planning.cost_model import (
     activation_bytes,
     hardware_names,
     load_hardware,
@@ -73,21 +75,12 @@ from common.cost_model import (
     model_flops_per_token,
     predict_step,
 )
-from common.gpt import GPT, GPTConfig, adamw, lm_loss, parameter_count
-from common.moe import moe_layers
-from common.published import MODELS, PUBLISHED_RUNS, model_named
+from planning.published import MODELS, PUBLISHED_RUNS, model_named
 from strategies import ParallelArgs, ep, pp, tp
+from strategies.job import Instruments, local_bytes, unique_tensors
 from strategies.layout import DIMS, Layout, Workload, chunk_rows
-from strategies.parallelize import (
-    Instruments,
-    gathered_bytes,
-    held_bytes,
-    local_bytes,
-    parallelize,
-    quiet,
-    sent_bytes,
-    unique_tensors,
-)
+from strategies.parallelize import parallelize, quiet
+from strategies.theory import gathered_bytes, held_bytes, sent_bytes
 
 EXPERIMENT = "at_scale"
 DEFAULT_LAYOUT = {"pp": 16, "dp_shard": 8, "tp": 8}  # no layout given: 1,024 ranks
@@ -97,7 +90,7 @@ P2P_KINDS = ("send", "recv", "broadcast")  # a pipeline's, by theory only (the m
 
 @dataclass
 class Config(RunArgs, ParallelArgs):
-    model: str = flag("gpt3_175b", "a published shape (common/published.py): " + ", ".join(MODELS) + "; custom: "
+    model: str = flag("gpt3_175b", "a published shape (planning/published.py): " + ", ".join(MODELS) + "; custom: "
                       "the shape flags alone")  # fmt: skip
     world_size: int = flag(0, "ranks of the job (0: the degrees' product); with no degree given, pp 16 x dp_shard "
                            "8 x tp 8 on 1,024")  # fmt: skip

@@ -1,4 +1,4 @@
-"""The checks every layout must pass, against the composed theory (strategies/parallelize.py) and against one
+"""The checks every layout must pass, against the composed theory (strategies/theory.py) and against one
 process:
 
   matches_single_process   the loss at every one of the first --parity_steps steps, and every parameter
@@ -11,7 +11,7 @@ process:
                            rank, counted as they pass the dispatcher (common/comm_counter.py), equal that
                            rank's theory, to the byte, kind by kind.
 
-`Probe` is the job's instruments (parallelize.Instruments): the job reports each phase and each finished
+`Probe` is the job's instruments (job.Instruments): the job reports each phase and each finished
 step to it, and it keeps what the checks need; the comparisons run at the end.
 """
 
@@ -34,7 +34,7 @@ from common.gpt import build_gpt, lm_loss
 from common.moe import balance
 from common.optim import clip_by_global_norm, set_lr
 from common.reference import max_abs_difference, train_single_process
-from strategies.parallelize import Instruments
+from strategies.job import Instruments
 
 
 @dataclass

@@ -46,8 +46,8 @@ import torch
 from common.checkpoint import FullState
 from common.config import require
 from common.runtime import deepspeed_stage
+from strategies.job import Job
 from strategies.layout import Layout, Traffic, Workload, unique_parameters
-from strategies.parallelize import Job
 
 PERSISTENCE_THRESHOLD = 100_000  # DeepSpeed's stage3_param_persistence_threshold (elements), its default
 CONFIGS = "accelerate_configs/deepspeed_zero{stage}.yaml"

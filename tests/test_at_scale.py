@@ -10,7 +10,11 @@ import json
 import pytest
 import torch
 
-from common.cost_model import (
+from common.gpt import GPT, GPTConfig, parameter_count
+from common.moe import active_parameter_count
+from experiments.at_scale import Config, main, ranks_that_differ, schedule_order
+from helpers import run_in_process, run_main_in_process
+from planning.cost_model import (
     activation_bytes,
     collective_seconds,
     link_of,
@@ -18,11 +22,7 @@ from common.cost_model import (
     model_flops_per_token,
     predict_step,
 )
-from common.gpt import GPT, GPTConfig, parameter_count
-from common.moe import active_parameter_count
-from common.published import MODELS, PUBLISHED_RUNS
-from experiments.at_scale import Config, main, ranks_that_differ, schedule_order
-from helpers import run_in_process, run_main_in_process
+from planning.published import MODELS, PUBLISHED_RUNS
 from strategies.layout import Layout, Workload
 
 TINY = ("--report_to none --model custom --n_layer 4 --d_model 64 --n_head 4 --vocab_size 512 "
@@ -103,7 +103,7 @@ def test_the_memory_check_catches_a_layout_that_holds_what_its_theory_does_not(t
     ("args", "message"),
     [
         (["--model", "gpt5"], "--model 'gpt5' is not a shape this project knows"),
-        (["--hardware", "tpu_v9"], "--hardware 'tpu_v9' is not a profile in common/hardware.yaml"),
+        (["--hardware", "tpu_v9"], "--hardware 'tpu_v9' is not a profile in planning/hardware.yaml"),
         (
             ["--world_size", "1000", "--dp_shard", "8", "--tp", "8"],
             "--dp_shard 8 x --tp 8 = 64 rank(s), but 1000",

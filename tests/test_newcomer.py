@@ -19,7 +19,7 @@ from common.gpt import GPTConfig, build_gpt
 from helpers import CPU_DDP, REPO, launch
 from strategies import PRESETS, ParallelArgs, deepspeed
 from strategies.layout import Layout, Workload
-from strategies.parallelize import sent_bytes
+from strategies.theory import sent_bytes
 
 MODEL = build_gpt(GPTConfig(), 0)
 

@@ -32,7 +32,7 @@ def test_nothing_fits_is_said_in_words(capsys):
     ("args", "message"),
     [
         (["--model", "gpt5"], "--model 'gpt5' is not a shape this project knows"),
-        (["--hardware", "tpu_v9"], "--hardware 'tpu_v9' is not a profile in common/hardware.yaml"),
+        (["--hardware", "tpu_v9"], "--hardware 'tpu_v9' is not a profile in planning/hardware.yaml"),
         (["--gpus", "0"], "--gpus must be > 0, got 0"),
         (["--model", "olmoe_1b_7b"], "--model olmoe_1b_7b: a mixture of experts; the planner's cost model"),
     ],

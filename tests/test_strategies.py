@@ -27,7 +27,7 @@ from strategies import (
     tp,
 )
 from strategies.layout import DIMS, Layout, Workload, chunk_rows
-from strategies.parallelize import held_bytes, sent_bytes
+from strategies.theory import held_bytes, sent_bytes
 
 MODEL = build_gpt(GPTConfig(), 0)  # 1,063,168 parameters: 4,252,672 bytes in float32
 FULL = 4_252_672

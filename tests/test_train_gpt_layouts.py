@@ -17,7 +17,7 @@ from helpers import GPT_DISTRIBUTED_CHECKS, GPT_TINY, assert_gpt_passed, fork_la
 
 # 4 blocks, so that a 2-stage pipeline of any schedule has blocks on both stages; 8 steps, parity over 4
 LAYOUT_TINY = [*GPT_TINY, "--n_layer", "4", "--max_steps", "8", "--parity_steps", "4", "--log_every", "4"]
-# what each dimension sends, in the theory's words (strategies/parallelize.py sent_bytes' by_dimension)
+# what each dimension sends, in the theory's words (strategies/theory.py sent_bytes' by_dimension)
 SENDS = {"dp_shard": {"all_gather", "reduce_scatter"}, "tp": {"all_reduce"}, "pp": {"send", "recv", "broadcast"},
          "cp": {"all_gather", "reduce_scatter"}}  # fmt: skip
 

@@ -10,9 +10,9 @@ with and without full activation checkpointing (sequence parallelism where it ca
 same refusals train_gpt and experiments/at_scale.py apply (strategies/: a layout they cannot run is rejected
 with their one line), then:
   memory  each pipeline stage's first rank's bytes at its busiest moment, by theory and estimate
-          (common/cost_model.memory_estimate: parameters, AdamW, FSDP's gathered copies and gradient sums, the
+          (planning/cost_model.memory_estimate: parameters, AdamW, FSDP's gathered copies and gradient sums, the
           activations in flight); it fits when every stage's is within the profile's memory;
-  speed   the step predicted by common/cost_model.predict_step (a PREDICTION: a roofline and alpha-beta
+  speed   the step predicted by planning/cost_model.predict_step (a PREDICTION: a roofline and alpha-beta
           collectives under stated overlap assumptions).
 The fitting layouts are listed fastest first; the rest with why: which rank runs out and by how much, or which
 refusal. Check a plan at the real size with experiments/at_scale.py (the command is printed). A shape or a
@@ -30,15 +30,15 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import torch
 
 from common.config import UsageError, flag, parse_config, require, run_cli
-from common.cost_model import (
+from common.gpt import GPT, GPTConfig, parameter_count
+from planning.cost_model import (
     hardware_names,
     load_hardware,
     memory_estimate,
     model_flops_per_token,
     predict_step,
 )
-from common.gpt import GPT, GPTConfig, parameter_count
-from common.published import MODELS, model_named
+from planning.published import MODELS, model_named
 from strategies import ParallelArgs
 from strategies.layout import DIMS, Layout, Workload
 

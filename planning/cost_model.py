@@ -1,4 +1,4 @@
-"""A step-time predictor for any layout on any hardware profile (common/hardware.yaml): a roofline per op and an
+"""A step-time predictor for any layout on any hardware profile (planning/hardware.yaml): a roofline per op and an
 alpha-beta time per collective, put together under overlap assumptions written out below. It is a PREDICTION,
 labelled as one wherever it is shown, and set beside published runs (docs/at_scale.md) and beside the runs
 this machine really measures (benchmarks/at_scale_calibration.py).
@@ -34,7 +34,10 @@ from pathlib import Path
 
 from common.comm_counter import bus_factor
 from common.config import require
+from common.gpt import GPTConfig, parameter_count
+from strategies import pp
 from strategies.layout import DIMS, Layout, Workload
+from strategies.theory import gathered_bytes, held_bytes, held_pieces, sent_traffic
 
 PROFILES = Path(__file__).with_name("hardware.yaml")
 # reads and writes of the activation per token, per block, in units of d (the rest of the block's ops): two
@@ -71,7 +74,7 @@ def load_hardware(name: str) -> Hardware:
     import yaml
 
     profiles = yaml.safe_load(PROFILES.read_text())
-    require(name in profiles, f"--hardware {name!r} is not a profile in common/hardware.yaml; known: "
+    require(name in profiles, f"--hardware {name!r} is not a profile in planning/hardware.yaml; known: "
             f"{', '.join(profiles)}")  # fmt: skip
     return hardware_from(name, profiles[name])
 
@@ -171,8 +174,6 @@ def activation_bytes(work: Workload, layout: Layout, args, blocks: int, first: b
     mlp = (4 if cfg.mlp == "swiglu" else 2) * t * h / tp * e
     casts = 0.0
     if autocast:
-        from common.gpt import GPTConfig, parameter_count
-
         one_block = parameter_count(GPTConfig(**{**cfg.__dict__, "n_layer": 1})) - parameter_count(
             GPTConfig(**{**cfg.__dict__, "n_layer": 0})
         )
@@ -198,8 +199,6 @@ def memory_estimate(reference, layout: Layout, args, work: Workload, rank: int) 
     AdamW's state, FSDP's gathered copies, the gradients (under a pipeline FSDP sums them unsharded in float32
     over the micro-batches), and `activation_bytes` for each micro-batch in flight. experiments/at_scale.py
     measures the same categories."""
-    from strategies import pp
-    from strategies.parallelize import gathered_bytes, held_bytes
 
     held, gathered = (
         held_bytes(reference, layout, rank, args, work),
@@ -252,7 +251,7 @@ DIMENSION_GROUP = {"tp": ("tp",), "cp": ("cp",), "pp": ("pp",), "dp_replicate": 
 
 
 def traffic_seconds(traffic, layout: Layout, hw: Hardware, calls: dict | None = None) -> dict:
-    """Seconds per dimension of one step's traffic (parallelize.sent_bytes' list); `calls` per kind (counted, if
+    """Seconds per dimension of one step's traffic (theory.sent_traffic's list); `calls` per kind (counted, if
     known) spread over the dimensions in proportion to their bytes, else one message per kind and dimension."""
     by_kind = {}
     for t in traffic:
@@ -277,8 +276,6 @@ def predict_step(
 ) -> dict:
     """The predicted seconds of one optimizer step, term by term (the module docstring), for the undistributed
     GPT `reference` (its shapes; a meta-device model will do) under `layout`."""
-    from strategies import pp
-    from strategies.parallelize import held_pieces, sent_traffic
 
     m = args.pp_microbatches if layout.pp > 1 else work.micro_batches
     rows = work.rows // m if layout.pp > 1 else work.rows
@@ -330,7 +327,6 @@ def model_flops_per_token(cfg, recompute: bool = False) -> float:
     forward and a backward, N the parameters that multiply (not the position table, not an untied embedding's
     lookup; the attention over the whole context). With `recompute`, Megatron-LM's (Narayanan et al. 2021,
     eq. 3: 96 B s l h^2 (1 + s / 6h + V / 16 l h)), which counts the blocks' forward again, not the head's."""
-    from common.gpt import parameter_count
 
     head = cfg.vocab_size * cfg.d_model
     n = parameter_count(cfg) - (cfg.block_size * cfg.d_model if cfg.positions == "learned" else 0)
