@@ -30,7 +30,7 @@ from common.config import UsageError
 from experiments.train_gpt import Config
 from experiments.train_gpt import main as train_gpt
 from helpers import GPT_TINY, run_in_process, run_main_in_process
-from tools import sweep
+from tools import sweep_leaderboard, sweep_run, sweep_validate
 
 
 # ------------------------------------------------------------------------ 2: a crashed trial is never ranked
@@ -49,19 +49,19 @@ def test_a_trial_that_did_not_run_to_its_end_is_failed_and_never_ranked(tmp_path
     )  # metrics.jsonl, no summary: exit 1 under a launcher
     early = trial(tmp_path / "early", {"completed": False, "metrics": {"tokens_per_s": 8e9}}, None)
     done = trial(tmp_path / "done", {"completed": True, "metrics": {"tokens_per_s": 1000.0}}, None)
-    assert sweep.read_outcome(crashed, "tokens_per_s")[0] is None
-    assert "no summary.json" in sweep.read_outcome(crashed, "tokens_per_s")[1]
-    assert sweep.read_outcome(early, "tokens_per_s") == (
+    assert sweep_run.read_outcome(crashed, "tokens_per_s")[0] is None
+    assert "no summary.json" in sweep_run.read_outcome(crashed, "tokens_per_s")[1]
+    assert sweep_run.read_outcome(early, "tokens_per_s") == (
         None,
         "it ended early (summary.json: completed false; see its checks)",
         [],
     )
-    assert sweep.read_outcome(done, "tokens_per_s") == (1000.0, None, [])
+    assert sweep_run.read_outcome(done, "tokens_per_s") == (1000.0, None, [])
     rows = [{"trial": name, "state": state, "ranked": state == "finished", sweep_metric: value, "fail_at_step": step}
             for name, state, value, step in (("crashed", "failed", None, 5), ("done", "finished", 1000.0, 0))
             for sweep_metric in ("tokens_per_s",)]  # fmt: skip
     config = {"parameters": {"fail_at_step": {"values": [0, 5]}}}
-    best = sweep.write_leaderboard(sweep.Sweep("s.yaml", config, "p.py", [], "tokens_per_s", "maximize", []),
+    best = sweep_leaderboard.write_leaderboard(sweep_validate.Sweep("s.yaml", config, "p.py", [], "tokens_per_s", "maximize", []),
                                    rows, str(tmp_path))  # fmt: skip
     assert best["trial"] == "done" and "best: done" in capsys.readouterr().out
 
@@ -175,7 +175,7 @@ def write_sweep(tmp_path: Path, **overrides) -> str:
 def test_a_sweep_is_valid_when_each_trial_is_and_the_launch_has_the_ranks(tmp_path):
     # --max_steps 12 alone is refused (the default --parity_steps 15 > 12), and ddp alone needs 2 ranks: together,
     # under the 2-rank launch the command makes, the trial is fine
-    assert sweep.validate_sweep(write_sweep(tmp_path)).metric == "val_loss"
+    assert sweep_validate.validate_sweep(write_sweep(tmp_path)).metric == "val_loss"
 
 
 @pytest.mark.parametrize(
@@ -191,7 +191,7 @@ def test_a_sweep_is_valid_when_each_trial_is_and_the_launch_has_the_ranks(tmp_pa
 )  # fmt: skip
 def test_a_broken_sweep_is_one_line(tmp_path, overrides, message):
     with pytest.raises(UsageError) as refused:
-        sweep.validate_sweep(write_sweep(tmp_path, **overrides))
+        sweep_validate.validate_sweep(write_sweep(tmp_path, **overrides))
     assert message.replace("argument ", "") in str(refused.value) and "\n" not in str(refused.value)
 
 

@@ -14,7 +14,8 @@ import pytest
 
 from common.config import UsageError
 from helpers import REPO, clean_env, run_main_in_process
-from tools.sweep import expand_command, proposable_values, seeded, validate_sweep
+from tools.sweep_run import expand_command, seeded
+from tools.sweep_validate import proposable_values, validate_sweep
 
 SWEEP_FILES = sorted((REPO / "sweep_configs").glob("*.yaml"))
 
@@ -161,7 +162,7 @@ def test_cli_refuses_a_bad_sweep_with_one_line_and_exit_2(tmp_path):
 
 def test_the_search_is_seeded():
     """Two bayes/random searches with the same --seed propose the same values; another seed does not."""
-    from tools.sweep import import_sweeps
+    from tools.sweep_validate import import_sweeps
 
     sweeps = import_sweeps()
     config = {
@@ -317,7 +318,9 @@ def test_offline_grid_end_to_end_ranks_only_the_trial_whose_checks_pass(tmp_path
 def test_no_verified_trial_means_no_best_and_the_search_is_told_each_failed(tmp_path, capsys):
     """A trial that completed with a failed check, one that crashed: neither is ranked, nothing is named best, and
     read_outcome hands the search a failure (no score), with the failed checks' names."""
-    from tools.sweep import Sweep, read_outcome, write_leaderboard
+    from tools.sweep_leaderboard import write_leaderboard
+    from tools.sweep_run import read_outcome
+    from tools.sweep_validate import Sweep
 
     completed = tmp_path / "t1"
     completed.mkdir()
