@@ -244,7 +244,7 @@ def adamw(parameters, lr: float, weight_decay: float) -> torch.optim.AdamW:
     (benchmarks/optimizer_step.py). Fused takes one kind of tensor per call and is called per group: tensor
     parallelism mixes DTensor matrices with plain LayerNorms, so each kind gets groups of its own. How the
     parameters are grouped is a matter of speed only: a checkpoint keeps the state by parameter name
-    (common/checkpoint.py), so any grouping resumes any other's."""
+    (common/checkpoint/), so any grouping resumes any other's."""
     from torch.distributed.tensor import DTensor
 
     params = list({id(p): p for p in parameters}.values())

@@ -1,5 +1,5 @@
 """One run per folder, fault injection and "who is stuck" diagnostics for experiments that train
-(checkpoints and resume: common/checkpoint.py).
+(checkpoints and resume: common/checkpoint/).
 
 - `OutputLock`: one run at a time per --output_dir (an exclusive `flock`, held by the main process).
 - `inject_fault`: `--fail_at_step K --fail_rank R` kills rank R after step K, `--hang_at_step` stalls

@@ -5,7 +5,7 @@ writes anything before the steps that could refuse have passed:
 1. --output_dir resolved; a folder holding a finished run is refused unless --overwrite (resuming a
    finished run is a no-op that says so, when its settings and data are the same);
 2. the checkpoint to resume from found and verified, every byte against the digests it was saved with
-   (common/checkpoint.py), and refused if it fails, if its settings or training data differ from this
+   (common/checkpoint/), and refused if it fails, if its settings or training data differ from this
    run's, or if it would mix two runs' checkpoints in one folder;
 3. the folder locked by the main process: a second run into it is refused, naming the holder. With
    --overwrite, the earlier run's files (checkpoints, metrics, heartbeats, W&B run) are moved aside

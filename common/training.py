@@ -13,7 +13,7 @@ failure ends the run there), counts optimizer steps (one per `gradient_accumulat
 micro-batches) and samples seen (the resume position), keeps a loss window and logs
 `step | loss | samples/s` every --log_every steps, draws the progress bar, beats the heartbeat that
 names a stuck rank, stops at the first non-finite loss, writes checkpoints every --checkpoint_every
-steps and at the end (common/checkpoint.py), and injects the faults that --fail_at_step / --hang_at_step ask for.
+steps and at the end (common/checkpoint/), and injects the faults that --fail_at_step / --hang_at_step ask for.
 The experiment's loop stays the idea.
 """
 

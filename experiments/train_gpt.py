@@ -23,7 +23,7 @@ Checks (each has a --wrong_variant that fails it; strategies/checks.py):
 - loss_decreased          validation loss falls by --min_loss_drop (a resumed run's: at all);
 - resume_restored_state   (resumed runs) the full state right after loading is, by digest, the saved one.
 Checkpoints (--checkpoint_every N, --resume_from_checkpoint latest|PATH) are PyTorch's distributed checkpoint,
-verified before use (common/checkpoint.py); the data position is in samples, so a checkpoint of any layout on
+verified before use (common/checkpoint/); the data position is in samples, so a checkpoint of any layout on
 N ranks continues under any layout on M. At the end: a short generated sample.
 
 Run it (CPU ranks; the same commands on GPUs with accelerate_configs/multi_gpu_ddp.yaml):

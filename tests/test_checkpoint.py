@@ -1,4 +1,4 @@
-"""common/checkpoint.py on hand-made checkpoints, in this process: what verification catches, what
+"""common/checkpoint/ on hand-made checkpoints, in this process: what verification catches, what
 `latest` picks, what pruning keeps, what a failed write leaves. (Real training runs that resume, and
 refuse, are in test_checkpoint_integrity.py.)"""
 

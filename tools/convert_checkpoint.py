@@ -5,7 +5,7 @@ elsewhere, and back. Verified both ways.
     python -m tools.convert_checkpoint from-safetensors model.safetensors weights_dcp/
 
 to-safetensors first verifies the checkpoint as a resume would (every file against the sha256 recorded
-when it was written, common/checkpoint.py), then reads it in this one process (no process group; any world
+when it was written, common/checkpoint/), then reads it in this one process (no process group; any world
 size wrote it), by its format, which it names:
   dcp          train_gpt's (torch.distributed.checkpoint, one file per rank): the shards read into full
                tensors and checked against the checkpoint's own digest of its full state (parameters and
