@@ -39,14 +39,9 @@ theory, to the byte) and communication_volume (each kind of collective's bytes e
 
 from __future__ import annotations
 
-import contextlib
-import functools
 import math
-import multiprocessing
 import os
 import sys
-import time
-from concurrent.futures import ProcessPoolExecutor, as_completed
 from dataclasses import dataclass
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -55,32 +50,19 @@ if __name__ == "__main__":  # Ctrl-C during the imports below: one line, exit 13
 
     one_line_on_ctrl_c("at_scale.py")
 
-import torch
-import torch.distributed as dist
-from torch._subclasses.fake_tensor import FakeTensorMode
-from torch.distributed.fsdp import FSDPModule
-from torch.testing._internal.distributed.fake_pg import FakeStore
-from tqdm import tqdm
 
-from common.activations import SavedActivations
-from common.comm_counter import CollectiveCounter
-from common.config import RunArgs, UsageError, flag, parse_config, require, run_cli
-from common.gpt import GPT, GPTConfig, adamw, lm_loss, parameter_count
-from common.moe import moe_layers
+from common.config import RunArgs, flag, parse_config, require, run_cli
+from common.gpt import GPTConfig, parameter_count
 from planning.cost_model import (
-    activation_bytes,
     hardware_names,
     load_hardware,
-    memory_estimate,
     model_flops_per_token,
     predict_step,
 )
+from planning.fake_ranks import meta_gpt, ranks_that_differ, run_ranks
 from planning.published import MODELS, PUBLISHED_RUNS, model_named
-from strategies import ParallelArgs, ep, pp, tp
-from strategies.job import Instruments, local_bytes, unique_tensors
-from strategies.layout import DIMS, Layout, Workload, chunk_rows
-from strategies.parallelize import parallelize, quiet
-from strategies.theory import gathered_bytes, held_bytes, sent_bytes
+from strategies import ParallelArgs
+from strategies.layout import DIMS, Layout, Workload
 
 EXPERIMENT = "at_scale"
 DEFAULT_LAYOUT = {"pp": 16, "dp_shard": 8, "tp": 8}  # no layout given: 1,024 ranks
@@ -161,177 +143,6 @@ class Config(RunArgs, ParallelArgs):
         return [int(r) for r in self.ranks.replace(" ", "").split(",") if r] if self.ranks.strip() else []
 
 
-def ranks_that_differ(reference, layout: Layout, args, work: Workload) -> list[int]:
-    """The first rank of each pipeline stage whose theory (what it holds and sends) differs from the stages'
-    before it, and the world's last rank if its theory differs too (the last piece of every split: an uneven
-    split leaves it less)."""
-    seen, ranks = set(), []
-    for rank in [*(layout.rank_at(pp=stage) for stage in range(layout.pp)), layout.world_size - 1]:
-        theory = (str(held_bytes(reference, layout, rank, args, work)),
-                  str(sent_bytes(reference, layout, rank, args, work)["by_kind"]))  # fmt: skip
-        if theory not in seen:
-            seen.add(theory)
-            ranks.append(rank)
-    return ranks
-
-
-@contextlib.contextmanager
-def playing(rank: int, world_size: int):
-    """This process as rank `rank` of `world_size`: torch's fake process group (its collectives return at once
-    and move nothing), for as long as the rank runs."""
-    dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world_size)
-    try:
-        yield
-    finally:
-        dist.destroy_process_group()
-
-
-class HeldAtStepEnd(Instruments):
-    """The job's instruments: the bytes held when AdamW has stepped (gradients still there)."""
-
-    def __init__(self):
-        self.held: dict = {}
-
-    def after_step(self, job, loss, grad_norm) -> None:
-        self.held = job.measure_held()
-
-
-def schedule_order(schedule: str, pp_size: int, stage: int, m: int) -> str:
-    """The forwards (F) and backwards (B) of one stage's step: 1F1B's warm-up of p - s - 1 forwards, then one
-    forward and one backward in turn, then the rest of the backwards; GPipe's m forwards then m backwards."""
-    if schedule == "gpipe" or pp_size == 1:
-        return "F" * m + "B" * m
-    warmup = min(pp_size - stage - 1, m)
-    return "F" * warmup + "FB" * (m - warmup) + "B" * warmup
-
-
-def run_rank(cfg: Config, layout: Layout, work: Workload, rank: int) -> dict:
-    """One rank of the job, one optimizer step, on fake tensors: what it holds, keeps and sends."""
-    from accelerate import Accelerator
-
-    started = time.perf_counter()
-    # this worker's own Accelerator, one process: it prepares the optimizer and autocasts as in train_gpt
-    accelerator = Accelerator(cpu=True, mixed_precision="no" if layout.shard_dims else cfg.mixed_precision)
-    with playing(rank, layout.world_size), quiet():
-        with torch.device("meta"):
-            gpt = GPT(work.model)
-        job = parallelize(gpt, layout, cfg, work, accelerator, lambda p: adamw(p, 3e-4, 0.1), 0.0)
-        job.instruments = instruments = HeldAtStepEnd()
-        for layer in moe_layers(job.model):  # fake tensors hold no routing: every rank routes uniformly
-            layer.order = functools.partial(uniform_order, layer)
-            if isinstance(layer.exchange, ep.AllToAll):
-                layer.exchange.assume_same_routing = True
-        stage = job.stages[0]  # gpipe and 1f1b: one stage per rank
-        stage_index = layout.coordinate(rank, "pp")
-        first, last = stage_index == 0, stage_index == layout.pp - 1
-        m = cfg.pp_microbatches if layout.pp > 1 else 1
-        rows, tokens = work.rows // m, work.model.block_size
-        with FakeTensorMode(allow_non_fake_inputs=True):
-            job.model.to_empty(device=accelerator.device)
-            in_flight, kept, live, peak_live, most_in_flight, gathered, accumulated = (
-                [],
-                [],
-                0,
-                0,
-                0,
-                None,
-                None,
-            )
-            with CollectiveCounter() as counter:
-                for action in schedule_order(cfg.pp_schedule, layout.pp, stage_index, m):
-                    if action == "F":
-                        ids = torch.randint(
-                            0, work.model.vocab_size, (rows, tokens), device=accelerator.device
-                        )
-                        x, y = job.split_batch(ids, ids)
-                        if not first:  # the previous stage's output, as the schedule hands it over
-                            x = torch.empty(*x.shape, work.model.d_model, dtype=pp.activation_dtype(layout, work),
-                                            requires_grad=True)  # fmt: skip
-                        with SavedActivations() as saved, accelerator.autocast():
-                            out = stage(x)
-                            out = lm_loss(out, y) / m if last else out
-                        in_flight.append(out)
-                        most_in_flight = max(most_in_flight, len(in_flight))
-                        kept.append(saved.bytes)
-                        live += saved.bytes
-                        peak_live = max(peak_live, live)
-                        gathered = job.measure_window() if gathered is None else gathered
-                    else:
-                        done = len(kept) - len(in_flight)  # backwards done so far
-                        last_backward = done == m - 1
-                        if isinstance(stage, FSDPModule):  # as the schedule tells FSDP (and replicate)
-                            stage.set_is_last_backward(last_backward)
-                            stage.set_reshard_after_backward(last_backward or layout.pp == 1)
-                            stage.set_requires_gradient_sync(last_backward)
-                        out = in_flight.pop(0)
-                        out.backward() if last else out.backward(torch.empty_like(out))
-                        live -= kept[done]
-                        if accumulated is None and not last_backward:  # FSDP's unsharded sums, until the last
-                            accumulated = unsharded_gradient_bytes(job.model, job.stages)
-                if job.exchanges:  # the experts' gradients over their replicas, as Job.forward_backward does
-                    ep.reduce_gradients(job.model, job.expert_replicas, layout.dp)
-                if job.pipeline:
-                    if layout.tp > 1:
-                        tp.align_gradients(job.model)
-                    job.pipeline.after_backward()  # the m micro-batches' mean, the tied gradient's all-reduce
-            job.step(None)
-        routing = job.routing()  # what the MoE blocks sent and received in the step: ep's theory's input
-    moe = bool(work.model.n_experts)
-    reference = meta_gpt(work.model)
-    held, theory = instruments.held, held_bytes(reference, layout, rank, cfg, work)
-    holding = pp.holding(layout, rank, cfg, work.model.n_layer, work.model.tie_weights)
-    return {
-        "rank": rank,
-        "coordinates": {d: layout.coordinate(rank, d) for d in DIMS if getattr(layout, d) > 1},
-        "blocks": len(holding.blocks),
-        "held": {**held, "params_gathered": gathered},
-        "theory": {
-            **{k: theory[k] for k in ("params", "grads", "optimizer")},
-            "params_gathered": gathered_bytes(reference, layout, rank, cfg, work),
-        },  # fmt: skip
-        "activations_per_microbatch": max(kept),
-        "activations_peak": peak_live,
-        # the cost model's estimates are the dense GPT's: none for a mixture of experts
-        "activations_estimate": None
-        if moe
-        else round(activation_bytes(work, layout, cfg, len(holding.blocks), first, last)),
-        "peak_estimate": None if moe else round(memory_estimate(reference, layout, cfg, work, rank)["peak"]),
-        "in_flight": most_in_flight,
-        "grads_accumulated_unsharded": accumulated or 0,
-        "counted": {"calls": dict(counter.calls), "bytes": dict(counter.bytes)},
-        "sent_theory": sent_bytes(reference, layout, rank, cfg, work, routing),
-        "seconds": time.perf_counter() - started,
-    }
-
-
-def unsharded_gradient_bytes(model, stages) -> int:
-    """Gradient bytes a rank holds between a pipeline's micro-batches: the .grad of the parameters (unsharded
-    while FSDP keeps them gathered, the embedding's sometimes whole: tp.align_gradients), and the float32 sums
-    FSDP2 keeps of bf16 gradients on its own (FSDPParam.unsharded_accumulated_grad: private, only read here)."""
-    total = sum(local_bytes(p.grad) for p in unique_tensors(model.parameters()) if p.grad is not None)
-    for module in (m for stage in stages for m in stage.modules()):
-        if isinstance(module, FSDPModule):
-            group = module._get_fsdp_state()._fsdp_param_group
-            for fsdp_param in group.fsdp_params if group else []:
-                summed = getattr(fsdp_param, "unsharded_accumulated_grad", None)
-                total += local_bytes(summed) if summed is not None else 0
-    return total
-
-
-def uniform_order(layer, expert_ids: torch.Tensor, tokens: int) -> tuple[torch.Tensor, list[int]]:
-    """A mixture of experts' routing on fake tensors, which hold no values: the assignments in their own order,
-    shared out evenly over the experts (torch.chunk's split of tokens x top_k), the same on every rank. Stands in
-    for MoE.order_by_expert; the run says so."""
-    assignments = tokens * layer.top_k
-    counts = [chunk_rows(assignments, layer.n_experts, e) for e in range(layer.n_experts)]
-    return torch.arange(assignments, device=expert_ids.device), counts
-
-
-def meta_gpt(cfg: GPTConfig) -> GPT:
-    with torch.device("meta"):
-        return GPT(cfg)
-
-
 def peak_bytes(r: dict) -> int:
     """The bytes that coexist at the first backward: parameters (at rest and gathered), AdamW's state, the
     activations in flight, and the gradients: FSDP's unsharded sums under a pipeline, else the step's."""
@@ -362,38 +173,6 @@ def run(cfg: Config) -> int:
         check_ranks(session, results, layout)
         report(session, cfg, layout, work, hardware, reference, results)
     return session.exit_code
-
-
-def run_ranks(
-    cfg: Config, layout: Layout, work: Workload, ranks: list[int], show_progress: bool
-) -> list[dict]:
-    """Each rank in a worker process of its own, as many at once as there are cores: torch keeps process-wide
-    caches of meshes and their groups (DTensor's sharding cache handed a rank the groups of the rank before it,
-    measured), so one process plays one rank. A worker that takes longer than --dist_timeout_s fails the run."""
-    context = multiprocessing.get_context("spawn")
-    workers = min(len(ranks), os.cpu_count() or 1)
-    limit_s = cfg.dist_timeout_s * math.ceil(len(ranks) / workers)
-    pool = ProcessPoolExecutor(workers, mp_context=context, max_tasks_per_child=1)
-    futures = {pool.submit(run_rank, cfg, layout, work, rank): rank for rank in ranks}
-    bar = tqdm(total=len(futures), desc="at_scale ranks", disable=not show_progress, leave=False)
-    try:
-        results = []
-        for future in as_completed(futures, timeout=limit_s):
-            results.append(future.result())
-            bar.update()
-    except TimeoutError:
-        late = [rank for future, rank in futures.items() if not future.done()]
-        raise UsageError(f"rank {late[0]} did not finish within --dist_timeout_s {cfg.dist_timeout_s:g} ({limit_s:g} s for "
-                         f"{len(ranks)} rank(s) on {workers} worker(s)); ranks {late} were still running and are ended: "
-                         "raise --dist_timeout_s") from None  # fmt: skip
-    finally:
-        bar.close()
-        # Ends the workers at once on a timeout or Ctrl-C (a pool's exit would wait for every rank to finish;
-        # the executor has no public way to stop a running task)
-        for process in list(getattr(pool, "_processes", {}).values()):
-            process.kill()
-        pool.shutdown(wait=True, cancel_futures=True)
-    return sorted(results, key=lambda r: r["rank"])
 
 
 def start_session(cfg: Config):

@@ -12,7 +12,7 @@ import torch
 
 from common.gpt import GPT, GPTConfig, parameter_count
 from common.moe import active_parameter_count
-from experiments.at_scale import Config, main, ranks_that_differ, schedule_order
+from experiments.at_scale import Config, main
 from helpers import run_in_process, run_main_in_process
 from planning.cost_model import (
     activation_bytes,
@@ -22,6 +22,7 @@ from planning.cost_model import (
     model_flops_per_token,
     predict_step,
 )
+from planning.fake_ranks import ranks_that_differ, schedule_order
 from planning.published import MODELS, PUBLISHED_RUNS
 from strategies.layout import Layout, Workload
 
