@@ -20,7 +20,8 @@ pipelines of two stages.
 
 A new dimension plugs in as one module with:
     Flags                        a dataclass of its flags (folded into ParallelArgs below)
-    WRONG_VARIANTS               {name: what the mistake is} (its --wrong_variant values)
+    MISTAKES                     {name: Mistake(what it is, applies(layout, engine_stage))}: its --wrong_variant
+                                 values, each refused where it changes nothing
     refuse(args, layout, work)   one line (UsageError) for what it cannot do, before anything starts
     apply(stage, mesh, ...)      in place, on one stage (a GPT, or the part a pipeline rank holds)
     sent(layout, ..., work)      its Traffic of one step for a rank, by its closed form
@@ -36,7 +37,7 @@ from typing import ClassVar
 from common.config import flag, require
 from common.runtime import deepspeed_stage
 from strategies import activation_checkpointing, compile, cp, deepspeed, ep, pp, replicate, shard, tp  # noqa: F401 (the pieces)
-from strategies.layout import DIMS, Layout, Workload
+from strategies.layout import DIMS, Layout, Mistake, Workload
 
 REST = -1  # a preset's degree that takes the ranks the other degrees leave
 
@@ -79,47 +80,39 @@ def _sharded_gradients(layout: Layout) -> bool:
     return layout.dp_shard > 1 or layout.tp > 1 or layout.pp > 1
 
 
-# Every mistake, what it is, and the layouts under which it is one (a mistake that changes nothing under a
-# layout, seed_per_rank under Accelerate's DDP, which broadcasts rank 0's weights, is refused there). The
-# check each must fail: README "Each check with the mistake it exists for".
-COMMON_WRONG_VARIANTS = {
-    "same_data_on_every_rank": "the forgotten sampler: every data-parallel rank reads rank 0's share",
-    "local_grad_norm": "clipping by each rank's own piece's norm, not the global one",
-    "seed_per_rank": "every rank builds its own random weights",
-    "resume_without_optimizer_state": "a resume that loads the parameters but not AdamW's moments",
-    "resume_without_data_position": "a resume that restarts the data stream at its first sample",
+def _whole_world_ddp(layout: Layout) -> bool:
+    """Every rank a replica under Accelerate's DDP, which broadcasts rank 0's weights: a seed per rank is undone."""
+    return layout.world_size > 1 and layout.size(layout.replicate_dims) == layout.world_size
+
+
+# The mistakes any layout can make (the check each must fail: README "Each check with the mistake it exists for"),
+# then each piece's own (its MISTAKES), each knowing the runs under which it is one: a mistake that changes nothing
+# under a run (seed_per_rank under Accelerate's DDP) is refused there.
+COMMON_MISTAKES = {
+    "same_data_on_every_rank": Mistake("the forgotten sampler: every data-parallel rank reads rank 0's share",
+                                       lambda layout, engine_stage: engine_stage is not None or layout.dp > 1),
+    "local_grad_norm": Mistake("clipping by each rank's own piece's norm, not the global one",
+                               lambda layout, engine_stage: engine_stage is None and _sharded_gradients(layout)),
+    "seed_per_rank": Mistake("every rank builds its own random weights",
+                             lambda layout, engine_stage: engine_stage is None and layout.world_size > 1
+                             and not _whole_world_ddp(layout)),
+    "resume_without_optimizer_state": Mistake("a resume that loads the parameters but not AdamW's moments",
+                                              lambda layout, engine_stage: True),
+    "resume_without_data_position": Mistake("a resume that restarts the data stream at its first sample",
+                                            lambda layout, engine_stage: True),
+}  # fmt: skip
+PIECES_WITH_MISTAKES = (shard, tp, pp, cp, ep, deepspeed)
+MISTAKES = {
+    **COMMON_MISTAKES,
+    **{name: m for piece in PIECES_WITH_MISTAKES for name, m in piece.MISTAKES.items()},
 }
-WRONG_VARIANTS = {
-    **COMMON_WRONG_VARIANTS,
-    **shard.WRONG_VARIANTS,
-    **tp.WRONG_VARIANTS,
-    **pp.WRONG_VARIANTS,
-    **cp.WRONG_VARIANTS,
-    **ep.WRONG_VARIANTS,
-    **deepspeed.WRONG_VARIANTS,
-}
+WRONG_VARIANTS = {name: mistake.what for name, mistake in MISTAKES.items()}  # --wrong_variant's values
+COMMON_WRONG_VARIANTS = {name: mistake.what for name, mistake in COMMON_MISTAKES.items()}
 
 
 def is_a_mistake_under(variant: str, layout: Layout, engine_stage: int | None) -> bool:
     """Whether --wrong_variant `variant` changes what a run under `layout` computes (so that a check can fail)."""
-    if variant in deepspeed.WRONG_VARIANTS:
-        return engine_stage is not None and (variant != "textbook_zero3_theory" or engine_stage == 3)
-    if variant.startswith("resume_"):
-        return True
-    if engine_stage is not None:
-        return variant == "same_data_on_every_rank"
-    whole_world_ddp = layout.world_size > 1 and layout.size(layout.replicate_dims) == layout.world_size
-    applies = {
-        "same_data_on_every_rank": layout.dp > 1,
-        "local_grad_norm": _sharded_gradients(layout),
-        "seed_per_rank": layout.world_size > 1 and not whole_world_ddp,
-        "unwrapped_root": bool(layout.shard_dims),
-        "row_parallel_without_all_reduce": layout.tp > 1,
-        **dict.fromkeys(pp.WRONG_VARIANTS, layout.pp > 1),
-        **dict.fromkeys(cp.WRONG_VARIANTS, layout.cp > 1),
-        **dict.fromkeys(ep.WRONG_VARIANTS, layout.ep > 1),
-    }
-    return applies[variant]
+    return MISTAKES[variant].applies(layout, engine_stage)
 
 
 @dataclass

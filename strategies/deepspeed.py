@@ -47,15 +47,20 @@ from common.checkpoint import FullState
 from common.config import require
 from common.runtime import deepspeed_stage
 from strategies.job import Job
-from strategies.layout import Layout, Traffic, Workload, unique_parameters
+from strategies.layout import Layout, Mistake, Traffic, Workload, unique_parameters
 
 PERSISTENCE_THRESHOLD = 100_000  # DeepSpeed's stage3_param_persistence_threshold (elements), its default
 CONFIGS = "accelerate_configs/deepspeed_zero{stage}.yaml"
-WRONG_VARIANTS = {
-    "clip_from_accelerate_default": "gradient_clipping left to Accelerate's 'auto', which it fills with 1.0, "
-    "whatever --grad_clip says",
-    "textbook_zero3_theory": "expecting textbook ZeRO-3 from DeepSpeed (every parameter sharded): it keeps "
-    "every parameter of <= 100,000 elements whole on every rank",
+MISTAKES = {  # each: what it is, and the runs under which it is one (DeepSpeed's engine, textbook ZeRO-3 at stage 3)
+    "clip_from_accelerate_default": Mistake(
+        "gradient_clipping left to Accelerate's 'auto', which it fills with 1.0, whatever --grad_clip says",
+        lambda layout, engine_stage: engine_stage is not None,
+    ),
+    "textbook_zero3_theory": Mistake(
+        "expecting textbook ZeRO-3 from DeepSpeed (every parameter sharded): it keeps every parameter of <= 100,000 "
+        "elements whole on every rank",
+        lambda layout, engine_stage: engine_stage == 3,
+    ),
 }
 
 

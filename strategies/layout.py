@@ -26,6 +26,7 @@ that ep borrows ranks from data parallelism; here every degree is a factor of th
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -179,3 +180,13 @@ class Traffic:
         if self.kind == "recv" or self.ranks == 1:
             return 0.0
         return bus_factor(self.kind, self.ranks) * self.bytes
+
+
+@dataclass(frozen=True)
+class Mistake:
+    """A deliberate mistake a piece teaches (its --wrong_variant): what it is, and the runs under which it is one,
+    `applies(layout, engine_stage)` (engine_stage: DeepSpeed's ZeRO stage, None without it). A mistake that
+    changes nothing under a run is refused there: no check could fail on it."""
+
+    what: str
+    applies: Callable[[Layout, int | None], bool]

@@ -41,12 +41,22 @@ from torch import nn
 
 from common.config import flag, require
 from common.gpt import GPT, lm_loss
-from strategies.layout import Layout, Traffic, Workload
+from strategies.layout import Layout, Mistake, Traffic, Workload
 
-WRONG_VARIANTS = {
-    "pp_unscaled_microbatch_gradients": "the micro-batch gradients summed, never divided by m",
-    "pp_whole_model_on_every_rank": "every rank keeps the whole GPT, running only its stage",
-    "pp_tied_embedding_not_synced": "the head's copy of the tied embedding never gets the first stage's gradient",
+
+def _is_on(layout: Layout, engine_stage: int | None) -> bool:
+    """This piece's mistakes are mistakes wherever it runs: a pipelined layout without DeepSpeed's engine."""
+    return engine_stage is None and layout.pp > 1
+
+
+MISTAKES = {  # each: what it is, and the runs under which it is one
+    "pp_unscaled_microbatch_gradients": Mistake(
+        "the micro-batch gradients summed, never divided by m", _is_on
+    ),
+    "pp_whole_model_on_every_rank": Mistake("every rank keeps the whole GPT, running only its stage", _is_on),
+    "pp_tied_embedding_not_synced": Mistake(
+        "the head's copy of the tied embedding never gets the first stage's gradient", _is_on
+    ),
 }
 # name: (torch.distributed.pipelining's schedule, stages per rank, where they sit); imported when a pipeline
 # is built: the module costs 0.6 s of start-up (it imports torch._dynamo), which no other piece needs

@@ -39,11 +39,21 @@ import torch
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 
 from common.config import flag, require
-from strategies.layout import Layout, Traffic, Workload, chunk_rows, padded_numel
+from strategies.layout import Layout, Mistake, Traffic, Workload, chunk_rows, padded_numel
 
 RESHARD = ("default", "never", "always")
-WRONG_VARIANTS = {
-    "unwrapped_root": "fully_shard on the blocks only: the root's embeddings and head neither sharded nor synchronized",
+
+
+def _is_on(layout: Layout, engine_stage: int | None) -> bool:
+    """This piece's mistakes are mistakes wherever it runs: a sharded layout without DeepSpeed's engine."""
+    return engine_stage is None and bool(layout.shard_dims)
+
+
+MISTAKES = {  # each: what it is, and the runs under which it is one
+    "unwrapped_root": Mistake(
+        "fully_shard on the blocks only: the root's embeddings and head neither sharded nor synchronized",
+        _is_on,
+    ),
 }
 
 

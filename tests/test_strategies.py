@@ -18,22 +18,24 @@ from strategies import (
     WRONG_VARIANTS,
     ParallelArgs,
     activation_checkpointing,
+    compile,
     cp,
     deepspeed,
+    ep,
     is_a_mistake_under,
     pp,
     replicate,
     shard,
     tp,
 )
-from strategies.layout import DIMS, Layout, Workload, chunk_rows
+from strategies.layout import DIMS, Layout, Mistake, Workload, chunk_rows
 from strategies.theory import held_bytes, sent_bytes
 
 MODEL = build_gpt(GPTConfig(), 0)  # 1,063,168 parameters: 4,252,672 bytes in float32
 FULL = 4_252_672
 HALF, EMBEDDING = FULL // 2, 4 * 2048 * 128
 WORK = Workload(GPTConfig(), 4)
-PIECES = (replicate, shard, tp, cp, pp, activation_checkpointing)
+PIECES = (replicate, shard, tp, cp, pp, ep, activation_checkpointing, compile)
 
 
 def layout_of(preset: str, ranks: int, **flags) -> tuple[Layout, ParallelArgs]:
@@ -54,10 +56,12 @@ def test_every_dimension_is_one_whole_module(piece):
     )
     flags = {f.name for f in dataclasses.fields(piece.Flags)}
     assert flags <= {f.name for f in dataclasses.fields(ParallelArgs)}  # folded into the CLI
-    if piece is not activation_checkpointing:
+    if piece not in (activation_checkpointing, compile):  # they change what runs, not what is sent
         assert callable(piece.sent)
-    if piece in (shard, tp, cp, pp):
-        assert callable(piece.refuse) and isinstance(piece.WRONG_VARIANTS, dict)
+    if piece in (shard, tp, cp, pp, ep):  # each mistake its own: what it is, and where it is one
+        assert callable(piece.refuse) and all(
+            isinstance(m, Mistake) and m.what for m in piece.MISTAKES.values()
+        )
 
 
 def test_every_mistake_says_what_it_is_and_is_one_under_some_layout():
