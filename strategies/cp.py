@@ -39,18 +39,12 @@ from common.config import flag, require
 from common.gpt import grouped
 from strategies.layout import Layout, Mistake, Traffic, Workload
 
-
-def _is_on(layout: Layout, engine_stage: int | None) -> bool:
-    """This piece's mistakes are mistakes wherever it runs: a context-parallel layout without DeepSpeed's engine."""
-    return engine_stage is None and layout.cp > 1
-
-
 MISTAKES = {  # each: what it is, and the runs under which it is one
-    "cp_merge_without_lse": Mistake(
-        "the partial attention outputs averaged, not rescaled by their log-sum-exp", _is_on
+    "cp_merge_without_lse": Mistake.of(
+        "cp", "the partial attention outputs averaged, not rescaled by their log-sum-exp"
     ),
-    "cp_causal_mask_not_shifted": Mistake(
-        "every (query chunk, key chunk) pair masked as if both started at position 0", _is_on
+    "cp_causal_mask_not_shifted": Mistake.of(
+        "cp", "every (query chunk, key chunk) pair masked as if both started at position 0"
     ),
 }
 

@@ -43,24 +43,18 @@ from common.moe import moe_layers, run_experts
 from common.runtime import deepspeed_stage
 from strategies.layout import Layout, Mistake, Traffic, Workload
 
-
-def _is_on(layout: Layout, engine_stage: int | None) -> bool:
-    """This piece's mistakes are mistakes wherever it runs: a expert-parallel layout without DeepSpeed's engine."""
-    return engine_stage is None and layout.ep > 1
-
-
 MISTAKES = {  # each: what it is, and the runs under which it is one
-    "combine_without_router_weights": Mistake(
-        "the experts' outputs summed as they come back, not weighted by the router", _is_on
+    "combine_without_router_weights": Mistake.of(
+        "ep", "the experts' outputs summed as they come back, not weighted by the router"
     ),
-    "reverse_all_to_all_with_forward_splits": Mistake(
-        "the outputs sent back with the dispatch's splits, not swapped", _is_on
+    "reverse_all_to_all_with_forward_splits": Mistake.of(
+        "ep", "the outputs sent back with the dispatch's splits, not swapped"
     ),
-    "experts_initialised_per_rank": Mistake(
-        "each ep rank draws its own experts' weights (a seed per rank)", _is_on
+    "experts_initialised_per_rank": Mistake.of(
+        "ep", "each ep rank draws its own experts' weights (a seed per rank)"
     ),
-    "balance_on_local_tokens": Mistake(
-        "the balancing counts (aux loss, bias) of each rank's own tokens only", _is_on
+    "balance_on_local_tokens": Mistake.of(
+        "ep", "the balancing counts (aux loss, bias) of each rank's own tokens only"
     ),
 }
 EXPERT_WEIGHTS = ("w_in", "w_gate", "w_out")

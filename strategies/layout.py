@@ -190,3 +190,9 @@ class Mistake:
 
     what: str
     applies: Callable[[Layout, int | None], bool]
+
+    @classmethod
+    def of(cls, dim: str, what: str) -> Mistake:
+        """A mistake of dimension `dim`'s piece: one wherever that dimension runs (its degree > 1), DeepSpeed's
+        engine aside (it replaces the pieces)."""
+        return cls(what, lambda layout, engine_stage: engine_stage is None and getattr(layout, dim) > 1)

@@ -43,19 +43,15 @@ from common.config import flag, require
 from common.gpt import GPT, lm_loss
 from strategies.layout import Layout, Mistake, Traffic, Workload
 
-
-def _is_on(layout: Layout, engine_stage: int | None) -> bool:
-    """This piece's mistakes are mistakes wherever it runs: a pipelined layout without DeepSpeed's engine."""
-    return engine_stage is None and layout.pp > 1
-
-
 MISTAKES = {  # each: what it is, and the runs under which it is one
-    "pp_unscaled_microbatch_gradients": Mistake(
-        "the micro-batch gradients summed, never divided by m", _is_on
+    "pp_unscaled_microbatch_gradients": Mistake.of(
+        "pp", "the micro-batch gradients summed, never divided by m"
     ),
-    "pp_whole_model_on_every_rank": Mistake("every rank keeps the whole GPT, running only its stage", _is_on),
-    "pp_tied_embedding_not_synced": Mistake(
-        "the head's copy of the tied embedding never gets the first stage's gradient", _is_on
+    "pp_whole_model_on_every_rank": Mistake.of(
+        "pp", "every rank keeps the whole GPT, running only its stage"
+    ),
+    "pp_tied_embedding_not_synced": Mistake.of(
+        "pp", "the head's copy of the tied embedding never gets the first stage's gradient"
     ),
 }
 # name: (torch.distributed.pipelining's schedule, stages per rank, where they sit); imported when a pipeline

@@ -45,7 +45,7 @@ RESHARD = ("default", "never", "always")
 
 
 def _is_on(layout: Layout, engine_stage: int | None) -> bool:
-    """This piece's mistakes are mistakes wherever it runs: a sharded layout without DeepSpeed's engine."""
+    """Wherever FSDP runs (dp_shard, or cp sharded with it), DeepSpeed's engine aside."""
     return engine_stage is None and bool(layout.shard_dims)
 
 

@@ -56,15 +56,9 @@ from torch.distributed.tensor.parallel import (
 from common.config import flag, require
 from strategies.layout import Layout, Mistake, Traffic, Workload, chunk_rows
 
-
-def _is_on(layout: Layout, engine_stage: int | None) -> bool:
-    """This piece's mistakes are mistakes wherever it runs: a tensor-parallel layout without DeepSpeed's engine."""
-    return engine_stage is None and layout.tp > 1
-
-
 MISTAKES = {  # each: what it is, and the runs under which it is one
-    "row_parallel_without_all_reduce": Mistake(
-        "the row-parallel layers' partial sums used as if they were the output", _is_on
+    "row_parallel_without_all_reduce": Mistake.of(
+        "tp", "the row-parallel layers' partial sums used as if they were the output"
     ),
 }
 # Which dimension the plan splits, by parameter name (None: replicated), for the theory of bytes held.
