@@ -256,9 +256,8 @@ def build_parser(
             kwargs.update(nargs="?", const=True, type=_parse_bool, metavar="BOOL")
         else:
             kwargs.update(type=f.metadata.get("parse") or (finite_float if kind is float else kind))
-            if f.metadata.get(
-                "parse"
-            ):  # argparse would parse a string default too: left out, the dataclass's holds
+            if f.metadata.get("parse"):
+                # argparse would run `parse` on a string default too: left out, the dataclass's default holds
                 kwargs["default"] = argparse.SUPPRESS
             if f.metadata.get("choices"):
                 kwargs["choices"] = f.metadata["choices"]

@@ -141,9 +141,9 @@ class Run:
                 f"--resume_from_checkpoint {self.checkpoint} lies inside --output_dir {self.output_dir}, which "
                 "--overwrite moves aside: resume into another --output_dir"
             )
-        if (
-            int(os.environ.get("RANK", "0")) == 0
-        ):  # (the other ranks would see their own run's lock, once taken)
+        if int(os.environ.get("RANK", "0")) == 0:
+            # a live run's folder is in use, not an earlier run's (the main process only: the other ranks would
+            # see their own run's lock once rank 0 has taken it)
             OutputLock.refuse_if_held(self.output_dir)
         self._refuse_finished_run(world_size)
         if resumable:
