@@ -175,6 +175,14 @@ class Config(ResumableArgs, ParallelArgs, CheckArgs):
                 f"--n_experts {self.n_experts} --top_k {self.top_k}: need n_experts >= 0, 1 <= top_k <= n_experts")  # fmt: skip
         require(min(self.capacity_factor, self.aux_loss_coef, self.bias_update_rate) >= 0,
                 "--capacity_factor, --aux_loss_coef, --bias_update_rate must be >= 0")  # fmt: skip
+        # bounded: from --n_experts up no expert can be over capacity (c x tokens x k / E >= every token), and a
+        # loss weight or a bias step above 1 is a typo (Switch: 0.01; DeepSeek-V3: 0.001); 1e308 overflowed
+        require(self.capacity_factor <= max(self.n_experts, 1),
+                f"--capacity_factor {self.capacity_factor:g}: at most --n_experts ({max(self.n_experts, 1)}), from which "
+                "no token is ever dropped; 0 is dropless")  # fmt: skip
+        require(max(self.aux_loss_coef, self.bias_update_rate) <= 1,
+                f"--aux_loss_coef {self.aux_loss_coef:g}, --bias_update_rate {self.bias_update_rate:g}: each must be "
+                "<= 1")  # fmt: skip
         non_negative = min(self.warmup_steps, self.lr_decay_steps, self.grad_clip, self.weight_decay) >= 0
         require(0 <= self.min_lr_ratio <= 1 and non_negative, "--min_lr_ratio must be in [0, 1]; --warmup_steps, "
                 "--lr_decay_steps, --grad_clip, --weight_decay >= 0")  # fmt: skip

@@ -157,11 +157,14 @@ def test_gloo_all_to_all_single_with_uneven_splits_forward_and_backward(tmp_path
     [
         (["--n_experts", "4", "--top_k", "5"], "--n_experts 4 --top_k 5: need n_experts >= 0, 1 <= top_k <= n_experts"),
         (["--n_experts", "4", "--capacity_factor", "-1"], "--capacity_factor, --aux_loss_coef, --bias_update_rate must be >= 0"),
+        # a capacity that overflowed math.ceil (a crash after the run folder was made), a loss weight that is a typo
+        (["--n_experts", "4", "--capacity_factor", "1e308"], "--capacity_factor 1e+308: at most --n_experts (4)"),
+        (["--n_experts", "4", "--aux_loss_coef", "5"], "--aux_loss_coef 5, --bias_update_rate 0: each must be <= 1"),
     ],
 )  # fmt: skip
 def test_bad_moe_flags_are_one_line_and_exit_2(flags, said, capsys, tmp_path):
-    code, err = run_main_in_process(main, [*GPT_TINY, "--output_dir", str(tmp_path), *flags], capsys)
-    assert code == 2 and said in err
+    code, err = run_main_in_process(main, [*GPT_TINY, "--output_dir", str(tmp_path / "run"), *flags], capsys)
+    assert code == 2 and said in err and err.strip().count("\n") == 0 and not (tmp_path / "run").exists()
 
 
 @pytest.mark.parametrize(

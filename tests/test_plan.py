@@ -34,6 +34,7 @@ def test_nothing_fits_is_said_in_words(capsys):
         (["--model", "gpt5"], "--model 'gpt5' is not a shape this project knows"),
         (["--hardware", "tpu_v9"], "--hardware 'tpu_v9' is not a profile in planning/hardware.yaml"),
         (["--gpus", "0"], "--gpus must be > 0, got 0"),
+        (["--gpus", "1000000000"], "--gpus 1,000,000,000: at most 1,048,576"),  # it hung in the divisor walk
         (["--model", "olmoe_1b_7b"], "--model olmoe_1b_7b: a mixture of experts; the planner's cost model"),
     ],
 )
@@ -42,3 +43,10 @@ def test_unknown_input_is_one_line_and_exit_2(args, message, capsys):
         main(args)
     err = capsys.readouterr().err
     assert stop.value.code == 2 and message in err and err.strip().count("\n") == 0
+
+
+def test_divisors_are_every_divisor_in_order_at_any_size():
+    from tools.plan import divisors
+
+    assert all(divisors(n) == [d for d in range(1, n + 1) if n % d == 0] for n in range(1, 300))
+    assert divisors(2**20) == [2**k for k in range(21)]  # in sqrt(n) steps: 16,384 ranks and beyond at once

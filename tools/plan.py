@@ -21,6 +21,7 @@ profile it does not know is one line and exit 2; a request nothing fits says so 
 
 from __future__ import annotations
 
+import math
 import os
 import sys
 from dataclasses import dataclass
@@ -60,9 +61,14 @@ class PlanArgs:
         load_hardware(self.hardware)
         for name in ("gpus", "top"):
             require(getattr(self, name) > 0, f"--{name} must be > 0, got {getattr(self, name)}")
+        require(self.gpus <= MOST_GPUS, f"--gpus {self.gpus:,}: at most {MOST_GPUS:,} (the largest published runs use "
+                "tens of thousands)")  # fmt: skip
         require(
             self.block_size >= 0 and self.global_batch >= 0, "--block_size and --global_batch must be >= 0"
         )
+
+
+MOST_GPUS = 2**20
 
 
 @dataclass
@@ -71,7 +77,9 @@ class Candidate(ParallelArgs):
 
 
 def divisors(n: int) -> list[int]:
-    return [d for d in range(1, n + 1) if n % d == 0]
+    """n's divisors, ascending, in sqrt(n) steps (a walk to n took minutes for --gpus 1000000000)."""
+    small = [d for d in range(1, math.isqrt(n) + 1) if n % d == 0]
+    return small + [n // d for d in reversed(small) if d * d != n]
 
 
 def candidates(cfg: GPTConfig, gpus: int, gpus_per_node: int, global_batch: int):
