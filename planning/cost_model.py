@@ -152,7 +152,8 @@ def activation_bytes(work: Workload, layout: Layout, args, blocks: int, first: b
                 sequence parallelism); RMSNorm also x / rms (t d / s; with its float32 upcast under bf16)
       attention q, k, v (k and v repeated for grouped-query attention) and its output (4 t d / n; one more
                 copy with rope or grouped heads), its log-sum-exp (heads / n x t, float32); no t^2 term: the
-                fused kernel keeps no attention matrix
+                fused kernel keeps no attention matrix; under context parallelism (c ranks) also the K and V
+                gathered from the other ranks (2 (c t - t) kv / n) and its chunks' outputs (t d / n)
       MLP       GELU's input and output (2 t h / n); SwiGLU's gate, up, silu and product (4 t h / n)
       autocast  the bf16 copies of each matmul's float32 input and of the block's weights (its cache)
     Full checkpointing keeps each block's input alone; selective its input and its matmuls' outputs. The last
@@ -171,6 +172,9 @@ def activation_bytes(work: Workload, layout: Layout, args, blocks: int, first: b
     norm = t * d / s * stream_e + rms + stats + t * d * stream_e
     extra_copy = cfg.positions == "rope" or cfg.kv_heads != cfg.n_head
     attention = (4 + extra_copy) * t * d / tp * e + heads / tp * t * 4
+    if layout.cp > 1:  # each block keeps the whole sequence's K and V it gathered, and its chunks' own outputs
+        kv_width = cfg.kv_heads * (d // heads)
+        attention += 2 * (t * layout.cp - t) * kv_width / tp * e + t * d / tp * e
     mlp = (4 if cfg.mlp == "swiglu" else 2) * t * h / tp * e
     casts = 0.0
     if autocast:
