@@ -172,7 +172,8 @@ def activation_bytes(work: Workload, layout: Layout, args, blocks: int, first: b
     norm = t * d / s * stream_e + rms + stats + t * d * stream_e
     extra_copy = cfg.positions == "rope" or cfg.kv_heads != cfg.n_head
     attention = (4 + extra_copy) * t * d / tp * e + heads / tp * t * 4
-    if layout.cp > 1:  # each block keeps the whole sequence's K and V it gathered, and its chunks' own outputs
+    # under cp each block keeps the whole sequence's K and V it gathered, and its chunks' own outputs
+    if layout.cp > 1:
         kv_width = cfg.kv_heads * (d // heads)
         attention += 2 * (t * layout.cp - t) * kv_width / tp * e + t * d / tp * e
     mlp = (4 if cfg.mlp == "swiglu" else 2) * t * h / tp * e
