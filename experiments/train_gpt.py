@@ -309,9 +309,8 @@ def run(cfg: Config) -> int:
         # The model: the same initial weights on every rank and in the reference (unless seed_per_rank); then the
         # layout decides who holds what (strategies/parallelize.py), and AdamW steps on whatever each rank holds.
         gpt = build_gpt(model_cfg, cfg.seed + rank * (variant == "seed_per_rank"))
-        if (
-            init_weights and not session.checkpoint
-        ):  # a new run from exported weights (a resume: its checkpoint's)
+        # a new run from exported weights (a resume starts from its checkpoint's)
+        if init_weights and not session.checkpoint:
             gpt.load_state_dict(init_weights)
             session.metrics["init_from"] = {"path": cfg.init_from, "weights_sha256": init_digest}
         initial_state, n_parameters = copy.deepcopy(gpt.state_dict()), count_parameters(gpt)
@@ -364,7 +363,8 @@ def run(cfg: Config) -> int:
         # from where THIS run started: the initialisation, or a checkpoint that has learned (it must only fall)
         start = ("the loaded checkpoint" if session.checkpoint else "the initial weights of --init_from" if init_weights
                  else "the initialisation")  # fmt: skip
-        min_drop = cfg.min_loss_drop if start == "the initialisation" else 0.0
+        # from trained weights (a checkpoint's, --init_from's) the loss need only fall
+        min_drop = 0.0 if session.checkpoint or init_weights else cfg.min_loss_drop
         session.check("loss_decreased", val_loss < val_loss_before - min_drop,
                       f"validation loss {val_loss_before:.3f} -> {val_loss:.3f} (from {start}), must fall by more "
                       f"than {min_drop}")  # fmt: skip
