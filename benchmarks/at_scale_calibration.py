@@ -33,7 +33,7 @@ from benchmarks.performance import bench_collectives, fit_alpha_beta
 from benchmarks.workers import benchmark_parser, dated_folder, write_table
 from common.gpt import GPT, GPTConfig
 from planning.cost_model import hardware_from, predict_step
-from strategies import PRESETS
+from strategies.args import PRESETS
 from strategies.layout import Layout, Workload
 
 KIND_OF_OP = {"all_reduce": "all_reduce", "all_gather_into_tensor": "all_gather",

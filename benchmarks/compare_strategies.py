@@ -26,7 +26,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from benchmarks.workers import accelerate_launch, checks_verdict, dated_folder, run_for_summary, write_table
 from common.config import finite_float  # noqa: E402
-from strategies import PRESETS
+from strategies.args import PRESETS
 from strategies.layout import DIMS, Layout
 
 REPO = Path(__file__).resolve().parent.parent

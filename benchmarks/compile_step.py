@@ -24,7 +24,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from benchmarks.compare_strategies import QUICK
 from benchmarks.workers import accelerate_launch, checks_verdict, dated_folder, run_for_summary, write_table
 from common.config import finite_float
-from strategies import PRESETS
+from strategies.args import PRESETS
 
 
 def main(argv: list[str] | None = None) -> int:

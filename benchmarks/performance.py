@@ -54,7 +54,7 @@ from common.profiling import (
     trace_breakdown,
     waiting_for_peers,
 )
-from strategies import PRESETS  # noqa: I001
+from strategies.args import PRESETS  # noqa: I001
 
 REPO = Path(__file__).resolve().parent.parent
 # the counter's kinds -> the bench's ops (the same message-size convention: common/comm_counter.py)

@@ -52,7 +52,8 @@ from torch.distributed.fsdp import fully_shard
 from torch.nn.parallel import DistributedDataParallel
 
 from common.gpt import PER_RANK_BATCH_SIZE, GPTConfig, build_gpt, lm_loss
-from strategies import ParallelArgs, shard, tp
+from strategies import shard, tp
+from strategies.args import ParallelArgs
 from strategies.layout import Layout, Workload
 
 DATA_PARALLEL = ("ddp", "ddp_1mb", "ddp_4mb", "zero2", "fsdp", "fsdp_prefetch_2", "fsdp_async",

@@ -72,6 +72,10 @@ class LocalExchange:
 
 
 class MoE(nn.Module):
+    # buffers DDP must not broadcast from rank 0 in every forward (strategies/replicate.py): each rank's own
+    # token counts, and the bias, which every rank moves alike from the summed counts
+    rank_local_buffers = ("expert_bias", "tokens_per_expert", "dropped")
+
     def __init__(self, cfg):
         super().__init__()
         d, hidden, experts = cfg.d_model, cfg.hidden, cfg.n_experts

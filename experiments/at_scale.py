@@ -61,7 +61,7 @@ from planning.cost_model import (
 )
 from planning.fake_ranks import meta_gpt, ranks_that_differ, run_ranks
 from planning.published import MODELS, PUBLISHED_RUNS, model_named
-from strategies import ParallelArgs
+from strategies.args import ParallelArgs
 from strategies.layout import DIMS, Layout, Workload
 
 EXPERIMENT = "at_scale"

@@ -56,7 +56,7 @@ from common.reference import max_abs_difference, train_single_process
 from common.run import start_run
 from common.runtime import launched_world_size
 from common.text import load_corpus
-from strategies import ParallelArgs
+from strategies.args import ParallelArgs
 from strategies.layout import Layout, Workload
 from strategies.parallelize import parallelize
 from strategies.shard import set_gradient_sync

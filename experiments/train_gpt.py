@@ -78,7 +78,7 @@ from common.runtime import launched_world_size
 from common.text import load_corpus
 from common.training import TrainLoop
 from common.weights import read_weights, refuse_unfit
-from strategies import ParallelArgs
+from strategies.args import ParallelArgs
 from strategies.checks import CheckArgs, Probe, check_layout
 from strategies.layout import DIMS, Layout, Workload
 from strategies.parallelize import parallelize, quiet
@@ -346,7 +346,11 @@ def run(cfg: Config) -> int:
                     lr = lr_at(loop.step + 1)
                     set_lr(job.optimizer, lr)  # before backward: DeepSpeed steps inside it
                     loss = job.forward_backward(x, y)
-                    grad_norm = job.clip() if accelerator.sync_gradients else None  # by the GLOBAL norm
+                    grad_norm = (
+                        job.clip(local_only=variant == "local_grad_norm")
+                        if accelerator.sync_gradients
+                        else None
+                    )
                     job.step(grad_norm)
                 loop.record(loss, lr=lr, grad_norm=grad_norm,
                             **(job.step_figures() if accelerator.sync_gradients else {}))  # fmt: skip

@@ -35,9 +35,8 @@ from pathlib import Path
 from common.comm_counter import bus_factor
 from common.config import require
 from common.gpt import GPTConfig, parameter_count
-from strategies import pp
 from strategies.layout import DIMS, Layout, Workload
-from strategies.theory import gathered_bytes, held_bytes, held_pieces, sent_traffic
+from strategies.theory import gathered_bytes, held_bytes, held_pieces, sent_traffic, theory_of
 
 PROFILES = Path(__file__).with_name("hardware.yaml")
 # reads and writes of the activation per token, per block, in units of d (the rest of the block's ops): two
@@ -209,12 +208,10 @@ def memory_estimate(reference, layout: Layout, args, work: Workload, rank: int) 
         held_bytes(reference, layout, rank, args, work),
         gathered_bytes(reference, layout, rank, args, work),
     )
-    holding = pp.holding(layout, rank, args, work.model.n_layer, work.model.tie_weights)
+    holding = theory_of(reference, layout, rank, args, work)  # its blocks and ends
     m = args.pp_microbatches if layout.pp > 1 else 1
     flying = in_flight(args.pp_schedule, layout.pp, layout.coordinate(rank, "pp"), m)
-    activations = flying * activation_bytes(
-        work, layout, args, len(holding.blocks), holding.first, holding.last
-    )
+    activations = flying * activation_bytes(work, layout, args, holding.blocks, holding.first, holding.last)
     gathered_element = 2 if work.mixed_precision == "bf16" and layout.shard_dims else 4
     grads = gathered * 4 // gathered_element if layout.pp > 1 and layout.shard_dims else held["grads"]
     if (
@@ -290,15 +287,15 @@ def predict_step(
     stages = []
     for pp_rank in range(layout.pp):
         rank = layout.rank_at(pp=pp_rank)
-        holding = pp.holding(layout, rank, args, work.model.n_layer, work.model.tie_weights)
-        forward = len(holding.blocks) * block + ends_forward_seconds(work, layout, hw, tokens, holding.first,
+        holding = theory_of(reference, layout, rank, args, work)
+        forward = holding.blocks * block + ends_forward_seconds(work, layout, hw, tokens, holding.first,
                                                                      holding.last)  # fmt: skip
         traffic = sent_traffic(reference, layout, rank, args, work)
         comm = traffic_seconds(traffic, layout, hw, calls)
         per_microbatch = {"compute": forward * (3 + recompute),
                           **{dim: comm.get(dim, 0.0) / m for dim in ("tp", "cp", "pp")}}  # fmt: skip
         data_parallel = sum(s for dim, s in comm.items() if dim not in ("tp", "cp", "pp"))
-        held = sum(math.prod(shape) for _, shape in held_pieces(reference, layout, rank, args))
+        held = sum(math.prod(shape) for _, shape in held_pieces(reference, layout, rank, args, work))
         shard = layout.size(layout.shard_dims) if layout.shard_dims else 1
         stages.append((sum(per_microbatch.values()), per_microbatch, data_parallel, held / shard, rank))
     slowest = max(stages, key=lambda s: s[0])

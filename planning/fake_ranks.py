@@ -35,11 +35,11 @@ from common.config import UsageError
 from common.gpt import GPT, GPTConfig, adamw, lm_loss
 from common.moe import moe_layers
 from planning.cost_model import activation_bytes, memory_estimate
-from strategies import ep, pp, tp
+from strategies import pp
 from strategies.job import Instruments, local_bytes, unique_tensors
 from strategies.layout import DIMS, Layout, Workload, chunk_rows
 from strategies.parallelize import parallelize, quiet
-from strategies.theory import gathered_bytes, held_bytes, sent_bytes
+from strategies.theory import gathered_bytes, held_bytes, sent_bytes, theory_of
 
 
 def ranks_that_differ(reference, layout: Layout, args, work: Workload) -> list[int]:
@@ -100,7 +100,7 @@ def run_rank(cfg, layout: Layout, work: Workload, rank: int) -> dict:
         job.instruments = instruments = HeldAtStepEnd()
         for layer in moe_layers(job.model):  # fake tensors hold no routing: every rank routes uniformly
             layer.order = functools.partial(uniform_order, layer)
-            if isinstance(layer.exchange, ep.AllToAll):
+            if hasattr(layer.exchange, "assume_same_routing"):  # expert parallelism's all-to-all
                 layer.exchange.assume_same_routing = True
         stage = job.stages[0]  # gpipe and 1f1b: one stage per rank
         stage_index = layout.coordinate(rank, "pp")
@@ -149,22 +149,21 @@ def run_rank(cfg, layout: Layout, work: Workload, rank: int) -> dict:
                         live -= kept[done]
                         if accumulated is None and not last_backward:  # FSDP's unsharded sums, until the last
                             accumulated = unsharded_gradient_bytes(job.model, job.stages)
-                if job.exchanges:  # the experts' gradients over their replicas, as Job.forward_backward does
-                    ep.reduce_gradients(job.model, job.expert_replicas, layout.dp)
-                if job.pipeline:
-                    if layout.tp > 1:
-                        tp.align_gradients(job.model)
-                    job.pipeline.after_backward()  # the m micro-batches' mean, the tied gradient's all-reduce
+                # what the pieces do to the gradients after backward (the experts' over their replicas, the m
+                # micro-batches' mean, the tied gradient's all-reduce), as Job.forward_backward does
+                job.after_backward()
             job.step(None)
-        routing = job.routing()  # what the MoE blocks sent and received in the step: ep's theory's input
+        routing = job.theory_inputs().get(
+            "routing", []
+        )  # what the MoE blocks sent and received: ep's theory's
     moe = bool(work.model.n_experts)
     reference = meta_gpt(work.model)
     held, theory = instruments.held, held_bytes(reference, layout, rank, cfg, work)
-    holding = pp.holding(layout, rank, cfg, work.model.n_layer, work.model.tie_weights)
+    holding = theory_of(reference, layout, rank, cfg, work)  # its blocks
     return {
         "rank": rank,
         "coordinates": {d: layout.coordinate(rank, d) for d in DIMS if getattr(layout, d) > 1},
-        "blocks": len(holding.blocks),
+        "blocks": holding.blocks,
         "held": {**held, "params_gathered": gathered},
         "theory": {
             **{k: theory[k] for k in ("params", "grads", "optimizer")},
@@ -175,7 +174,7 @@ def run_rank(cfg, layout: Layout, work: Workload, rank: int) -> dict:
         # the cost model's estimates are the dense GPT's: none for a mixture of experts
         "activations_estimate": None
         if moe
-        else round(activation_bytes(work, layout, cfg, len(holding.blocks), first, last)),
+        else round(activation_bytes(work, layout, cfg, holding.blocks, first, last)),
         "peak_estimate": None if moe else round(memory_estimate(reference, layout, cfg, work, rank)["peak"]),
         "in_flight": most_in_flight,
         "grads_accumulated_unsharded": accumulated or 0,

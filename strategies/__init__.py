@@ -3,222 +3,25 @@
 A job's shape is six degrees (strategies/layout.py): --pp --dp_replicate --dp_shard --ep --cp --tp, any
 combination (ep with a mixture of experts), their product the ranks launched. Each dimension is one module
 that teaches it whole (its flags, how it is applied, what each rank holds and sends by theory, its mistakes
-and refusals) and knows nothing of the others:
+and refusals, its run-time hooks) behind one interface (piece.py), and knows nothing of the others:
     replicate.py   dp_replicate: replicas, gradients all-reduced (Accelerate's DDP, or PyTorch's replicate)
     shard.py       dp_shard: FSDP2, ZeRO-3 or ZeRO-2 (--reshard_after_forward), HSDP with replicas
     tp.py          tp: Megatron tensor parallelism over DTensor (and --sequence_parallel)
     cp.py          cp: each sequence split over ranks, attention over all-gathered keys and values
     pp.py          pp: stages of blocks, torch.distributed.pipelining's schedules
     ep.py          ep: a mixture of experts' experts split over ranks, tokens sent to them by all-to-all
-    activation_checkpointing.py   full or selective recompute, any layout
-parallelize.py applies them in the canonical order and composes their theory; checks.py holds every layout
-to it; deepspeed.py is DeepSpeed's ZeRO-1/2/3 engine, chosen by the accelerate config.
+    activation_checkpointing.py, compile.py   features that apply to any layout
+registry.py lists them in the order they are applied (and DeepSpeed's engine, deepspeed.py, which replaces them
+under a DeepSpeed accelerate config); everything shared loops over it:
+    args.py         the flags (every piece's, folded), the presets, the mistakes, the refusals
+    parallelize.py  the pieces applied in order -> job.py, a rank's part at run time (the pieces' hooks)
+    theory.py       what every rank holds and sends, composed from the pieces' closed forms
+    checks.py       every layout held to that theory and to one process
 
-`--strategy NAME` is a preset: it only fills in the degrees the flags leave unset (`PRESETS`), so that
+`--strategy NAME` is a preset: it only fills in the degrees the flags leave unset (args.PRESETS), so that
 `--strategy fsdp` on 2 ranks is `--dp_shard 2`, and `--strategy pp --dp_replicate 2` on 4 ranks is two
 pipelines of two stages.
 
-A new dimension plugs in as one module with:
-    Flags                        a dataclass of its flags (folded into ParallelArgs below)
-    MISTAKES                     {name: Mistake(what it is, applies(layout, engine_stage))}: its --wrong_variant
-                                 values, each refused where it changes nothing
-    refuse(args, layout, work)   one line (UsageError) for what it cannot do, before anything starts
-    apply(stage, mesh, ...)      in place, on one stage (a GPT, or the part a pipeline rank holds)
-    sent(layout, ..., work)      its Traffic of one step for a rank, by its closed form
-and, if it changes what a rank holds, a local_shape(...) that held_pieces composes; then a line in
-parallelize() where its degree is > 1, its tests, and a row in docs/train_gpt.md's layouts table.
+A new piece is one module with one `Piece` subclass, one line in registry.py, its tests and a row in
+docs/train_gpt.md's layouts table (tests/test_one_module.py shows a toy one plugged in from a test file alone).
 """
-
-from __future__ import annotations
-
-from dataclasses import dataclass
-from typing import ClassVar
-
-from common.config import flag, require
-from common.runtime import deepspeed_stage
-from strategies import activation_checkpointing, compile, cp, deepspeed, ep, pp, replicate, shard, tp  # noqa: F401 (the pieces)
-from strategies.layout import DIMS, Layout, Mistake, Workload
-
-REST = -1  # a preset's degree that takes the ranks the other degrees leave
-
-
-@dataclass(frozen=True)
-class Preset:
-    summary: str
-    degrees: dict  # {dimension: degree, or REST}
-    ranks: int  # the ranks benchmarks/compare_strategies.py launches it on
-    reshard_after_forward: str = "default"
-    launch_config: str = ""  # the accelerate config it needs (default: accelerate_configs/cpu_ddp.yaml)
-
-
-PRESETS = {
-    "none": Preset("one process: the reference", {}, 1),
-    "ddp": Preset("every rank holds everything; gradients all-reduced (averaged) once per step", {"dp_replicate": REST}, 2),
-    "zero2": Preset("ZeRO-2 (FSDP2, no reshard after forward): gradients and optimizer state 1/N; parameters "
-                    "gathered once", {"dp_shard": REST}, 2, reshard_after_forward="never"),
-    "fsdp": Preset("ZeRO-3 (FSDP2): parameters, gradients, optimizer state 1/N per rank; blocks gathered per use",
-                   {"dp_shard": REST}, 2),
-    "tp": Preset("tensor parallelism (Megatron-style, DTensor): 1/N of every matrix and of the vocabulary per rank",
-                 {"tp": REST}, 2),
-    "fsdp_tp": Preset("2-D: TP inside each group of 2, FSDP2 (ZeRO-3) across groups", {"tp": 2, "dp_shard": REST}, 4),
-    "pp": Preset("pipeline: stages of blocks on ranks, micro-batches through them (every schedule)", {"pp": REST}, 2),
-    "cp": Preset("context parallelism: each sample's sequence split over the ranks, K/V all-gathered per block",
-                 {"cp": REST}, 2),
-    **{
-        f"deepspeed_zero{stage}": Preset(summary, {"dp_shard": REST}, 2,
-                                         launch_config=f"accelerate_configs/deepspeed_zero{stage}.yaml")
-        for stage, summary in (
-            (1, "DeepSpeed ZeRO-1: optimizer state (a float32 master copy + AdamW's moments) 1/N per rank"),
-            (2, "DeepSpeed ZeRO-2: + gradients partitioned (all-reduced every micro-batch)"),
-            (3, "DeepSpeed ZeRO-3: + parameters partitioned, those of <= 100k elements kept whole"),
-        )
-    },
-}  # fmt: skip
-
-
-def _sharded_gradients(layout: Layout) -> bool:
-    return layout.dp_shard > 1 or layout.tp > 1 or layout.pp > 1
-
-
-def _whole_world_ddp(layout: Layout) -> bool:
-    """Every rank a replica under Accelerate's DDP, which broadcasts rank 0's weights: a seed per rank is undone."""
-    return layout.world_size > 1 and layout.size(layout.replicate_dims) == layout.world_size
-
-
-# The mistakes any layout can make (the check each must fail: README "Each check with the mistake it exists for"),
-# then each piece's own (its MISTAKES), each knowing the runs under which it is one: a mistake that changes nothing
-# under a run (seed_per_rank under Accelerate's DDP) is refused there.
-COMMON_MISTAKES = {
-    "same_data_on_every_rank": Mistake("the forgotten sampler: every data-parallel rank reads rank 0's share",
-                                       lambda layout, engine_stage: engine_stage is not None or layout.dp > 1),
-    "local_grad_norm": Mistake("clipping by each rank's own piece's norm, not the global one",
-                               lambda layout, engine_stage: engine_stage is None and _sharded_gradients(layout)),
-    "seed_per_rank": Mistake("every rank builds its own random weights",
-                             lambda layout, engine_stage: engine_stage is None and layout.world_size > 1
-                             and not _whole_world_ddp(layout)),
-    "resume_without_optimizer_state": Mistake("a resume that loads the parameters but not AdamW's moments",
-                                              lambda layout, engine_stage: True),
-    "resume_without_data_position": Mistake("a resume that restarts the data stream at its first sample",
-                                            lambda layout, engine_stage: True),
-}  # fmt: skip
-PIECES_WITH_MISTAKES = (shard, tp, pp, cp, ep, deepspeed)
-MISTAKES = {
-    **COMMON_MISTAKES,
-    **{name: m for piece in PIECES_WITH_MISTAKES for name, m in piece.MISTAKES.items()},
-}
-WRONG_VARIANTS = {name: mistake.what for name, mistake in MISTAKES.items()}  # --wrong_variant's values
-COMMON_WRONG_VARIANTS = {name: mistake.what for name, mistake in COMMON_MISTAKES.items()}
-
-
-def is_a_mistake_under(variant: str, layout: Layout, engine_stage: int | None) -> bool:
-    """Whether --wrong_variant `variant` changes what a run under `layout` computes (so that a check can fail)."""
-    return MISTAKES[variant].applies(layout, engine_stage)
-
-
-@dataclass
-class ParallelArgs(
-    replicate.Flags, shard.Flags, ep.Flags, cp.Flags, tp.Flags, pp.Flags, activation_checkpointing.Flags,
-    compile.Flags,
-):  # fmt: skip
-    """The parallelism flags of an experiment: each dimension's own (its Flags), the preset that fills them
-    in, and the deliberate mistake a check must catch. `layout_flags`: what a resume may change (a checkpoint
-    of one layout continues under any other)."""
-
-    layout_flags: ClassVar[tuple[str, ...]] = (
-        "strategy", "checkpoint_format", *DIMS, "reshard_after_forward", "sequence_parallel", "pp_schedule",
-        "pp_microbatches", "cp_load_balance", "compile",
-    )  # fmt: skip
-
-    strategy: str = flag("auto", "a preset that fills in the degrees left unset: " + ", ".join(PRESETS) + "; auto: "
-                         "the degrees as given, or none for one process, ddp for several, the DeepSpeed stage of a "
-                         "DeepSpeed accelerate config", choices=("auto", *PRESETS))  # fmt: skip
-    wrong_variant: str = flag("", "a deliberate mistake that a check must catch: " + ", ".join(WRONG_VARIANTS),
-                              choices=("", *WRONG_VARIANTS))  # fmt: skip
-
-    def resolve_layout(self, world_size: int) -> Layout:
-        """The degrees of this launch: the flags', a preset's filling in what they leave, the product checked
-        against the ranks launched; written back into the flags (config.json records what ran)."""
-        for dim in DIMS:
-            require(getattr(self, dim) >= 0, f"--{dim} must be >= 0 (0, 1: off), got {getattr(self, dim)}")
-        given = {dim: getattr(self, dim) for dim in DIMS if getattr(self, dim) > 1}
-        stage = deepspeed_stage()
-        name = self.strategy
-        if name == "auto" and not given:  # nothing asked: the launch decides
-            name = f"deepspeed_zero{stage}" if stage else ("none" if world_size == 1 else "ddp")
-        require(not stage or name in ("auto", f"deepspeed_zero{stage}"),
-                f"--strategy {self.strategy}: this launch's accelerate config is DeepSpeed ZeRO-{stage}, which runs "
-                f"deepspeed_zero{stage}; pass --strategy auto or deepspeed_zero{stage}, or launch with another "
-                "config")  # fmt: skip
-        require(not name.startswith("deepspeed") or stage,
-                f"--strategy {name} runs under a DeepSpeed accelerate config of its stage: launch with --config_file "
-                f"{PRESETS[name].launch_config if name in PRESETS else ''} (this launch has no DeepSpeed config)")  # fmt: skip
-        preset = PRESETS.get(name, Preset("the degrees as given", {}, 0))
-        degrees = dict(given)
-        for dim, degree in preset.degrees.items():
-            if degree != REST:
-                degrees.setdefault(dim, degree)
-        rest = [dim for dim, degree in preset.degrees.items() if degree == REST and dim not in given]
-        taken = Layout(**degrees).world_size
-        if rest:
-            require(world_size % taken == 0 and world_size // taken >= 2,
-                    f"--strategy {name} on {world_size} rank(s): {_product(degrees) or 'nothing else'} leaves "
-                    f"{world_size / taken:g} rank(s) for --{rest[0]}, which needs a whole number >= 2 "
-                    "(accelerate_configs/cpu_ddp.yaml launches 2)")  # fmt: skip
-            degrees[rest[0]] = world_size // taken
-        layout = Layout(**degrees)
-        require(layout.world_size == world_size,
-                f"{_product(degrees) or 'one process'} = {layout.world_size} rank(s), but {world_size} were launched "
-                "(the degrees' product must equal the ranks)")  # fmt: skip
-        if preset.reshard_after_forward != "default":
-            require(self.reshard_after_forward in ("default", preset.reshard_after_forward),
-                    f"--strategy {name} is --reshard_after_forward {preset.reshard_after_forward}, got "
-                    f"{self.reshard_after_forward}: pass one of them")  # fmt: skip
-            self.reshard_after_forward = preset.reshard_after_forward
-        for dim in DIMS:
-            setattr(self, dim, getattr(layout, dim))
-        self.strategy = name  # auto: what the launch decided, or auto (the degrees as given)
-        return layout
-
-    @property
-    def checkpoint_format(self) -> str:
-        """DeepSpeed's own (its stage's), or PyTorch's distributed checkpoint ("dcp": any layout reads it)."""
-        stage = deepspeed_stage()
-        return f"deepspeed ZeRO-{stage}" if stage else "dcp"
-
-    def refuse_resume(self, meta: dict, world_size: int) -> None:
-        """A checkpoint in DeepSpeed's own format resumes only under the same stage on as many ranks; a DCP
-        checkpoint under any layout at any world size, but not under DeepSpeed."""
-        saved = meta["layout"].get("checkpoint_format", "dcp")
-        require(saved == self.checkpoint_format and (saved == "dcp" or meta["world_size"] == world_size),
-                f"the checkpoint is in {saved} format on {meta['world_size']} rank(s), this run writes "
-                f"{self.checkpoint_format} on {world_size}: DeepSpeed's checkpoints are its own format, resumed only "
-                "by the same stage on as many ranks; PyTorch's (dcp) by any layout without DeepSpeed")  # fmt: skip
-
-    def refuse_layout(self, layout: Layout, work: Workload, max_norm: float) -> None:
-        """Every piece's refusals of this layout and workload, and what the pieces cannot do together, in one
-        line each, before anything starts."""
-        stage = deepspeed_stage()
-        if stage:
-            deepspeed.refuse(self, layout, work, max_norm)
-        for piece in (shard, ep, tp, cp, pp, compile):
-            piece.refuse(self, layout, work)
-        ac = self.activation_checkpointing
-        require(not (ac == "selective" and layout.pp > 1 and self.pp_schedule in pp.SPLIT_BACKWARD),
-                f"--activation_checkpointing selective with --pp_schedule {self.pp_schedule}: a zero-bubble schedule "
-                "runs each backward in two passes (input, then weight gradients) and torch's selective checkpoint "
-                "allows one; use full, or 1f1b / gpipe / interleaved_1f1b")  # fmt: skip
-        require(
-            not (ac != "none" and layout.cp > 1),
-            "--activation_checkpointing with --cp: not built (the recompute would all-gather K and V again)",
-        )
-        require(not (ac == "full" and self.sequence_parallel),
-                "--sequence_parallel with --activation_checkpointing full: not built (its recompute would gather "
-                "the sequence again); use selective")  # fmt: skip
-        variant = self.wrong_variant
-        require(not variant or is_a_mistake_under(variant, layout, stage),
-                f"--wrong_variant {variant} changes nothing under {layout.describe()}"
-                + (f" with DeepSpeed ZeRO-{stage}" if stage else "") + ": " + WRONG_VARIANTS.get(variant, ""))  # fmt: skip
-
-
-def _product(degrees: dict) -> str:
-    return " x ".join(f"--{dim} {n}" for dim, n in sorted(degrees.items(), key=lambda kv: DIMS.index(kv[0])))

@@ -30,7 +30,8 @@ from torch.utils.checkpoint import (
 )
 
 from common.activations import OutputsCounted, active_counter
-from common.config import flag
+from common.config import flag, require
+from strategies.piece import Context, Piece, Plan, Theory
 
 MODES = ("none", "full", "selective")
 aten = torch.ops.aten
@@ -97,3 +98,39 @@ def _selective_contexts(counter):
     stack.enter_context(OutputsCounted(SAVED_BY_SELECTIVE, counter))
     stack.enter_context(forward)
     return stack, recompute
+
+
+class ActivationCheckpointing(Piece):
+    """No degree, no byte held or sent of its own: it makes tensor parallelism's recomputed blocks send again."""
+
+    name = "activation_checkpointing"
+    Flags = Flags
+
+    def is_on(self, plan: Plan) -> bool:
+        return plan.args.activation_checkpointing != "none"
+
+    def traits(self, plan: Plan) -> set[str]:
+        mode = plan.args.activation_checkpointing
+        return {"recomputes", "recomputes_blocks" if mode == "full" else "recomputes_ops"}
+
+    def refuse(self, plan: Plan) -> None:
+        mode = plan.args.activation_checkpointing
+        require(not (mode == "selective" and "backward_in_two_passes" in plan.traits),
+                "--activation_checkpointing selective with a zero-bubble --pp_schedule: it runs each backward in two "
+                "passes (input, then weight gradients) and torch's selective checkpoint allows one; use full, or "
+                "1f1b / gpipe / interleaved_1f1b")  # fmt: skip
+        require(
+            not (mode != "none" and "collectives_in_attention" in plan.traits),
+            "--activation_checkpointing with --cp: not built (the recompute would all-gather K and V again)",
+        )
+
+    def apply(self, stages: list, ctx: Context) -> list:
+        for stage in stages:
+            apply(stage, ctx.args.activation_checkpointing)
+        return stages
+
+    def recomputed_blocks(self, t: Theory) -> int:
+        return t.blocks if t.args.activation_checkpointing == "full" else 0
+
+
+PIECE = ActivationCheckpointing()

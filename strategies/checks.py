@@ -111,8 +111,9 @@ class Probe(Instruments):
         if phase == "forward" and "params_between_forward_and_backward" not in self.held:
             self.held["params_between_forward_and_backward"] = self.job.measure_window()
         self.phase_s[phase] = self.phase_s.get(phase, 0.0) + time.perf_counter() - started
-        if counter and phase == "forward":  # what its MoE blocks routed: the theory of ep's all-to-alls
-            self.collectives.setdefault("routing", []).extend(self.job.routing())
+        if counter and phase == "forward":  # what the pieces' closed forms take as input (an MoE's routing)
+            for key, records in self.job.theory_inputs().items():
+                self.collectives.setdefault(key, []).extend(records)
         if counter:
             for kind in counter.calls:
                 self.collectives["calls"][kind] = self.collectives["calls"].get(kind, 0) + counter.calls[kind]

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 import torch
 
 from common.config import flag, require
-from strategies.layout import Layout, Workload
+from strategies.piece import Context, Piece, Plan
 
 
 @dataclass
@@ -27,14 +27,39 @@ class Flags:
                          "tens of seconds; strategies/compile.py)")  # fmt: skip
 
 
-def refuse(args, layout: Layout, work: Workload) -> None:
-    if not args.compile:
+def refuse(plan: Plan) -> None:
+    if not plan.args.compile:
         return
-    require(layout.cp == 1, "--compile with --cp: not built (context parallelism's attention is an autograd "
-            "function of its own around all-gathers, which the compiler would break its graph at)")  # fmt: skip
+    require("collectives_in_attention" not in plan.traits,
+            "--compile with --cp: not built (context parallelism's attention is an autograd function of its own "
+            "around all-gathers, which the compiler would break its graph at)")  # fmt: skip
 
 
 def apply(model: torch.nn.Module) -> None:
     """Compile every block `model` (a stage) holds, in place."""
     for block in model.blocks.values():
         block.compile()
+
+
+class Compile(Piece):
+    """Not a dimension: no degree, no byte held or sent."""
+
+    name = "compile"
+    Flags = Flags
+
+    def is_on(self, plan: Plan) -> bool:
+        return plan.args.compile
+
+    def traits(self, plan: Plan) -> set[str]:
+        return {"compiled"}
+
+    def refuse(self, plan: Plan) -> None:
+        refuse(plan)
+
+    def apply(self, stages: list, ctx: Context) -> list:
+        for stage in stages:
+            apply(stage)
+        return stages
+
+
+PIECE = Compile()

@@ -37,7 +37,8 @@ import torch.distributed._functional_collectives as funcol
 
 from common.config import flag, require
 from common.gpt import grouped
-from strategies.layout import Layout, Mistake, Traffic, Workload
+from strategies.layout import Layout, Mistake, Traffic
+from strategies.piece import Context, Piece, Plan, Theory
 
 MISTAKES = {  # each: what it is, and the runs under which it is one
     "cp_merge_without_lse": Mistake.of(
@@ -57,7 +58,8 @@ class Flags:
                                  "causal attention work); false: neighbouring chunks (the last rank does the most)")  # fmt: skip
 
 
-def refuse(args, layout: Layout, work: Workload) -> None:
+def refuse(plan: Plan) -> None:
+    layout, work = plan.layout, plan.work
     if layout.cp == 1:
         return
     chunks = 2 * layout.cp
@@ -200,11 +202,10 @@ def split_batch(x: torch.Tensor, y: torch.Tensor, layout: Layout, rank: int, arg
     return x[:, positions], y[:, positions]
 
 
-def sent(layout: Layout, work: Workload, blocks: int) -> list[Traffic]:
+def sent(t: Theory) -> list[Traffic]:
     """Per micro-batch, every block this rank holds all-gathers K and V (the whole sequence's, this rank's
     tensor-parallel share of the key/value heads) and reduce-scatters their gradients, over the cp ranks."""
-    if layout.cp == 1:
-        return []
+    layout, work, blocks = t.layout, t.work, t.blocks
     kv_width = work.model.kv_heads * (work.model.d_model // work.model.n_head)
     element = 2 if work.mixed_precision == "bf16" else 4  # K and V: matmul outputs, bf16 under either bf16
     whole = work.micro_batches * work.tokens * kv_width // layout.tp * element
@@ -223,3 +224,33 @@ def report(session, attentions: list[ContextParallelAttention], balanced: bool) 
             f"attention time per rank (s): {', '.join(f'{s:.3f}' for s in every_rank)}; slowest / fastest "
             f"{session.metrics['attention_imbalance']:.2f} ({'balanced' if balanced else 'unbalanced'} chunks)"
         )
+
+
+class ContextParallel(Piece):
+    name = dim = "cp"
+    Flags = Flags
+    MISTAKES = MISTAKES
+
+    def traits(self, plan: Plan) -> set[str]:
+        return {"collectives_in_attention"}  # an autograd function of its own around all-gathers
+
+    def refuse(self, plan: Plan) -> None:
+        refuse(plan)
+
+    def apply(self, stages: list, ctx: Context) -> list:
+        ctx.runtime[self.name] = [
+            a for stage in stages for a in apply(stage, ctx.mesh["cp"], ctx.layout, ctx.rank, ctx.args)
+        ]
+        return stages
+
+    def sent(self, t: Theory) -> list[Traffic]:
+        return sent(t)
+
+    def split_batch(self, job, x, y) -> tuple:
+        return split_batch(x, y, job.layout, job.rank, job.args)
+
+    def report(self, job, session) -> None:
+        report(session, job.state(self), job.args.cp_load_balance)
+
+
+PIECE = ContextParallel()

@@ -45,28 +45,28 @@ import torch
 
 from common.checkpoint import FullState
 from common.config import require
-from common.runtime import deepspeed_stage
 from strategies.job import Job
 from strategies.layout import Layout, Mistake, Traffic, Workload, unique_parameters
+from strategies.piece import Context, Plan
 
 PERSISTENCE_THRESHOLD = 100_000  # DeepSpeed's stage3_param_persistence_threshold (elements), its default
 CONFIGS = "accelerate_configs/deepspeed_zero{stage}.yaml"
 MISTAKES = {  # each: what it is, and the runs under which it is one (DeepSpeed's engine, textbook ZeRO-3 at stage 3)
     "clip_from_accelerate_default": Mistake(
         "gradient_clipping left to Accelerate's 'auto', which it fills with 1.0, whatever --grad_clip says",
-        lambda layout, engine_stage: engine_stage is not None,
+        lambda plan: plan.engine_stage is not None,
     ),
     "textbook_zero3_theory": Mistake(
         "expecting textbook ZeRO-3 from DeepSpeed (every parameter sharded): it keeps every parameter of <= 100,000 "
         "elements whole on every rank",
-        lambda layout, engine_stage: engine_stage == 3,
+        lambda plan: plan.engine_stage == 3,
     ),
 }
 
 
-def refuse(args, layout: Layout, work: Workload, max_norm: float) -> None:
+def refuse(plan: Plan, max_norm: float) -> None:
     """What DeepSpeed's engine is not asked to do here, and an accelerate config that contradicts the flags."""
-    stage = deepspeed_stage()
+    layout, work, stage = plan.layout, plan.work, plan.engine_stage
     others = [f"--{dim} {n}" for dim, n in layout.degrees().items() if n > 1 and dim != "dp_shard"]
     require(not others, f"{', '.join(others)} under a DeepSpeed ZeRO-{stage} accelerate config: DeepSpeed's ZeRO "
             "is data parallelism over every rank here; compose dimensions without DeepSpeed (accelerate_configs/"
@@ -87,8 +87,9 @@ def refuse(args, layout: Layout, work: Workload, max_norm: float) -> None:
     )
 
 
-def parallelize(gpt, layout: Layout, args, work: Workload, accelerator, make_optimizer, max_norm: float):
+def parallelize(gpt, plan: Plan, accelerator, make_optimizer, max_norm: float):
     """DeepSpeed's engine and its ZeRO optimizer around our AdamW (prepare() needs both at once)."""
+    args, work = plan.args, plan.work
     optimizer = make_optimizer(gpt.parameters())
     config = accelerator.state.deepspeed_plugin.deepspeed_config
     config["train_micro_batch_size_per_gpu"] = work.rows  # no DataLoader to infer it from
@@ -97,7 +98,8 @@ def parallelize(gpt, layout: Layout, args, work: Workload, accelerator, make_opt
     if args.wrong_variant != "clip_from_accelerate_default":  # the mistake: Accelerate fills "auto" with 1.0
         config["gradient_clipping"] = max_norm
     engine, optimizer = accelerator.prepare(gpt, optimizer)
-    return DeepSpeedJob(layout, engine, optimizer, accelerator, args, work, max_norm, deepspeed_stage())
+    ctx = Context(plan, accelerator.process_index, None, accelerator.device, accelerator, stages=[engine])
+    return DeepSpeedJob(ctx, engine, optimizer, max_norm)
 
 
 class DeepSpeedJob(Job):
@@ -106,10 +108,9 @@ class DeepSpeedJob(Job):
     updated parameters), so clipping and the gradient norm are DeepSpeed's (`clip` reads the norm the engine
     used)."""
 
-    def __init__(self, layout, engine, optimizer, accelerator, args, work, max_norm: float, stage: int):
-        super().__init__(layout, accelerator.process_index, engine, [engine], optimizer, accelerator, args, work,
-                         max_norm, pipeline=None, attentions=[])  # fmt: skip
-        self.stage = stage
+    def __init__(self, ctx: Context, engine, optimizer, max_norm: float):
+        super().__init__(ctx, engine, optimizer, max_norm)
+        self.stage = ctx.plan.engine_stage
 
     @property
     def steady_step(self) -> int:
@@ -117,7 +118,7 @@ class DeepSpeedJob(Job):
         and settles it with broadcasts in step 3 (measured): steady from step 4."""
         return 4 if self.stage == 3 else 3
 
-    def clip(self) -> float:
+    def clip(self, local_only: bool = False) -> float:
         """The engine clipped inside accelerator.backward (its optimizer step): the global norm it used."""
         return float(self.model.get_global_grad_norm())
 
@@ -224,6 +225,25 @@ def group_sizes(model) -> list[int]:
         sum(p.numel() for _, p in parameters if p.dim() >= 2),
         sum(p.numel() for _, p in parameters if p.dim() < 2),
     ]
+
+
+class Engine:
+    """DeepSpeed's ZeRO as an engine: under a DeepSpeed accelerate config it replaces every piece."""
+
+    name = "deepspeed"
+    MISTAKES = MISTAKES
+
+    def is_on(self, plan: Plan) -> bool:
+        return bool(plan.engine_stage)
+
+    def refuse(self, plan: Plan, max_norm: float) -> None:
+        refuse(plan, max_norm)
+
+    def parallelize(self, gpt, plan: Plan, accelerator, make_optimizer, max_norm: float):
+        return parallelize(gpt, plan, accelerator, make_optimizer, max_norm)
+
+
+ENGINE = Engine()
 
 
 class DeepSpeedCheckpointer(FullState):

@@ -31,6 +31,7 @@ counts each block records for the step (`routing`), and the comm counter's count
 
 from __future__ import annotations
 
+import math
 import time
 from dataclasses import dataclass
 
@@ -38,10 +39,11 @@ import torch
 import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
 
+from common import moe
 from common.config import flag, require
 from common.moe import moe_layers, run_experts
-from common.runtime import deepspeed_stage
-from strategies.layout import Layout, Mistake, Traffic, Workload
+from strategies.layout import Layout, Mistake, Traffic, submesh
+from strategies.piece import Context, Piece, Plan, Theory
 
 MISTAKES = {  # each: what it is, and the runs under which it is one
     "combine_without_router_weights": Mistake.of(
@@ -66,7 +68,8 @@ class Flags:
                    "sent to their experts and back by all-to-all (needs --n_experts; 0, 1: off)")  # fmt: skip
 
 
-def refuse(args, layout: Layout, work: Workload) -> None:
+def refuse(plan: Plan) -> None:
+    layout, work = plan.layout, plan.work
     experts = work.model.n_experts
     require(
         layout.ep == 1 or experts,
@@ -82,9 +85,9 @@ def refuse(args, layout: Layout, work: Workload) -> None:
         not other,
         f"--n_experts with {' '.join(other)}: not built (MoE runs under dp_replicate, dp_shard, ep)",
     )
-    require(not deepspeed_stage(), "--n_experts under a DeepSpeed accelerate config: not built")
+    require(not plan.engine_stage, "--n_experts under a DeepSpeed accelerate config: not built")
     require(
-        layout.ep == 1 or (args.activation_checkpointing == "none" and not args.compile),
+        layout.ep == 1 or not {"recomputes", "compiled"} & plan.traits,
         "--ep with --activation_checkpointing or --compile: not built (a recompute would send the tokens again)",
     )
 
@@ -190,15 +193,6 @@ def expert_parameters(model) -> list:
             if p is not None and hasattr(p, "to_local")]  # fmt: skip
 
 
-def ignore_for_ddp(model) -> None:
-    """DDP's list of what to leave alone (its private hook, `_set_params_and_buffers_to_ignore_for_model`'s
-    attribute): the experts split by ep, and the MoE blocks' buffers, which DDP would broadcast from rank 0 in every
-    forward (each rank's own token counts; the bias, which every rank moves alike)."""
-    names = [name for name, p in model.named_parameters() if hasattr(p, "to_local")]
-    names += [name for name, _ in model.named_buffers() if ".mlp." in name]
-    model._ddp_params_and_buffers_to_ignore = names
-
-
 def reduce_gradients(model, replicas_group, data_ranks: int) -> None:
     """The experts' gradients (each already the sum over its ep group's tokens) summed over the ranks that hold
     the same experts and divided by every data-parallel rank: the mean gradient one process computes."""
@@ -211,9 +205,11 @@ def reduce_gradients(model, replicas_group, data_ranks: int) -> None:
         grad.div_(data_ranks)
 
 
-def sent(layout: Layout, work: Workload, routing: list[dict], expert_bytes: int) -> list[Traffic]:
+def sent(t: Theory) -> list[Traffic]:
     """One step's traffic of the MoE blocks on a rank, from the routing its exchanges recorded in that step
-    (every forward's: rows sent and received, bytes of a row there and back)."""
+    (`t.counted["routing"]`, every forward's: rows sent and received, bytes of a row there and back)."""
+    layout, work, routing = t.layout, t.work, t.counted.get("routing", [])
+    expert_bytes = sum(math.prod(shape) * 4 for name, shape in t.held if split(name, layout))
     traffic = []
     moe = work.model
     if moe.n_experts and moe.aux_loss_coef > 0 and layout.dp > 1:
@@ -235,3 +231,92 @@ def sent(layout: Layout, work: Workload, routing: list[dict], expert_bytes: int)
 def forget_routing(exchanges: list[AllToAll]) -> None:
     for exchange in exchanges:
         exchange.routing.clear()
+
+
+class ExpertParallel(Piece):
+    """The piece of a mixture of experts, on whenever the model has experts: its counts summed over the
+    data-parallel ranks (any layout), its experts split over ep (ep > 1), its loads reported."""
+
+    name = dim = "ep"
+    Flags = Flags
+    MISTAKES = MISTAKES
+
+    def is_on(self, plan: Plan) -> bool:
+        return bool(plan.work.model.n_experts)
+
+    def traits(self, plan: Plan) -> set[str]:
+        return {"tokens_sent_to_experts"} if plan.layout.ep > 1 else set()
+
+    def refuse(self, plan: Plan) -> None:
+        refuse(plan)
+
+    def apply(self, stages: list, ctx: Context) -> list:
+        layout = ctx.layout
+        data_dims = tuple(d for d in ("dp_replicate", "dp_shard", "ep") if getattr(layout, d) > 1)
+        state = ctx.runtime[self.name] = {"exchanges": [], "replicas": None, "balance_history": []}
+        if not data_dims:  # one data-parallel rank: its counts are the global ones
+            return stages
+        data_group = submesh(ctx.mesh, data_dims).get_group()
+        for stage in stages:
+            if moe_layers(stage):
+                ep_mesh = ctx.mesh["ep"] if layout.ep > 1 else None
+                state["exchanges"] += apply(stage, ep_mesh, data_group, layout, ctx.rank, ctx.args)
+        # the ranks that hold the same experts (the data-parallel ranks of other ep coordinates' peers: not ep)
+        replica_dims = tuple(d for d in data_dims if d != "ep")
+        if state["exchanges"] and replica_dims:
+            state["replicas"] = submesh(ctx.mesh, replica_dims).get_group()
+        return stages
+
+    def claims(self, stage, ctx: Context) -> list:
+        return expert_parameters(stage)
+
+    def local_shape(self, name: str, shape: list[int], t: Theory) -> list[int]:
+        return local_shape(name, shape, t.layout)
+
+    def claims_name(self, name: str, t: Theory) -> bool:
+        return split(name, t.layout)
+
+    def sent(self, t: Theory) -> list[Traffic]:
+        return sent(t)
+
+    def before_micro_batch(self, job) -> None:
+        forget_routing(job.state(self)["exchanges"])
+
+    def after_backward(self, job) -> None:
+        state = job.state(self)
+        if state["exchanges"] and job.accelerator.sync_gradients:
+            reduce_gradients(job.model, state["replicas"], job.layout.dp)
+
+    def before_clip(self, job) -> None:
+        """The step's loads (summed over the data-parallel ranks) move the balancing bias."""
+        job.state(self)["balance_history"].append(moe.balance(job.model))
+
+    def theory_inputs(self, job) -> dict:
+        """What this rank's exchanges sent and received in the last forward."""
+        return {
+            "routing": [record for exchange in job.state(self)["exchanges"] for record in exchange.routing]
+        }
+
+    def step_figures(self, job) -> dict:
+        """A step's load imbalance (max / mean tokens per expert, the blocks' mean) and dropped share."""
+        history = job.state(self)["balance_history"]
+        if not history:
+            return {}
+        last = history[-1]
+        return {"expert_imbalance": sum(last["imbalance"]) / len(last["imbalance"]),
+                "expert_dropped_fraction": last["dropped_fraction"]}  # fmt: skip
+
+    def report(self, job, session) -> None:
+        state = job.state(self)
+        # the forward's all-to-all seconds twice (the backward's send the same bytes back; not timed apart)
+        # over the forward and backward seconds of every step (this rank's)
+        trained = sum(
+            t.get("forward", 0) + t.get("backward", 0) for t in getattr(job.instruments, "step_times", [])
+        )
+        a2a = sum(exchange.seconds for exchange in state["exchanges"])
+        moe.report(
+            session, state["balance_history"], 2 * a2a / trained if state["exchanges"] and trained else None
+        )
+
+
+PIECE = ExpertParallel()

@@ -10,14 +10,12 @@ import contextlib
 import torch
 from torch.distributed.tensor import DTensor
 
-from common import moe
 from common.checkpoint import ShardedCheckpointer
 from common.data import IGNORED_TARGET
 from common.gpt import lm_loss
 from common.optim import clip_by_global_norm
-from strategies import cp, ep, pp, shard, tp
-from strategies.layout import Layout, Workload
-from strategies.theory import held_bytes, sent_bytes
+from strategies.layout import DIMS
+from strategies.piece import Context, Theory
 
 
 class Instruments:
@@ -33,78 +31,75 @@ class Instruments:
 class Job:
     """A rank's part of the parallelized GPT. `model`: what the rank holds as one module under the GPT's names
     (its optimizer, checkpoints and bytes held); `stages`: what runs (the model itself, or a pipeline's stages
-    sharing its modules)."""
+    sharing its modules). The pieces that run (`ctx.plan.on`) do the rest through their hooks
+    (strategies/piece.py); the job knows none of them by name."""
 
-    def __init__(self, layout: Layout, rank: int, model, stages, optimizer, accelerator, args, work: Workload,
-                 max_norm: float, pipeline: pp.Pipeline | None, attentions: list, exchanges: list = (),
-                 expert_replicas=None):  # fmt: skip
-        self.layout, self.rank, self.model, self.stages = layout, rank, model, stages
-        self.optimizer, self.accelerator, self.args, self.work = optimizer, accelerator, args, work
-        self.max_norm = max_norm
-        self.pipeline, self.attentions = pipeline, attentions
-        # expert parallelism's all-to-alls (their routing is the theory's) and the group of the experts' replicas
-        self.exchanges, self.expert_replicas = list(exchanges), expert_replicas
-        self.balance_history: list[dict] = []  # each step's MoE loads (common/moe.balance)
+    def __init__(self, ctx: Context, model, optimizer, max_norm: float):
+        self.ctx, self.model, self.stages, self.optimizer = ctx, model, ctx.stages, optimizer
+        self.layout, self.rank, self.args, self.work = ctx.layout, ctx.rank, ctx.args, ctx.work
+        self.accelerator, self.max_norm = ctx.accelerator, max_norm
+        self.pieces = ctx.plan.on
         self.instruments = Instruments()
-        self._step_loss, self._micro_batches = torch.zeros((), device=accelerator.device), 0
+        self._step_loss, self._micro_batches = torch.zeros((), device=ctx.accelerator.device), 0
 
-    # The first step free of one-time work, whose collectives communication_volume counts. Step 1 is, once the
-    # evaluation before it has resharded FSDP2's root (evaluate_rows): DDP rebuilds its buckets and broadcasts
-    # rank 0's order only in the forward of step 2 (144 to 268 bytes, measured), so step 1 never sees it. A
-    # pipeline's first schedule step initialises it (a vote and the shapes sent once, measured: 179 bytes): 2.
+    def state(self, piece):
+        """What `piece` kept when it was applied (its run-time state)."""
+        return self.ctx.runtime.get(piece.name)
+
+    # The first step free of one-time work, whose collectives communication_volume counts: the latest any piece
+    # says. Step 1 is, once the evaluation before it has resharded FSDP2's root (evaluate_rows): DDP rebuilds its
+    # buckets and broadcasts rank 0's order only in the forward of step 2 (144 to 268 bytes, measured), so step 1
+    # never sees it.
     @property
     def steady_step(self) -> int:
-        return 2 if self.pipeline else 1
+        return max([1, *(piece.steady_step(self) for piece in self.pieces)])
 
     @property
     def forward_is_whole_step(self) -> bool:
-        """A pipeline runs every micro-batch's forward and backward in one schedule step: nothing to see between."""
-        return self.pipeline is not None
+        """A piece that runs every micro-batch's forward and backward in one step (a pipeline): nothing between."""
+        return any(piece.runs_whole_step for piece in self.pieces)
 
     def split_batch(self, x: torch.Tensor, y: torch.Tensor) -> tuple:
         """This rank's tokens of its data-parallel rank's rows (context parallelism keeps its chunks)."""
-        return cp.split_batch(x, y, self.layout, self.rank, self.args) if self.layout.cp > 1 else (x, y)
+        for piece in self.pieces:
+            x, y = piece.split_batch(self, x, y)
+        return x, y
 
     def forward_backward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-        """One micro-batch: the mean loss over its tokens, its gradients accumulated (a pipeline: the
-        schedule's step over its micro-batches, then the gradients divided by m and the tied ones summed)."""
+        """One micro-batch: the mean loss over its tokens, its gradients accumulated (a piece that runs the
+        micro-batch itself, a pipeline, runs its schedule's whole step)."""
         x, y = self.split_batch(x, y)
         watch = self.instruments.watch
-        if self.pipeline:
-            with watch("forward"), self.accelerator.autocast():
-                loss = self.pipeline.step(x, y)
-            with watch("backward"):
-                if self.layout.tp > 1:
-                    tp.align_gradients(self.model)
-                self.pipeline.after_backward()
-        else:
-            shard.set_gradient_sync(self.model, self.accelerator.sync_gradients)  # FSDP2's no_sync
-            ep.forget_routing(self.exchanges)
-            with watch("forward"), self.accelerator.autocast():
-                loss = lm_loss(self.model(x), y)
-            with watch("backward"):
-                self.accelerator.backward(loss)  # divided by the accumulation steps
-                if self.exchanges and self.accelerator.sync_gradients:
-                    ep.reduce_gradients(self.model, self.expert_replicas, self.layout.dp)
+        for piece in self.pieces:
+            piece.before_micro_batch(self)
+        runner = next((piece for piece in self.pieces if piece.runs_whole_step), None)
+        with watch("forward"), self.accelerator.autocast():
+            loss = runner.run_micro_batch(self, x, y) if runner else lm_loss(self.model(x), y)
+        with watch("backward"):
+            if not runner:
+                start = loss
+                for piece in self.pieces:
+                    start = piece.loss_for_backward(self, start)
+                self.accelerator.backward(start)  # divided by the accumulation steps
+            self.after_backward()
         self._step_loss += loss.detach()
         self._micro_batches += 1
         return loss
 
-    def clip(self) -> float:
-        """Clip to max_norm (--grad_clip) by the global norm and return it (local_grad_norm: each rank its own
-        piece's). First, a mixture of experts' step loads (summed over the data-parallel ranks) move its balancing
-        bias."""
-        if self.work.model.n_experts:
-            self.balance_history.append(moe.balance(self.model))
-        return clip_by_global_norm(
-            self.model.parameters(),
-            self.max_norm,
-            local_only=self.args.wrong_variant == "local_grad_norm",
-            across=self.pipeline.groups["pp"] if self.pipeline else None,
-            counted_elsewhere=[self.pipeline.tied_copy()]
-            if self.pipeline and self.pipeline.tied_copy() is not None
-            else (),
-        )
+    def after_backward(self) -> None:
+        """Every piece's work on the gradients, in reverse order (the backward unwinds the forward)."""
+        for piece in reversed(self.pieces):
+            piece.after_backward(self)
+
+    def clip(self, local_only: bool = False) -> float:
+        """Clip to max_norm (--grad_clip) by the global norm and return it (`local_only`: the mistake of each
+        rank clipping by its own piece's norm)."""
+        for piece in self.pieces:
+            piece.before_clip(self)
+        options = {}
+        for piece in self.pieces:
+            options.update(piece.clip_options(self))
+        return clip_by_global_norm(self.model.parameters(), self.max_norm, local_only=local_only, **options)
 
     def step(self, grad_norm: float | None = None) -> None:
         """AdamW on a step's last micro-batch (Accelerate's prepared optimizer skips the others), then zero."""
@@ -120,7 +115,11 @@ class Job:
         """The mean loss over the tokens of a batch, no gradients."""
         x, y = self.split_batch(x, y)
         with self.accelerator.autocast():
-            return self.pipeline.evaluate(x, y) if self.pipeline else lm_loss(self.model(x), y)
+            for piece in self.pieces:
+                loss = piece.evaluate(self, x, y)
+                if loss is not None:
+                    return loss
+            return lm_loss(self.model(x), y)
 
     def evaluate_rows(self, rows: tuple[torch.Tensor, torch.Tensor], batch_size: int) -> float:
         """The mean loss over the scored tokens of every rank's `rows` (inputs, targets; a target of
@@ -134,37 +133,27 @@ class Job:
             scored = (self.split_batch(x, y)[1] != IGNORED_TARGET).sum().double()
             loss = self.evaluate(x, y).double()
             total += torch.stack([loss * scored if scored else torch.zeros_like(loss), scored])
-        shard.reshard(self.model)  # the next step all-gathers the root, as its theory says
+        for piece in self.pieces:
+            piece.after_evaluate(self)
         total = self.accelerator.reduce(total, "sum")
         return (total[0] / total[1]).item()
 
     def checkpointer(self, restore_optimizer: bool = True) -> ShardedCheckpointer:
         """PyTorch's distributed checkpoint: any layout reads any other's. The full state is gathered from the
-        first rank of each pipeline stage (the others hold copies or pieces of what it gathers)."""
-        first_of_stage = all(
-            self.layout.coordinate(self.rank, d) == 0 for d in ("dp_replicate", "dp_shard", "ep", "cp", "tp")
-        )
-        return ShardedCheckpointer(self.model, self.optimizer, restore_optimizer,
-                                   aliases=self.pipeline.aliases if self.pipeline else {},
-                                   gathers_full_state=first_of_stage)  # fmt: skip
+        first rank of each coordinate of a piece whose ranks hold different parameters (a pipeline's stages);
+        the others hold copies or pieces of what it gathers."""
+        apart = {piece.dim for piece in self.pieces if piece.holds_apart}
+        first = all(self.layout.coordinate(self.rank, d) == 0 for d in DIMS if d not in apart)
+        aliases = {}
+        for piece in self.pieces:
+            aliases.update(piece.checkpoint_aliases(self))
+        return ShardedCheckpointer(self.model, self.optimizer, restore_optimizer, aliases=aliases,
+                                   gathers_full_state=first)  # fmt: skip
 
     def report(self, session) -> None:
         """What the pieces measure beyond the checks, at the end (every rank calls it)."""
-        if self.pipeline:
-            self.pipeline.report(session)
-        if self.attentions:
-            cp.report(session, self.attentions, self.args.cp_load_balance)
-        if self.balance_history:
-            # the forward's all-to-all seconds twice (the backward's send the same bytes back; not timed apart)
-            # over the forward and backward seconds of every step (this rank's)
-            trained = sum(
-                t.get("forward", 0) + t.get("backward", 0)
-                for t in getattr(self.instruments, "step_times", [])
-            )
-            a2a = sum(exchange.seconds for exchange in self.exchanges)
-            moe.report(
-                session, self.balance_history, 2 * a2a / trained if self.exchanges and trained else None
-            )
+        for piece in self.pieces:
+            piece.report(self, session)
 
     def measure_held(self) -> dict:
         """Bytes this rank really holds at rest: parameters, gradients, optimizer state (local pieces)."""
@@ -185,25 +174,26 @@ class Job:
         return sum(local_bytes(p) for p in unique_tensors(self.model.parameters()))
 
     def held_bytes(self, reference, rank: int) -> dict:
-        return held_bytes(reference, self.layout, rank, self.args, self.work)
+        return Theory(reference, self.ctx.plan, rank).held_bytes()
 
     def sent_bytes(self, reference, rank: int, counted: dict | None = None) -> dict:
-        """`counted`: what rank `rank` counted in the step (the routing of its MoE blocks, ep's theory's input)."""
-        routing = (counted or {}).get("routing", [])
-        return sent_bytes(reference, self.layout, rank, self.args, self.work, routing)
+        """`counted`: what rank `rank` recorded in the step that a piece's theory takes as input (an MoE's
+        routing: theory_inputs)."""
+        return Theory(reference, self.ctx.plan, rank, counted).sent_bytes()
 
     def step_figures(self) -> dict:
-        """What a step adds to the logged metrics (W&B, metrics.jsonl): a mixture of experts' load imbalance (max /
-        mean tokens per expert, the blocks' mean) and dropped share."""
-        if not self.balance_history:
-            return {}
-        last = self.balance_history[-1]
-        return {"expert_imbalance": sum(last["imbalance"]) / len(last["imbalance"]),
-                "expert_dropped_fraction": last["dropped_fraction"]}  # fmt: skip
+        """What a step adds to the logged metrics (W&B, metrics.jsonl): each piece's (an MoE's load imbalance)."""
+        figures = {}
+        for piece in self.pieces:
+            figures.update(piece.step_figures(self))
+        return figures
 
-    def routing(self) -> list[dict]:
-        """What this rank's MoE exchanges sent and received in the last forward (strategies/ep.py)."""
-        return [record for exchange in self.exchanges for record in exchange.routing]
+    def theory_inputs(self) -> dict:
+        """What the pieces recorded in the last forward that their closed forms take as input."""
+        inputs = {}
+        for piece in self.pieces:
+            inputs.update(piece.theory_inputs(self))
+        return inputs
 
 
 def unique_tensors(parameters) -> list:

@@ -185,14 +185,14 @@ class Traffic:
 @dataclass(frozen=True)
 class Mistake:
     """A deliberate mistake a piece teaches (its --wrong_variant): what it is, and the runs under which it is one,
-    `applies(layout, engine_stage)` (engine_stage: DeepSpeed's ZeRO stage, None without it). A mistake that
-    changes nothing under a run is refused there: no check could fail on it."""
+    `applies(plan)` (strategies/piece.Plan: the flags, the layout, the workload, DeepSpeed's ZeRO stage or None).
+    A mistake that changes nothing under a run is refused there: no check could fail on it."""
 
     what: str
-    applies: Callable[[Layout, int | None], bool]
+    applies: Callable[[object], bool]
 
     @classmethod
     def of(cls, dim: str, what: str) -> Mistake:
         """A mistake of dimension `dim`'s piece: one wherever that dimension runs (its degree > 1), DeepSpeed's
         engine aside (it replaces the pieces)."""
-        return cls(what, lambda layout, engine_stage: engine_stage is None and getattr(layout, dim) > 1)
+        return cls(what, lambda plan: plan.engine_stage is None and getattr(plan.layout, dim) > 1)

@@ -42,6 +42,7 @@ from torch import nn
 from common.config import flag, require
 from common.gpt import GPT, lm_loss
 from strategies.layout import Layout, Mistake, Traffic, Workload
+from strategies.piece import Context, Piece, Plan, Theory
 
 MISTAKES = {  # each: what it is, and the runs under which it is one
     "pp_unscaled_microbatch_gradients": Mistake.of(
@@ -96,7 +97,8 @@ def block_bounds(n_layer: int, n_stages: int) -> list[int]:
     return [round(i * n_layer / n_stages) for i in range(n_stages + 1)]
 
 
-def refuse(args, layout: Layout, work: Workload) -> None:
+def refuse(plan: Plan) -> None:
+    args, layout, work = plan.args, plan.layout, plan.work
     if layout.pp == 1:
         return
     _, per_rank, _ = SCHEDULES[args.pp_schedule]
@@ -351,12 +353,11 @@ def activation_dtype(layout: Layout, work: Workload) -> torch.dtype:
     return torch.bfloat16 if work.mixed_precision == "bf16" and layout.shard_dims else torch.float32
 
 
-def sent(layout: Layout, rank: int, args, work: Workload, tied_piece_bytes: int) -> list[Traffic]:
-    """Rank `rank`'s point-to-point bytes of one step: activations and their gradients across each of its stages'
-    boundaries with another rank (m each way); the loss's broadcast; the tied gradient's all-reduce
-    (`tied_piece_bytes`: this rank's piece of it) if the ends are on two ranks."""
-    if layout.pp == 1:
-        return []
+def sent(t: Theory) -> list[Traffic]:
+    """The rank's point-to-point bytes of one step: activations and their gradients across each of its stages'
+    boundaries with another rank (m each way); the loss's broadcast; the tied gradient's all-reduce (this
+    rank's piece of it at rest) if the ends are on two ranks."""
+    layout, rank, args, work = t.layout, t.rank, t.args, t.work
     m, p, schedule = args.pp_microbatches, layout.pp, args.pp_schedule
     pp_rank = layout.coordinate(rank, "pp")
     stage_ids = stages_of(pp_rank, p, schedule)
@@ -372,5 +373,79 @@ def sent(layout: Layout, rank: int, args, work: Workload, tied_piece_bytes: int)
     traffic.append(Traffic("broadcast", 4, p, "pp"))
     first, last = holder(0, p, schedule), holder(n_stages - 1, p, schedule)
     if work.model.tie_weights and first != last and pp_rank in (first, last):
-        traffic.append(Traffic("all_reduce", tied_piece_bytes, 2, "pp"))
+        tied = next(shape for name, shape in t.held if name in ("tok_emb.weight", "head.weight"))
+        traffic.append(Traffic("all_reduce", t.rest_bytes("tok_emb.weight", tied), 2, "pp"))
     return [t for t in traffic if t.bytes]
+
+
+class PipelineParallel(Piece):
+    """Applied first: it cuts the GPT into the stages every other piece is then applied to, and connects them
+    (the schedule) once they are; it runs each step itself (forward and backward in one schedule step)."""
+
+    name = dim = "pp"
+    Flags = Flags
+    MISTAKES = MISTAKES
+    holds_apart = True
+    runs_whole_step = True
+
+    def traits(self, plan: Plan) -> set[str]:
+        return {"pipeline"} | (
+            {"backward_in_two_passes"} if plan.args.pp_schedule in SPLIT_BACKWARD else set()
+        )
+
+    def refuse(self, plan: Plan) -> None:
+        refuse(plan)
+
+    def apply(self, stages: list, ctx: Context) -> list:
+        (gpt,) = stages
+        pipeline = ctx.runtime[self.name] = Pipeline(gpt, ctx.layout, ctx.rank, ctx.args,
+                                                     activation_dtype(ctx.layout, ctx.work))  # fmt: skip
+        ctx.model = pipeline.model
+        return list(pipeline.stages)
+
+    def connect(self, ctx: Context) -> None:
+        ctx.runtime[self.name].connect(
+            ctx.layout, ctx.rank, ctx.mesh["pp"], ctx.device, ctx.args.wrong_variant
+        )
+
+    # theory: what a rank holds is its stages' (and the tied copy)
+    def holds(self, name: str, t: Theory) -> bool:
+        return self._holding(t).holds(name)
+
+    def extra_held(self, t: Theory) -> list[tuple[str, list[int]]]:
+        return [("head.weight", list(t.model.tok_emb.weight.shape))] if self._holding(t).tied_copy else []
+
+    def sent(self, t: Theory) -> list[Traffic]:
+        return sent(t)
+
+    @staticmethod
+    def _holding(t: Theory) -> Holding:
+        return holding(t.layout, t.rank, t.args, t.model.cfg.n_layer, t.model.cfg.tie_weights)
+
+    # at run time
+    def run_micro_batch(self, job, x, y):
+        return job.state(self).step(x, y)
+
+    def after_backward(self, job) -> None:
+        job.state(self).after_backward()
+
+    def clip_options(self, job) -> dict:
+        pipeline = job.state(self)
+        tied = pipeline.tied_copy()
+        return {"across": pipeline.groups["pp"], "counted_elsewhere": [tied] if tied is not None else []}
+
+    def evaluate(self, job, x, y):
+        return job.state(self).evaluate(x, y)
+
+    def steady_step(self, job) -> int:
+        # a pipeline's first schedule step initialises it (a vote and the shapes sent once, measured: 179 bytes)
+        return 2
+
+    def report(self, job, session) -> None:
+        job.state(self).report(session)
+
+    def checkpoint_aliases(self, job) -> dict:
+        return job.state(self).aliases
+
+
+PIECE = PipelineParallel()

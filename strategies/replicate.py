@@ -29,7 +29,8 @@ from dataclasses import dataclass
 import torch
 
 from common.config import flag
-from strategies.layout import Layout, Traffic
+from strategies.layout import Traffic, submesh
+from strategies.piece import Context, Piece, Plan, Theory
 
 
 @dataclass
@@ -38,9 +39,11 @@ class Flags:
                              "leave them whole, read their own data and all-reduce gradients (0, 1: off)")  # fmt: skip
 
 
-def apply(model: torch.nn.Module, mesh, accelerator, whole_world: bool) -> torch.nn.Module:
-    """Accelerate's DDP when every rank is a replica of the whole model; else PyTorch's replicate on `mesh`."""
+def apply(model: torch.nn.Module, mesh, accelerator, whole_world: bool, claimed=()) -> torch.nn.Module:
+    """Accelerate's DDP when every rank is a replica of the whole model; else PyTorch's replicate on `mesh`.
+    `claimed`: parameters another piece splits (ep's experts), which DDP must leave alone."""
     if whole_world:
+        ignore_for_ddp(model, claimed)
         return accelerator.prepare(model)
     from torch.distributed._composable.replicate_with_fsdp import replicate
 
@@ -48,9 +51,45 @@ def apply(model: torch.nn.Module, mesh, accelerator, whole_world: bool) -> torch
     return model
 
 
-def sent(layout: Layout, pieces: list[tuple[str, list[int]]]) -> list[Traffic]:
-    """One step's all-reduce of the gradients of the parameters this rank holds, `pieces`: (name, local shape)."""
-    if layout.shard_dims or not layout.replicate_dims:
-        return []
-    size = sum(math.prod(shape) * 4 for _, shape in pieces)
+def ignore_for_ddp(model: torch.nn.Module, claimed) -> None:
+    """DDP's list of what to leave alone (its private hook, `_set_params_and_buffers_to_ignore_for_model`'s
+    attribute): the parameters another piece claimed, and the buffers a module says are its rank's own
+    (`rank_local_buffers`: a mixture of experts' token counts), which DDP would broadcast from rank 0 in every
+    forward."""
+    names = [name for name, p in model.named_parameters() if p in claimed]
+    names += [f"{prefix}.{buffer}" for prefix, module in model.named_modules()
+              for buffer in getattr(module, "rank_local_buffers", ())]  # fmt: skip
+    if names:
+        model._ddp_params_and_buffers_to_ignore = names
+
+
+def sent(t: Theory) -> list[Traffic]:
+    """One step's all-reduce of the gradients of the parameters this rank holds (those no piece splits itself)."""
+    layout = t.layout
+    size = sum(math.prod(shape) * 4 for _, shape in t.unclaimed)
     return [Traffic("all_reduce", size, layout.size(layout.replicate_dims), "dp_replicate")]
+
+
+class Replicate(Piece):
+    """Applied last: around each stage as every other piece left it."""
+
+    name = dim = "dp_replicate"
+    Flags = Flags
+
+    def is_on(self, plan: Plan) -> bool:
+        # the replicas of what no sharding covers (under dp_shard, FSDP2's HSDP holds the replicas)
+        return not plan.layout.shard_dims and bool(plan.layout.replicate_dims)
+
+    def apply(self, stages: list, ctx: Context) -> list:
+        layout = ctx.layout
+        # every rank of an Accelerate launch a replica: Accelerate's DDP (a fake world of experiments/at_scale.py,
+        # which Accelerate did not launch: PyTorch's replicate on the mesh)
+        whole_world = layout.size(layout.replicate_dims) == layout.world_size == ctx.accelerator.num_processes
+        return [apply(stage, submesh(ctx.mesh, layout.replicate_dims), ctx.accelerator, whole_world, ctx.claimed(stage))
+                for stage in stages]  # fmt: skip
+
+    def sent(self, t: Theory) -> list[Traffic]:
+        return sent(t)
+
+
+PIECE = Replicate()

@@ -33,20 +33,22 @@ buffer whose dim 0 is padded to a multiple of N; HSDP all-reduces each rank's gr
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 
 from common.config import flag, require
-from strategies.layout import Layout, Mistake, Traffic, Workload, chunk_rows, padded_numel
+from strategies.layout import Layout, Mistake, Traffic, Workload, chunk_rows, padded_numel, submesh
+from strategies.piece import Context, Piece, Plan, Theory
 
 RESHARD = ("default", "never", "always")
 
 
-def _is_on(layout: Layout, engine_stage: int | None) -> bool:
+def _is_on(plan) -> bool:
     """Wherever FSDP runs (dp_shard, or cp sharded with it), DeepSpeed's engine aside."""
-    return engine_stage is None and bool(layout.shard_dims)
+    return plan.engine_stage is None and bool(plan.layout.shard_dims)
 
 
 MISTAKES = {  # each: what it is, and the runs under which it is one
@@ -67,7 +69,8 @@ class Flags:
                                       "too", choices=RESHARD)  # fmt: skip
 
 
-def refuse(args, layout: Layout, work: Workload) -> None:
+def refuse(plan: Plan) -> None:
+    args, layout = plan.args, plan.layout
     require(layout.dp_shard > 1 or args.reshard_after_forward == "default",
             f"--reshard_after_forward {args.reshard_after_forward} is for sharded data parallelism: add "
             "--dp_shard N")  # fmt: skip
@@ -151,10 +154,9 @@ def gathered_between_forward_and_backward(name: str, args, layout: Layout) -> bo
     return args.reshard_after_forward != "always"
 
 
-def sent(layout: Layout, args, work: Workload, pieces: list[tuple[str, list[int]]]) -> list[Traffic]:
-    """One step's bytes for the parameters this rank holds, `pieces`: (name, shape of its TP piece)."""
-    if not layout.shard_dims:
-        return []
+def sent(t: Theory) -> list[Traffic]:
+    """One step's bytes for the parameters this rank holds but those a piece splits itself (ep's experts)."""
+    layout, args, work, pieces = t.layout, t.args, t.work, t.unclaimed
     n, k = layout.size(layout.shard_dims), work.micro_batches
     gathered_bytes = 2 if work.mixed_precision == "bf16" else 4
     gathered = reduced = shard = 0
@@ -171,3 +173,58 @@ def sent(layout: Layout, args, work: Workload, pieces: list[tuple[str, list[int]
     if layout.dp_replicate > 1:
         traffic.append(Traffic("all_reduce", shard, layout.dp_replicate, "dp_replicate"))
     return traffic
+
+
+def fsdp_mesh(mesh, layout: Layout):
+    """FSDP2's mesh: the sharding ranks (dp_shard x cp flattened), with the replicas as an outer dimension (HSDP)."""
+    sharding = submesh(mesh, layout.shard_dims)
+    if layout.dp_replicate == 1:
+        return sharding
+    return mesh[("dp_replicate", "_".join(layout.shard_dims))]
+
+
+class Shard(Piece):
+    """Applied last (with replicate, which it replaces under dp_shard): around each stage as the others left it."""
+
+    name = dim = "dp_shard"
+    Flags = Flags
+    MISTAKES = MISTAKES
+
+    def is_on(self, plan: Plan) -> bool:
+        return bool(plan.layout.shard_dims)
+
+    def refuse(self, plan: Plan) -> None:
+        refuse(plan)
+
+    def apply(self, stages: list, ctx: Context) -> list:
+        for stage in stages:
+            apply(
+                stage,
+                fsdp_mesh(ctx.mesh, ctx.layout),
+                ctx.args,
+                ctx.layout,
+                ctx.work,
+                ignored=ctx.claimed(stage),
+            )
+        return stages
+
+    def rest_shape(self, name: str, shape: list[int], t: Theory) -> list[int]:
+        return shape if t.claimed(name) else local_shape(shape, t.layout, t.rank)
+
+    def window_bytes(self, name: str, shape: list[int], t: Theory) -> int | None:
+        """A gathered copy of what FSDP keeps gathered between forward and backward (bf16 copies under bf16)."""
+        if t.claimed(name) or not gathered_between_forward_and_backward(name, t.args, t.layout):
+            return None
+        return math.prod(shape) * (2 if t.work.mixed_precision == "bf16" else 4)
+
+    def sent(self, t: Theory) -> list[Traffic]:
+        return sent(t)
+
+    def before_micro_batch(self, job) -> None:
+        set_gradient_sync(job.model, job.accelerator.sync_gradients)
+
+    def after_evaluate(self, job) -> None:
+        reshard(job.model)  # the next step all-gathers the root, as its theory says
+
+
+PIECE = Shard()

@@ -54,7 +54,10 @@ from torch.distributed.tensor.parallel import (
 )
 
 from common.config import flag, require
-from strategies.layout import Layout, Mistake, Traffic, Workload, chunk_rows
+from strategies.layout import Layout, Mistake, Traffic, chunk_rows
+from strategies.piece import Context, Piece, Plan, Theory
+
+RECOMPUTES_BLOCKS = "recomputes_blocks"  # a trait: some piece runs each block's forward again in backward
 
 MISTAKES = {  # each: what it is, and the runs under which it is one
     "row_parallel_without_all_reduce": Mistake.of(
@@ -88,7 +91,8 @@ class Flags:
                                    "1/N of the tokens, all-reduces replaced by reduce-scatter + all-gather")  # fmt: skip
 
 
-def refuse(args, layout: Layout, work: Workload) -> None:
+def refuse(plan: Plan) -> None:
+    args, layout, work = plan.args, plan.layout, plan.work
     require(
         not args.sequence_parallel or layout.tp > 1, "--sequence_parallel is tensor parallelism's: add --tp N"
     )
@@ -102,6 +106,9 @@ def refuse(args, layout: Layout, work: Workload) -> None:
     require(not args.sequence_parallel or (layout.pp == 1 and layout.cp == 1),
             "--sequence_parallel with --pp or --cp: not built (a stage would send, and context parallelism would "
             "gather, a sequence already split over the tensor-parallel ranks)")  # fmt: skip
+    require(not (args.sequence_parallel and RECOMPUTES_BLOCKS in plan.traits),
+            "--sequence_parallel with --activation_checkpointing full: not built (its recompute would gather "
+            "the sequence again); use selective")  # fmt: skip
 
 
 def split_dim(name: str) -> int | None:
@@ -166,7 +173,10 @@ def align_gradients(model) -> None:
     with no communication."""
     for param in model.parameters():
         grad = param.grad
-        if hasattr(grad, "placements") and grad.placements != param.placements:
+        # a partial sum (sequence parallelism's norm gradients) is left to clipping and FSDP: summing it here
+        # would send bytes no theory counts
+        if (hasattr(grad, "placements") and grad.placements != param.placements
+                and not any(p.is_partial() for p in grad.placements)):  # fmt: skip
             param.grad = grad.redistribute(param.device_mesh, param.placements)
 
 
@@ -207,15 +217,13 @@ def apply_sequence_parallel(model, tp_mesh) -> None:
     )
 
 
-def sent(
-    layout: Layout, args, work: Workload, blocks: int, embeds: bool, heads: bool, recomputed_blocks: int = 0
-) -> list[Traffic]:
-    """One step's bytes of a rank's tensor-parallel group (the module docstring): `blocks` it holds, whether
-    it holds the embedding (`embeds`) and the head (`heads`); `recomputed_blocks` run their forward again in
+def sent(t: Theory) -> list[Traffic]:
+    """One step's bytes of a rank's tensor-parallel group (the module docstring): the blocks it holds, whether
+    it holds the embedding (`embeds`) and the head (`heads`); recomputed blocks run their forward again in
     backward (full activation checkpointing), up to the attention output's all-reduce (the MLP's output is
     needed by nothing backward uses: the recompute stops before it)."""
-    if layout.tp == 1:
-        return []
+    layout, args, work = t.layout, t.args, t.work
+    blocks, embeds, heads, recomputed_blocks = t.blocks, t.first, t.last, t.recomputed_blocks
     k, tokens = work.micro_batches, work.tokens // layout.cp
     bf16 = work.mixed_precision == "bf16"
     matmul_out = (
@@ -247,3 +255,32 @@ def sent(
             "all_gather": logits,
         }
     return [Traffic(kind, size, layout.tp, "tp") for kind, size in sizes.items() if size]
+
+
+class TensorParallel(Piece):
+    name = dim = "tp"
+    Flags = Flags
+    MISTAKES = MISTAKES
+
+    def traits(self, plan: Plan) -> set[str]:
+        return {"sequence_split_over_tp"} if plan.args.sequence_parallel else set()
+
+    def refuse(self, plan: Plan) -> None:
+        refuse(plan)
+
+    def apply(self, stages: list, ctx: Context) -> list:
+        for stage in stages:
+            apply(stage, ctx.mesh["tp"], ctx.args)
+        return stages
+
+    def local_shape(self, name: str, shape: list[int], t: Theory) -> list[int]:
+        return local_shape(name, shape, t.layout, t.rank)
+
+    def sent(self, t: Theory) -> list[Traffic]:
+        return sent(t)
+
+    def after_backward(self, job) -> None:
+        align_gradients(job.model)
+
+
+PIECE = TensorParallel()

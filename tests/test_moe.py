@@ -178,11 +178,12 @@ def test_bad_moe_flags_are_one_line_and_exit_2(flags, said, capsys, tmp_path):
 def test_expert_parallelism_refuses_what_it_cannot_split_in_one_line(degrees, experts, said):
     from common.config import UsageError
     from strategies import ep
+    from strategies.args import ParallelArgs
     from strategies.layout import Layout, Workload
 
-    args = type("Args", (), {"activation_checkpointing": "none", "compile": False})()
+    plan = ParallelArgs().plan(Layout(**degrees), Workload(GPTConfig(n_experts=experts), rows=4))
     with pytest.raises(UsageError) as refused:
-        ep.refuse(args, Layout(**degrees), Workload(GPTConfig(n_experts=experts), rows=4))
+        ep.PIECE.refuse(plan)
     assert said in str(refused.value)
 
 

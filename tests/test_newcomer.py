@@ -17,7 +17,8 @@ from benchmarks import compare_strategies, mfu, performance
 from common.collective_bench import BENCH_OPS
 from common.gpt import GPTConfig, build_gpt
 from helpers import CPU_DDP, REPO, launch
-from strategies import PRESETS, ParallelArgs, deepspeed
+from strategies import deepspeed
+from strategies.args import PRESETS, ParallelArgs
 from strategies.layout import Layout, Workload
 from strategies.theory import sent_bytes
 

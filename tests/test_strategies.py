@@ -7,6 +7,7 @@ memory_per_rank)."""
 from __future__ import annotations
 
 import dataclasses
+import inspect
 import itertools
 
 import pytest
@@ -14,28 +15,36 @@ import pytest
 from common.config import UsageError
 from common.gpt import GPTConfig, build_gpt
 from strategies import (
-    COMMON_WRONG_VARIANTS,
-    WRONG_VARIANTS,
-    ParallelArgs,
     activation_checkpointing,
     compile,
     cp,
     deepspeed,
     ep,
-    is_a_mistake_under,
     pp,
+    registry,
     replicate,
     shard,
     tp,
 )
+from strategies.args import COMMON_WRONG_VARIANTS, WRONG_VARIANTS, ParallelArgs
+from strategies.args import is_a_mistake_under as is_a_mistake_under_plan
 from strategies.layout import DIMS, Layout, Mistake, Workload, chunk_rows
+from strategies.piece import Piece, Plan
 from strategies.theory import held_bytes, sent_bytes
 
 MODEL = build_gpt(GPTConfig(), 0)  # 1,063,168 parameters: 4,252,672 bytes in float32
 FULL = 4_252_672
 HALF, EMBEDDING = FULL // 2, 4 * 2048 * 128
 WORK = Workload(GPTConfig(), 4)
-PIECES = (replicate, shard, tp, cp, pp, ep, activation_checkpointing, compile)
+MODULES = (replicate, shard, tp, cp, pp, ep, activation_checkpointing, compile)
+
+
+def plan_of(layout: Layout, engine_stage: int | None = None, work: Workload = WORK, **flags) -> Plan:
+    return Plan(ParallelArgs(**flags), layout, work, engine_stage, registry.PIECES)
+
+
+def is_a_mistake_under(variant: str, layout: Layout, engine_stage: int | None) -> bool:
+    return is_a_mistake_under_plan(variant, plan_of(layout, engine_stage))
 
 
 def layout_of(preset: str, ranks: int, **flags) -> tuple[Layout, ParallelArgs]:
@@ -47,21 +56,35 @@ def theory(layout: Layout, args: ParallelArgs, rank: int = 0, work: Workload = W
     return held_bytes(MODEL, layout, rank, args, work), sent_bytes(MODEL, layout, rank, args, work)
 
 
-@pytest.mark.parametrize("piece", PIECES, ids=lambda p: p.__name__.split(".")[-1])
-def test_every_dimension_is_one_whole_module(piece):
-    assert piece.__doc__ and len(piece.__doc__) > 500  # it teaches what it is
-    # a pipeline is applied before the others, by cutting the model: its Pipeline; the others apply in place
-    assert dataclasses.is_dataclass(piece.Flags) and callable(
-        getattr(piece, "apply", getattr(piece, "Pipeline", None))
-    )
+@pytest.mark.parametrize("module", MODULES, ids=lambda m: m.__name__.split(".")[-1])
+def test_every_dimension_is_one_whole_module_behind_one_interface(module):
+    assert module.__doc__ and len(module.__doc__) > 500  # it teaches what it is
+    piece = module.PIECE
+    assert isinstance(piece, Piece) and piece in registry.PIECES  # one interface, registered
+    assert dataclasses.is_dataclass(piece.Flags) and piece.Flags is module.Flags
     flags = {f.name for f in dataclasses.fields(piece.Flags)}
     assert flags <= {f.name for f in dataclasses.fields(ParallelArgs)}  # folded into the CLI
-    if piece not in (activation_checkpointing, compile):  # they change what runs, not what is sent
-        assert callable(piece.sent)
-    if piece in (shard, tp, cp, pp, ep):  # each mistake its own: what it is, and where it is one
-        assert callable(piece.refuse) and all(
-            isinstance(m, Mistake) and m.what for m in piece.MISTAKES.values()
-        )
+    assert all(isinstance(m, Mistake) and m.what for m in piece.MISTAKES.values())
+    # the same signatures for every piece: what it overrides keeps the interface's parameters
+    for name, method in vars(type(piece)).items():
+        if inspect.isfunction(method) and hasattr(Piece, name) and not name.startswith("_"):
+            assert list(inspect.signature(method).parameters) == list(
+                inspect.signature(getattr(Piece, name)).parameters
+            ), (piece.name, name)
+
+
+def test_the_registry_applies_the_pieces_in_torchtitans_order():
+    names = [piece.name for piece in registry.PIECES]
+    assert names == [
+        "pp",
+        "tp",
+        "cp",
+        "ep",
+        "activation_checkpointing",
+        "compile",
+        "dp_shard",
+        "dp_replicate",
+    ]
 
 
 def test_every_mistake_says_what_it_is_and_is_one_under_some_layout():
@@ -287,7 +310,7 @@ def test_context_parallel_ranks_join_the_data_parallel_gradient_group():
 )  # fmt: skip
 def test_each_dimension_refuses_what_it_cannot_run(piece, layout, flags, work, message):
     with pytest.raises(UsageError, match=message.replace("(", r"\(").replace(")", r"\)")):
-        piece.refuse(ParallelArgs(**flags), layout, work)
+        piece.PIECE.refuse(plan_of(layout, work=work, **flags))
 
 
 def test_pieces_that_cannot_work_together_are_refused_together():

@@ -40,7 +40,7 @@ from planning.cost_model import (
     predict_step,
 )
 from planning.published import MODELS, model_named
-from strategies import ParallelArgs
+from strategies.args import ParallelArgs
 from strategies.layout import DIMS, Layout, Workload
 
 
