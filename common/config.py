@@ -275,6 +275,9 @@ def parse_config(
     parser = build_parser(config_cls, description, prog)
     namespace = parser.parse_args(argv)
     cfg = config_cls(**vars(namespace))
+    # which flags the command line gave (not a field: config.json records values, not how they came)
+    words = {word.split("=")[0] for word in (sys.argv[1:] if argv is None else argv)}
+    cfg.given_flags = frozenset(a.dest for a in parser._actions if words & set(a.option_strings))
     try:
         cfg.validate()
     except UsageError as error:

@@ -19,6 +19,7 @@ Two choices made for distributed training:
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 
@@ -26,7 +27,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from common.moe import MoE, init_experts, moe_parameter_count
+from common.config import flag, require
+from common.moe import ROUTERS, MoE, init_experts, moe_parameter_count
 
 
 @dataclass
@@ -320,3 +322,79 @@ def require_trainable(cfg: GPTConfig, batch_size: int, flags: str) -> None:
 def count_parameters(model: nn.Module) -> int:
     """Distinct parameters (a tied head counts once), as nanoGPT reports them."""
     return sum(p.numel() for p in {id(p): p for p in model.parameters()}.values())
+
+
+_DEFAULT = GPTConfig()
+
+
+@dataclass
+class ModelFlags:
+    """The model's flags, one set for every experiment that builds the GPT (train_gpt, at_scale): GPTConfig's
+    fields, their defaults the project's GPT. `model_config(base)` is the GPT they ask for: every flag on the
+    project's GPT, or, on a given `base` shape (at_scale's published one), only the flags given on the command
+    line (common/config.parse_config records them)."""
+
+    vocab_size: int = flag(_DEFAULT.vocab_size, "vocabulary (train_gpt: of the BPE trained on the corpus)")
+    block_size: int = flag(_DEFAULT.block_size, "context length in tokens")
+    n_layer: int = flag(_DEFAULT.n_layer, "transformer blocks")
+    n_head: int = flag(_DEFAULT.n_head, "attention heads (must divide d_model)")
+    d_model: int = flag(_DEFAULT.d_model, "model width")
+    tie_weights: bool = flag(_DEFAULT.tie_weights, "share the token embedding with the output head")
+    n_kv_head: int = flag(0, "key/value heads, each shared by n_head / this query heads (grouped-query attention; "
+                          "0: n_head)")  # fmt: skip
+    d_ff: int = flag(0, "the MLP's hidden width (0: 4 x d_model)")
+    mlp: str = flag(
+        "gelu", "gelu (GPT-2) or swiglu (Llama: silu(gate) x up, then down)", choices=("gelu", "swiglu")
+    )
+    norm: str = flag("layernorm", "layernorm (GPT-2) or rmsnorm (Llama)", choices=("layernorm", "rmsnorm"))
+    positions: str = flag(
+        "learned", "learned (a position table, GPT-2) or rope (rotary, Llama)", choices=("learned", "rope")
+    )
+    bias: bool = flag(True, "biases in the linear layers (Llama: none)")
+    n_experts: int = flag(0, "a mixture of experts in each block's MLP: this many experts (0: the dense MLP); "
+                          "--ep splits them over ranks")  # fmt: skip
+    top_k: int = flag(2, "with --n_experts: experts each token goes to")
+    router: str = flag("softmax", "with --n_experts: the router's scores, softmax (Switch, Mixtral) or sigmoid "
+                       "(DeepSeek-V3)", choices=ROUTERS)  # fmt: skip
+    capacity_factor: float = flag(0.0, "with --n_experts: 0 = dropless; c > 0: an expert takes at most c x tokens x "
+                                  "top_k / n_experts of a forward's tokens, the rest dropped (reported)")  # fmt: skip
+    aux_loss_coef: float = flag(0.0, "with --n_experts: the auxiliary load-balancing loss's weight (Switch: 0.01; 0: "
+                                "none)")  # fmt: skip
+    bias_update_rate: float = flag(0.0, "with --n_experts: auxiliary-loss-free balancing (DeepSeek-V3): each expert's "
+                                   "routing bias moves by this per step towards the mean load (0: none)")  # fmt: skip
+
+    def model_config(self, base: GPTConfig | None = None, vocab_size: int = 0) -> GPTConfig:
+        """The GPT these flags ask for (`vocab_size`: the one the tokenizer really has, once it is trained)."""
+        names = [f.name for f in dataclasses.fields(ModelFlags)]
+        given = names if base is None else getattr(self, "given_flags", ())
+        cfg = dataclasses.replace(base or _DEFAULT, **{n: getattr(self, n) for n in names if n in given})
+        return dataclasses.replace(cfg, vocab_size=vocab_size) if vocab_size else cfg
+
+    def refuse_model(self, cfg: GPTConfig) -> None:
+        """The model `cfg` (these flags' resolved) refused in one line if no GPT can have it."""
+        for name in ("vocab_size", "block_size", "n_layer", "n_head", "d_model"):
+            require(getattr(cfg, name) > 0, f"--{name} must be > 0, got {getattr(cfg, name)}")
+        require(cfg.d_model % cfg.n_head == 0, f"--n_head {cfg.n_head} must divide --d_model {cfg.d_model}")
+        require(cfg.n_kv_head >= 0 and cfg.n_head % (cfg.n_kv_head or cfg.n_head) == 0 and cfg.d_ff >= 0,
+                f"--n_kv_head {cfg.n_kv_head} must divide --n_head {cfg.n_head} (0: one per query head); "
+                f"--d_ff {cfg.d_ff} must be >= 0")  # fmt: skip
+        require(cfg.positions != "rope" or cfg.d_model // cfg.n_head % 2 == 0,
+                f"--positions rope turns pairs of channels: the head width --d_model / --n_head = "
+                f"{cfg.d_model // cfg.n_head} must be even")  # fmt: skip
+        require(cfg.n_experts >= 0 and (not cfg.n_experts or 1 <= cfg.top_k <= cfg.n_experts),
+                f"--n_experts {cfg.n_experts} --top_k {cfg.top_k}: need n_experts >= 0, 1 <= top_k <= n_experts")  # fmt: skip
+        require(min(cfg.capacity_factor, cfg.aux_loss_coef, cfg.bias_update_rate) >= 0,
+                "--capacity_factor, --aux_loss_coef, --bias_update_rate must be >= 0")  # fmt: skip
+        # bounded: from --n_experts up no expert can be over capacity (c x tokens x k / E >= every token), and a
+        # loss weight or a bias step above 1 is a typo (Switch: 0.01; DeepSeek-V3: 0.001); 1e308 overflowed
+        require(cfg.capacity_factor <= max(cfg.n_experts, 1),
+                f"--capacity_factor {cfg.capacity_factor:g}: at most --n_experts ({max(cfg.n_experts, 1)}), from which "
+                "no token is ever dropped; 0 is dropless")  # fmt: skip
+        require(max(cfg.aux_loss_coef, cfg.bias_update_rate) <= 1,
+                f"--aux_loss_coef {cfg.aux_loss_coef:g}, --bias_update_rate {cfg.bias_update_rate:g}: each must be "
+                "<= 1")  # fmt: skip
+
+    def record_model(self, cfg: GPTConfig) -> None:
+        """The model that runs written back into the flags (config.json records it)."""
+        for f in dataclasses.fields(ModelFlags):
+            setattr(self, f.name, getattr(cfg, f.name))

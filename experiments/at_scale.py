@@ -52,7 +52,8 @@ if __name__ == "__main__":  # Ctrl-C during the imports below: one line, exit 13
 
 
 from common.config import RunArgs, flag, parse_config, require, run_cli
-from common.gpt import GPTConfig, parameter_count
+from common.gpt import GPTConfig, ModelFlags, parameter_count
+from common.run import start_run
 from planning.cost_model import (
     hardware_names,
     load_hardware,
@@ -66,21 +67,15 @@ from strategies.layout import DIMS, Layout, Workload
 
 EXPERIMENT = "at_scale"
 DEFAULT_LAYOUT = {"pp": 16, "dp_shard": 8, "tp": 8}  # no layout given: 1,024 ranks
-SHAPE_FLAGS = ("vocab_size", "block_size", "n_layer", "n_head", "d_model")
 P2P_KINDS = ("send", "recv", "broadcast")  # a pipeline's, by theory only (the module docstring)
 
 
 @dataclass
-class Config(RunArgs, ParallelArgs):
-    model: str = flag("gpt3_175b", "a published shape (planning/published.py): " + ", ".join(MODELS) + "; custom: "
-                      "the shape flags alone")  # fmt: skip
+class Config(RunArgs, ModelFlags, ParallelArgs):
+    model: str = flag("gpt3_175b", "a published shape (planning/published.py): " + ", ".join(MODELS) + ", changed "
+                      "by the model flags given; custom: the project's GPT (train_gpt's), changed so")  # fmt: skip
     world_size: int = flag(0, "ranks of the job (0: the degrees' product); with no degree given, pp 16 x dp_shard "
                            "8 x tp 8 on 1,024")  # fmt: skip
-    vocab_size: int = flag(0, "vocabulary (0: the model's)")
-    block_size: int = flag(0, "sequence length in tokens (0: the model's)")
-    n_layer: int = flag(0, "blocks (0: the model's)")
-    n_head: int = flag(0, "attention heads (0: the model's)")
-    d_model: int = flag(0, "width (0: the model's)")
     per_rank_batch_size: int = flag(0, "sequences per data-parallel rank per step (0: the model's published batch / "
                                     "the data-parallel ranks, at least one per pipeline stage)")  # fmt: skip
     pp_microbatches: int = flag(0, "with --pp: micro-batches per step (0: one sequence each)")
@@ -96,18 +91,11 @@ class Config(RunArgs, ParallelArgs):
         super().validate()
         require(self.model == "custom" or self.model in MODELS,
                 f"--model {self.model!r} is not a shape this project knows; known: {', '.join(MODELS)}, custom")  # fmt: skip
-        for name in (*SHAPE_FLAGS, "world_size", "per_rank_batch_size", "pp_microbatches"):
+        for name in ("world_size", "per_rank_batch_size", "pp_microbatches"):
             require(getattr(self, name) >= 0, f"--{name} must be >= 0, got {getattr(self, name)}")
-        if self.model == "custom":
-            for name in SHAPE_FLAGS:
-                require(
-                    getattr(self, name) > 0, f"--model custom needs --{name} > 0 (and the other shape flags)"
-                )
-        shape = self.model_config()
-        require(
-            shape.d_model % shape.n_head == 0,
-            f"--n_head {shape.n_head} must divide --d_model {shape.d_model}",
-        )
+        shape = self.shape()
+        self.refuse_model(shape)
+        self.record_model(shape)  # config.json records the shape that ran
         if not self.world_size and all(getattr(self, dim) <= 1 for dim in DIMS) and self.strategy == "auto":
             for dim, degree in DEFAULT_LAYOUT.items():
                 setattr(self, dim, degree)
@@ -121,11 +109,9 @@ class Config(RunArgs, ParallelArgs):
         for rank in self.rank_list():
             require(0 <= rank < layout.world_size, f"--ranks: {rank} is not a rank of {layout.world_size}")
 
-    def model_config(self) -> GPTConfig:
-        base = GPTConfig(1, 1, 1, 1, 1) if self.model == "custom" else model_named(self.model).shape
-        return GPTConfig(
-            **{**base.__dict__, **{n: getattr(self, n) for n in SHAPE_FLAGS if getattr(self, n)}}
-        )
+    def shape(self) -> GPTConfig:
+        """--model's shape, changed by the model flags given (custom: the project's GPT)."""
+        return self.model_config(GPTConfig() if self.model == "custom" else model_named(self.model).shape)
 
     def layout(self) -> Layout:
         return Layout(**{dim: max(1, getattr(self, dim)) for dim in DIMS})
@@ -137,7 +123,7 @@ class Config(RunArgs, ParallelArgs):
         rows = self.per_rank_batch_size or max(published // layout.dp, layout.pp if layout.pp > 1 else 1)
         if layout.pp > 1 and not self.pp_microbatches:
             self.pp_microbatches = rows
-        return Workload(self.model_config(), rows, 1, self.mixed_precision)
+        return Workload(self.shape(), rows, 1, self.mixed_precision)
 
     def rank_list(self) -> list[int]:
         return [int(r) for r in self.ranks.replace(" ", "").split(",") if r] if self.ranks.strip() else []
@@ -161,10 +147,15 @@ def estimate(size: float | None) -> str:
 
 
 def run(cfg: Config) -> int:
-    layout, work, hardware = cfg.layout(), cfg.workload(), load_hardware(cfg.hardware)
-    reference = meta_gpt(work.model)
-    with start_session(cfg) as session:
-        ranks = cfg.rank_list() or ranks_that_differ(reference, layout, cfg, work)
+    layout, work, chosen = cfg.layout(), cfg.workload(), cfg.rank_list()
+    hardware, reference = load_hardware(cfg.hardware), meta_gpt(work.model)
+    ranks = chosen or ranks_that_differ(
+        reference, layout, cfg, work
+    )  # the theory's arithmetic: nothing written
+    # FSDP's bf16 is its policy's (strategies/shard.py), autocast the rest's: as train_gpt
+    with start_run(
+        cfg, EXPERIMENT, mixed_precision="no" if layout.shard_dims else cfg.mixed_precision
+    ) as session:
         session.print(f"{cfg.model}: {parameter_count(work.model):,} parameters, {layout.describe()}, "
                       f"{work.rows} x {work.model.block_size} tokens per data-parallel rank per step"
                       + (f" in {cfg.pp_microbatches} micro-batches ({cfg.pp_schedule})" if layout.pp > 1 else "")
@@ -173,15 +164,6 @@ def run(cfg: Config) -> int:
         check_ranks(session, results, layout)
         report(session, cfg, layout, work, hardware, reference, results)
     return session.exit_code
-
-
-def start_session(cfg: Config):
-    from common.run import start_run
-
-    # FSDP's bf16 is its policy's (strategies/shard.py), autocast the rest's: as train_gpt
-    return start_run(
-        cfg, EXPERIMENT, mixed_precision="no" if cfg.layout().shard_dims else cfg.mixed_precision
-    )
 
 
 def check_ranks(session, results: list[dict], layout: Layout) -> None:

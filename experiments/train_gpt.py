@@ -63,14 +63,14 @@ from common.data import iterate_sample_stream, padded_share, shard_rows
 from common.gpt import (
     GPT,
     PER_RANK_BATCH_SIZE,
-    GPTConfig,
+    ModelFlags,
     adamw,
     build_gpt,
     count_parameters,
     require_trainable,
     sample_text,
 )
-from common.moe import ROUTERS, active_parameter_count
+from common.moe import active_parameter_count
 from common.optim import cosine_lr, set_lr
 from common.profiling import StepProfiler, report_profile
 from common.run import start_run
@@ -88,11 +88,10 @@ EXPERIMENT = "train_gpt"
 # same in any batches, and fewer, larger forwards pay each layout's per-forward collectives (tp's all-reduces,
 # fsdp's all-gathers) less often: a tiny tp run took 13.0 s evaluating 4 rows at a time, 7.9 s at 64 (measured).
 EVAL_TOKENS = 4096
-MODEL = GPTConfig()  # the default model
 
 
 @dataclass
-class Config(ResumableArgs, ParallelArgs, CheckArgs):
+class Config(ResumableArgs, ModelFlags, ParallelArgs, CheckArgs):
     sweep_metrics = ("loss", "tokens_per_s", "val_loss")
     # Checkpoints are DCP (any layout reads any other's) and the data position is in samples: a resume may change
     # the layout and the world size. The global batch (samples per step) is part of the run; how it is made
@@ -107,34 +106,6 @@ class Config(ResumableArgs, ParallelArgs, CheckArgs):
     init_from: str = flag("", "a .safetensors file of full weights (tools.convert_checkpoint to-safetensors) to start "
                           "this new run from: fine-tuning, with a fresh optimizer at step 0 (a resumed run continues "
                           "from its checkpoint instead)")  # fmt: skip
-    vocab_size: int = flag(MODEL.vocab_size, "BPE vocabulary trained on the corpus")
-    block_size: int = flag(MODEL.block_size, "context length in tokens")
-    n_layer: int = flag(MODEL.n_layer, "transformer blocks")
-    n_head: int = flag(MODEL.n_head, "attention heads (must divide d_model)")
-    d_model: int = flag(MODEL.d_model, "model width")
-    tie_weights: bool = flag(MODEL.tie_weights, "share the token embedding with the output head")
-    n_kv_head: int = flag(0, "key/value heads, each shared by n_head / this query heads (grouped-query attention; "
-                          "0: n_head)")  # fmt: skip
-    d_ff: int = flag(0, "the MLP's hidden width (0: 4 x d_model)")
-    mlp: str = flag(
-        "gelu", "gelu (GPT-2) or swiglu (Llama: silu(gate) x up, then down)", choices=("gelu", "swiglu")
-    )
-    norm: str = flag("layernorm", "layernorm (GPT-2) or rmsnorm (Llama)", choices=("layernorm", "rmsnorm"))
-    positions: str = flag(
-        "learned", "learned (a position table, GPT-2) or rope (rotary, Llama)", choices=("learned", "rope")
-    )
-    bias: bool = flag(True, "biases in the linear layers (Llama: none)")
-    n_experts: int = flag(0, "a mixture of experts in each block's MLP: this many experts (0: the dense MLP); "
-                          "--ep splits them over ranks")  # fmt: skip
-    top_k: int = flag(2, "with --n_experts: experts each token goes to")
-    router: str = flag("softmax", "with --n_experts: the router's scores, softmax (Switch, Mixtral) or sigmoid "
-                       "(DeepSeek-V3)", choices=ROUTERS)  # fmt: skip
-    capacity_factor: float = flag(0.0, "with --n_experts: 0 = dropless; c > 0: an expert takes at most c x tokens x "
-                                  "top_k / n_experts of a forward's tokens, the rest dropped (reported)")  # fmt: skip
-    aux_loss_coef: float = flag(0.0, "with --n_experts: the auxiliary load-balancing loss's weight (Switch: 0.01; 0: "
-                                "none)")  # fmt: skip
-    bias_update_rate: float = flag(0.0, "with --n_experts: auxiliary-loss-free balancing (DeepSeek-V3): each expert's "
-                                   "routing bias moves by this per step towards the mean load (0: none)")  # fmt: skip
     val_fraction: float = flag(0.1, "share of the token stream held out for validation")
     per_rank_batch_size: int = flag(PER_RANK_BATCH_SIZE, "blocks per data-parallel rank per micro-batch; "
                                     "global batch = this x data-parallel ranks x accumulation")  # fmt: skip
@@ -159,30 +130,9 @@ class Config(ResumableArgs, ParallelArgs, CheckArgs):
 
     def validate(self) -> None:
         super().validate()
-        require_positive(self, "vocab_size", "block_size", "n_layer", "n_head", "d_model", "per_rank_batch_size",
-                         "gradient_accumulation_steps", "lr", *self.tolerances)  # fmt: skip
-        require(
-            self.d_model % self.n_head == 0, f"--n_head {self.n_head} must divide --d_model {self.d_model}"
-        )
-        require(self.n_kv_head >= 0 and self.n_head % (self.n_kv_head or self.n_head) == 0 and self.d_ff >= 0,
-                f"--n_kv_head {self.n_kv_head} must divide --n_head {self.n_head} (0: one per query head); "
-                f"--d_ff {self.d_ff} must be >= 0")  # fmt: skip
-        require(self.positions != "rope" or self.d_model // self.n_head % 2 == 0,
-                f"--positions rope turns pairs of channels: the head width --d_model / --n_head = "
-                f"{self.d_model // self.n_head} must be even")  # fmt: skip
+        require_positive(self, "per_rank_batch_size", "gradient_accumulation_steps", "lr", *self.tolerances)
+        self.refuse_model(self.model_config())
         require(0 < self.val_fraction < 0.5, f"--val_fraction must be in (0, 0.5), got {self.val_fraction}")
-        require(self.n_experts >= 0 and (not self.n_experts or 1 <= self.top_k <= self.n_experts),
-                f"--n_experts {self.n_experts} --top_k {self.top_k}: need n_experts >= 0, 1 <= top_k <= n_experts")  # fmt: skip
-        require(min(self.capacity_factor, self.aux_loss_coef, self.bias_update_rate) >= 0,
-                "--capacity_factor, --aux_loss_coef, --bias_update_rate must be >= 0")  # fmt: skip
-        # bounded: from --n_experts up no expert can be over capacity (c x tokens x k / E >= every token), and a
-        # loss weight or a bias step above 1 is a typo (Switch: 0.01; DeepSeek-V3: 0.001); 1e308 overflowed
-        require(self.capacity_factor <= max(self.n_experts, 1),
-                f"--capacity_factor {self.capacity_factor:g}: at most --n_experts ({max(self.n_experts, 1)}), from which "
-                "no token is ever dropped; 0 is dropless")  # fmt: skip
-        require(max(self.aux_loss_coef, self.bias_update_rate) <= 1,
-                f"--aux_loss_coef {self.aux_loss_coef:g}, --bias_update_rate {self.bias_update_rate:g}: each must be "
-                "<= 1")  # fmt: skip
         non_negative = min(self.warmup_steps, self.lr_decay_steps, self.grad_clip, self.weight_decay) >= 0
         require(0 <= self.min_lr_ratio <= 1 and non_negative, "--min_lr_ratio must be in [0, 1]; --warmup_steps, "
                 "--lr_decay_steps, --grad_clip, --weight_decay >= 0")  # fmt: skip
@@ -206,17 +156,9 @@ class Config(ResumableArgs, ParallelArgs, CheckArgs):
                                                                 "per_rank_batch_size"))  # fmt: skip
         require_trainable(self.model_config(), self.per_rank_batch_size, sizes)
 
-    def model_config(self, vocab_size: int = 0) -> GPTConfig:
-        """The model of these flags (the vocabulary the tokenizer really has, once it is trained)."""
-        return GPTConfig(vocab_size or self.vocab_size, self.block_size, self.n_layer, self.n_head, self.d_model,
-                         self.tie_weights, self.n_kv_head, self.d_ff, self.mlp, self.norm, self.positions, self.bias,
-                         n_experts=self.n_experts, top_k=self.top_k, router=self.router,
-                         capacity_factor=self.capacity_factor, aux_loss_coef=self.aux_loss_coef,
-                         bias_update_rate=self.bias_update_rate)  # fmt: skip
-
     def workload(self, vocab_size: int = 0) -> Workload:
         """What this run asks of its layout (the pieces' theory and refusals need nothing else of it)."""
-        return Workload(self.model_config(vocab_size), self.per_rank_batch_size, self.gradient_accumulation_steps,
+        return Workload(self.model_config(vocab_size=vocab_size), self.per_rank_batch_size, self.gradient_accumulation_steps,
                         self.mixed_precision)  # fmt: skip
 
     def layout(self) -> Layout:

@@ -36,7 +36,7 @@ from common.comm_counter import bus_factor
 from common.config import require
 from common.gpt import GPTConfig, parameter_count
 from strategies.layout import DIMS, Layout, Workload
-from strategies.theory import gathered_bytes, held_bytes, held_pieces, sent_traffic, theory_of
+from strategies.theory import gathered_bytes, held_bytes, stage_theories, theory_of
 
 PROFILES = Path(__file__).with_name("hardware.yaml")
 # reads and writes of the activation per token, per block, in units of d (the rest of the block's ops): two
@@ -234,7 +234,7 @@ def memory_estimate(reference, layout: Layout, args, work: Workload, rank: int) 
 def link_of(layout: Layout, dims: tuple[str, ...], hw: Hardware) -> Link:
     """The link a group over `dims` crosses: intra-node when its ranks (tp fastest) fit in one node."""
     inner = [d for d in DIMS if DIMS.index(d) > max(DIMS.index(x) for x in dims)]
-    span = math.prod(getattr(layout, d) for d in inner) * layout.size(dims)
+    span = math.prod(getattr(layout, d) for d in (*inner, *dims))
     return hw.intra_node if span <= hw.gpus_per_node else hw.inter_node
 
 
@@ -253,7 +253,7 @@ DIMENSION_GROUP = {"tp": ("tp",), "cp": ("cp",), "pp": ("pp",), "dp_replicate": 
 
 
 def traffic_seconds(traffic, layout: Layout, hw: Hardware, calls: dict | None = None) -> dict:
-    """Seconds per dimension of one step's traffic (theory.sent_traffic's list); `calls` per kind (counted, if
+    """Seconds per dimension of one step's traffic (a Theory's `traffic`); `calls` per kind (counted, if
     known) spread over the dimensions in proportion to their bytes, else one message per kind and dimension."""
     by_kind = {}
     for t in traffic:
@@ -279,25 +279,22 @@ def predict_step(
     """The predicted seconds of one optimizer step, term by term (the module docstring), for the undistributed
     GPT `reference` (its shapes; a meta-device model will do) under `layout`."""
 
+    per_stage = stage_theories(reference, layout, args, work)  # each pipeline stage's first rank, by theory
     m = args.pp_microbatches if layout.pp > 1 else work.micro_batches
     rows = work.rows // m if layout.pp > 1 else work.rows
     tokens = rows * work.model.block_size // layout.cp
     block = block_forward_seconds(work, layout, args, hw, tokens)
     recompute = 1 if args.activation_checkpointing == "full" else 0
+    shard = math.prod(getattr(layout, d) for d in layout.shard_dims)
     stages = []
-    for pp_rank in range(layout.pp):
-        rank = layout.rank_at(pp=pp_rank)
-        holding = theory_of(reference, layout, rank, args, work)
-        forward = holding.blocks * block + ends_forward_seconds(work, layout, hw, tokens, holding.first,
-                                                                     holding.last)  # fmt: skip
-        traffic = sent_traffic(reference, layout, rank, args, work)
-        comm = traffic_seconds(traffic, layout, hw, calls)
+    for t in per_stage:
+        forward = t.blocks * block + ends_forward_seconds(work, layout, hw, tokens, t.first, t.last)
+        comm = traffic_seconds(t.traffic, layout, hw, calls)
         per_microbatch = {"compute": forward * (3 + recompute),
                           **{dim: comm.get(dim, 0.0) / m for dim in ("tp", "cp", "pp")}}  # fmt: skip
         data_parallel = sum(s for dim, s in comm.items() if dim not in ("tp", "cp", "pp"))
-        held = sum(math.prod(shape) for _, shape in held_pieces(reference, layout, rank, args, work))
-        shard = layout.size(layout.shard_dims) if layout.shard_dims else 1
-        stages.append((sum(per_microbatch.values()), per_microbatch, data_parallel, held / shard, rank))
+        held = sum(math.prod(shape) for _, shape in t.held)
+        stages.append((sum(per_microbatch.values()), per_microbatch, data_parallel, held / shard, t.rank))
     slowest = max(stages, key=lambda s: s[0])
     per_microbatch_s, terms, data_parallel_s, held_parameters, rank = slowest
     pipeline_s = (m + layout.pp - 1) * per_microbatch_s

@@ -36,8 +36,8 @@ from common.gpt import GPT, GPTConfig, adamw, lm_loss
 from common.moe import moe_layers
 from planning.cost_model import activation_bytes, memory_estimate
 from strategies import pp
-from strategies.job import Instruments, local_bytes, unique_tensors
-from strategies.layout import DIMS, Layout, Workload, chunk_rows
+from strategies.job import Instruments, local_bytes
+from strategies.layout import DIMS, Layout, Workload, chunk_rows, unique_tensors
 from strategies.parallelize import parallelize, quiet
 from strategies.theory import gathered_bytes, held_bytes, sent_bytes, theory_of
 

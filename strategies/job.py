@@ -14,7 +14,7 @@ from common.checkpoint import ShardedCheckpointer
 from common.data import IGNORED_TARGET
 from common.gpt import lm_loss
 from common.optim import clip_by_global_norm
-from strategies.layout import DIMS
+from strategies.layout import DIMS, unique_tensors
 from strategies.piece import Context, Theory
 
 
@@ -194,10 +194,6 @@ class Job:
         for piece in self.pieces:
             inputs.update(piece.theory_inputs(self))
         return inputs
-
-
-def unique_tensors(parameters) -> list:
-    return list({id(p): p for p in parameters}.values())
 
 
 def local_bytes(tensor) -> int:

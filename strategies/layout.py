@@ -146,6 +146,11 @@ def unique_parameters(model: torch.nn.Module) -> list[tuple[str, torch.nn.Parame
     return list({id(p): (name, p) for name, p in model.named_parameters()}.values())
 
 
+def unique_tensors(tensors) -> list:
+    """Each tensor once (a tied weight is one parameter under two names)."""
+    return list({id(t): t for t in tensors}.values())
+
+
 @dataclass(frozen=True)
 class Workload:
     """What a run asks of its layout, all the pieces' theory needs besides their own flags: the model's shape

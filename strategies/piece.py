@@ -162,7 +162,9 @@ class Theory:
         """Blocks whose forward runs again in backward (their collectives sent again)."""
         return sum(piece.recomputed_blocks(self) for piece in self.plan.on)
 
+    @cached_property
     def traffic(self) -> list[Traffic]:
+        """Every piece's collectives of one step for this rank."""
         return [t for piece in self.plan.on for t in piece.sent(self)]
 
     def held_bytes(self) -> dict:
@@ -186,7 +188,7 @@ class Theory:
     def sent_bytes(self) -> dict:
         """One step's bytes by kind (what common/comm_counter.py counts: each call's whole tensor) and by the
         dimension that sends them, and what the rank puts on the wire."""
-        return summed(self.traffic())
+        return summed(self.traffic)
 
 
 def summed(traffic: list[Traffic]) -> dict:

@@ -41,7 +41,7 @@ from torch import nn
 
 from common.config import flag, require
 from common.gpt import GPT, lm_loss
-from strategies.layout import Layout, Mistake, Traffic, Workload
+from strategies.layout import Layout, Mistake, Traffic, Workload, unique_tensors
 from strategies.piece import Context, Piece, Plan, Theory
 
 MISTAKES = {  # each: what it is, and the runs under which it is one
@@ -225,7 +225,7 @@ class Pipeline:
 
     def after_backward(self) -> None:
         """The summed micro-batch gradients divided by m; the tied embedding's summed between the ends."""
-        grads = [p.grad for p in unique(self.model.parameters()) if p.grad is not None]
+        grads = [p.grad for p in unique_tensors(self.model.parameters()) if p.grad is not None]
         if not self.unscaled:
             torch._foreach_div_([local(g) for g in grads], self.microbatches)
         if not self.tied:
@@ -294,10 +294,6 @@ class Pipeline:
 
 
 STEADY_FROM = 3  # the bubble leaves out the first two steps (one-time work: shapes, buffers, warm-up)
-
-
-def unique(parameters) -> list:
-    return list({id(p): p for p in parameters}.values())
 
 
 def local(tensor: torch.Tensor) -> torch.Tensor:

@@ -36,9 +36,15 @@ def gathered_bytes(model, layout: Layout, rank: int, args, work: Workload) -> in
 def sent_traffic(model, layout: Layout, rank: int, args, work: Workload, routing: list = ()) -> list:
     """Rank `rank`'s collectives of one step's forwards and backwards, each piece's (strategies.layout.Traffic).
     `routing`: what its MoE blocks sent and received in the step (ep's all-to-alls depend on it)."""
-    return theory_of(model, layout, rank, args, work, {"routing": list(routing)}).traffic()
+    return theory_of(model, layout, rank, args, work, {"routing": list(routing)}).traffic
 
 
 def sent_bytes(model, layout: Layout, rank: int, args, work: Workload, routing: list = ()) -> dict:
     """Rank `rank`'s bytes of one step by kind and by dimension, and on the wire (Theory.sent_bytes)."""
     return theory_of(model, layout, rank, args, work, {"routing": list(routing)}).sent_bytes()
+
+
+def stage_theories(model, layout: Layout, args, work: Workload) -> list[Theory]:
+    """The theory of each pipeline stage's first rank (every rank, when there is no pipeline), what it holds and
+    sends composed: what planning/cost_model.py prices."""
+    return [theory_of(model, layout, layout.rank_at(pp=stage), args, work) for stage in range(layout.pp)]

@@ -23,7 +23,7 @@ from planning.cost_model import (
     predict_step,
 )
 from planning.fake_ranks import ranks_that_differ, schedule_order
-from planning.published import MODELS, PUBLISHED_RUNS
+from planning.published import MODELS, PUBLISHED_RUNS, model_named
 from strategies.layout import Layout, Workload
 
 TINY = ("--report_to none --model custom --n_layer 4 --d_model 64 --n_head 4 --vocab_size 512 "
@@ -118,7 +118,8 @@ def test_the_memory_check_catches_a_layout_that_holds_what_its_theory_does_not(t
             "--ep 2: expert parallelism splits experts; the model has none",
         ),
         (["--world_size", "8", "--dp_shard", "8", "--ranks", "8"], "--ranks: 8 is not a rank of 8"),
-        (["--model", "custom", "--n_layer", "2"], "--model custom needs --vocab_size > 0"),
+        (["--model", "custom", "--n_layer", "0"], "--n_layer must be > 0, got 0"),
+        (["--model", "llama3_8b", "--n_head", "5"], "--n_head 5 must divide --d_model 4096"),
     ],
 )
 def test_bad_input_is_one_line(tmp_path, args, message, capsys):
@@ -231,3 +232,19 @@ def test_the_activation_estimate_counts_the_keys_and_values_context_parallelism_
     assert finished.returncode == 0, finished.stderr[-2000:]
     rank = json.loads((tmp_path / "run" / "summary.json").read_text())["metrics"]["ranks"][0]
     assert rank["activations_estimate"] == pytest.approx(rank["activations_per_microbatch"], rel=0.01)
+
+
+def test_the_model_flags_are_train_gpts_and_change_a_published_shape_only_where_given():
+    from common.config import parse_config
+    from common.gpt import ModelFlags
+    from experiments import train_gpt
+
+    assert issubclass(Config, ModelFlags) and issubclass(train_gpt.Config, ModelFlags)  # one set of flags
+    llama = model_named("llama3_8b").shape
+    cfg = parse_config(Config, ["--model", "llama3_8b", "--n_layer", "2", "--world_size", "8", "--tp", "8"])
+    assert (cfg.n_layer, cfg.d_model, cfg.n_kv_head, cfg.mlp, cfg.vocab_size) == (
+        2, llama.d_model, llama.n_kv_head, llama.mlp, llama.vocab_size,
+    )  # fmt: skip
+    assert (
+        cfg.workload().model.rope_theta == llama.rope_theta
+    )  # what no flag holds stays the published shape's
