@@ -30,48 +30,32 @@ TINY = ("--report_to none --model custom --n_layer 4 --d_model 64 --n_head 4 --v
         "--block_size 64").split()  # fmt: skip
 
 
-def test_a_3d_layout_runs_its_ranks_that_differ_and_every_byte_matches_the_theory(tmp_path, capsys):
-    args = [
-        *TINY,
-        "--world_size",
-        "8",
-        "--pp",
-        "2",
-        "--dp_shard",
-        "2",
-        "--tp",
-        "2",
-        "--per_rank_batch_size",
-        "4",
-    ]
-    finished = run_in_process(main, args, tmp_path / "run", capsys)
-    assert finished.returncode == 0, finished.stderr[-2000:]
-    summary = json.loads((tmp_path / "run" / "summary.json").read_text())
-    assert summary["passed"] and summary["checks"]["memory_per_rank"]["passed"]
-    assert summary["checks"]["communication_volume"]["passed"]
-    ranks = {r["rank"]: r for r in summary["metrics"]["ranks"]}
-    assert list(ranks) == [0, 4]  # the first rank of each stage; the world's last (7) holds what rank 4 holds
-    # 1F1B with 4 micro-batches on 2 stages: stage 0 has 2 forwards in flight before its first backward, stage 1 one
-    assert ranks[0]["in_flight"] == 2 and ranks[4]["in_flight"] == 1
-    assert ranks[0]["activations_peak"] == 2 * ranks[0]["activations_per_microbatch"]
-    # each held and sent what its theory says (the checks), and something of every kind it should
-    for r in ranks.values():
-        assert r["held"] == r["theory"] and r["held"]["params"] > 0
-        assert set(r["counted"]["bytes"]) == {"all_gather", "reduce_scatter", "all_reduce"}
-    assert "PREDICTED on h100_sxm (bf16)" in finished.stdout
-
-
 @pytest.mark.launch
 def test_a_thousand_ranks_on_a_laptop(tmp_path, capsys):
-    args = [*TINY, "--world_size", "1024", "--pp", "4", "--dp_shard", "32", "--tp", "8", "--n_head", "8"]
+    args = [*TINY, "--world_size", "1024", "--pp", "4", "--dp_shard", "32", "--tp", "8", "--n_head", "8",
+            "--pp_microbatches", "4"]  # fmt: skip
     finished = run_in_process(main, args, tmp_path / "run", capsys)
     assert finished.returncode == 0, finished.stderr[-2000:]
     summary = json.loads((tmp_path / "run" / "summary.json").read_text())
     assert summary["passed"] and summary["metrics"]["layout"] == {"pp": 4, "dp_replicate": 1, "dp_shard": 32,
                                                                   "ep": 1, "cp": 1, "tp": 8}  # fmt: skip
     # a rank holds its 1/32 shard of its stage's tp pieces, and while the micro-batches run the gathered bf16 copy
-    first = summary["metrics"]["ranks"][0]
+    ranks = summary["metrics"]["ranks"]
+    first = ranks[0]
     assert first["held"]["params_gathered"] > 10 * first["held"]["params"] > 0
+    # the ranks that differ: the first stage, one middle stage (the other holds the same), the last stage's first
+    # rank and the world's last
+    assert [r["rank"] for r in ranks] == [0, 256, 768, 1023]
+    m = 4
+    for r in ranks:
+        stage = r["rank"] // 256
+        # 1F1B: stage s has min(p - s, m) forwards in flight before its first backward, and keeps that many
+        assert r["in_flight"] == min(4 - stage, m)
+        assert r["activations_peak"] == r["in_flight"] * r["activations_per_microbatch"]
+        # each held what its theory says (the check), and sent something of every kind it should
+        assert r["held"] == r["theory"] and r["held"]["params"] > 0
+        assert {"all_gather", "reduce_scatter", "all_reduce"} <= set(r["counted"]["bytes"])
+    assert "PREDICTED on h100_sxm (bf16)" in finished.stdout
 
 
 @pytest.mark.launch
@@ -222,10 +206,11 @@ def test_the_activation_estimate_is_exact_for_gpt2_in_float32():
     assert estimate == 4 * block
 
 
-@pytest.mark.parametrize("cp", [2, 4])
-def test_the_activation_estimate_counts_the_keys_and_values_context_parallelism_gathers(tmp_path, capsys, cp):
+def test_the_activation_estimate_counts_the_keys_and_values_context_parallelism_gathers(tmp_path, capsys):
     """Under cp each block keeps the whole sequence's K and V it gathered (the estimate had no term for them: -27 %
-    at cp 8 on Llama 3 405B); measured on the fake ranks, the estimate is now within 1 % (0.998 here)."""
+    at cp 8 on Llama 3 405B); measured on the fake ranks, the estimate is now within 1 % (0.998 here). cp 4 only:
+    its gathered K and V are 4x a chunk's, so a missing term is far outside the tolerance (cp 2 costs 4 s more)."""
+    cp = 4
     args = [*TINY, "--n_layer", "2", "--world_size", str(2 * cp), "--cp", str(cp), "--dp_shard", "2",
             "--per_rank_batch_size", "2", "--mixed_precision", "no"]  # fmt: skip
     finished = run_in_process(main, args, tmp_path / "run", capsys)
