@@ -39,6 +39,9 @@ def test_a_thousand_ranks_on_a_laptop(tmp_path, capsys):
     summary = json.loads((tmp_path / "run" / "summary.json").read_text())
     assert summary["passed"] and summary["metrics"]["layout"] == {"pp": 4, "dp_replicate": 1, "dp_shard": 32,
                                                                   "ep": 1, "cp": 1, "tp": 8}  # fmt: skip
+    assert (
+        summary["checks"]["memory_per_rank"]["passed"] and summary["checks"]["communication_volume"]["passed"]
+    )
     # a rank holds its 1/32 shard of its stage's tp pieces, and while the micro-batches run the gathered bf16 copy
     ranks = summary["metrics"]["ranks"]
     first = ranks[0]
@@ -46,15 +49,16 @@ def test_a_thousand_ranks_on_a_laptop(tmp_path, capsys):
     # the ranks that differ: the first stage, one middle stage (the other holds the same), the last stage's first
     # rank and the world's last
     assert [r["rank"] for r in ranks] == [0, 256, 768, 1023]
-    m = 4
+    stages, microbatches = 4, 4
     for r in ranks:
         stage = r["rank"] // 256
         # 1F1B: stage s has min(p - s, m) forwards in flight before its first backward, and keeps that many
-        assert r["in_flight"] == min(4 - stage, m)
+        assert r["in_flight"] == min(stages - stage, microbatches)
         assert r["activations_peak"] == r["in_flight"] * r["activations_per_microbatch"]
-        # each held what its theory says (the check), and sent something of every kind it should
+        # each held and sent what its theory says (the checks), and something of every kind it should (the
+        # pipeline's sends are by theory: the fake process group counts no point-to-point)
         assert r["held"] == r["theory"] and r["held"]["params"] > 0
-        assert {"all_gather", "reduce_scatter", "all_reduce"} <= set(r["counted"]["bytes"])
+        assert set(r["counted"]["bytes"]) == {"all_gather", "reduce_scatter", "all_reduce"}
     assert "PREDICTED on h100_sxm (bf16)" in finished.stdout
 
 
