@@ -1,0 +1,169 @@
+"""experiments/fault_tolerance.py for real: torchft's lighthouse, replica groups as processes, groups SIGKILLed and
+replaced while the others go on. A run with failures passes every check (parameters equal one process to the bit,
+every sample once, every failure survived, no survivor restarted); each check fails on the mistake it exists for;
+DiLoCo reports its bytes against DDP's; bad input is one line; no process outlives the run."""
+
+from __future__ import annotations
+
+import json
+import socket
+
+import psutil
+import pytest
+import torch
+
+from common.gpt import GPTConfig, build_gpt
+from experiments.fault_tolerance import Config, accumulate, main, micro_batches_of
+from helpers import run_in_process, run_main_in_process
+
+# a 40-step run of a 32-wide GPT; survivors wait 2 s (not 5) for a peer that died inside their quorum
+TINY = ["--report_to", "none", "--max_steps", "40", "--global_batch_size", "6", "--micro_batch_size", "1",
+        "--d_model", "32", "--step_timeout_s", "2", "--rejoin_timeout_s", "40"]  # fmt: skip
+
+
+def children() -> list:
+    return [p for p in psutil.Process().children(recursive=True) if "spawn" in " ".join(p.cmdline())]
+
+
+def test_the_groups_share_the_micro_batches_whole_however_many_are_alive():
+    for micro_batches in (4, 6, 7):
+        for groups in range(1, micro_batches + 1):
+            shares = [list(micro_batches_of(micro_batches, groups, rank)) for rank in range(groups)]
+            assert sum(shares, []) == list(range(micro_batches))  # every micro-batch once, in order
+            assert all(shares), (micro_batches, groups)  # and every live group has one
+
+
+def test_the_float64_sum_of_micro_batch_gradients_does_not_depend_on_who_computed_which():
+    """The premise of matches_one_process: 3 groups' sums, or 2 groups', added in any order, are the one-process
+    sum to the bit once rounded to float32 (a float32 accumulation would not be)."""
+    cfg = Config(global_batch_size=6, micro_batch_size=1, d_model=32, block_size=16)
+    model = build_gpt(GPTConfig(64, 16, 2, 2, 32), 0)
+    parameters = list(model.parameters())
+    for p in parameters:
+        p.grad = torch.zeros_like(p)
+    generator = torch.Generator().manual_seed(0)
+    x, y = (
+        torch.randint(0, 64, (6, 16), generator=generator),
+        torch.randint(0, 64, (6, 16), generator=generator),
+    )
+    whole = accumulate(model, parameters, x, y, range(6), cfg)[0].float()
+    for groups in (2, 3, 6):
+        shares = [
+            accumulate(model, parameters, x, y, micro_batches_of(6, groups, r), cfg)[0] for r in range(groups)
+        ]
+        assert torch.equal(sum(reversed(shares)).float(), whole), groups
+    in_float32 = sum(
+        accumulate(model, parameters, x, y, range(m, m + 1), cfg)[0].float() for m in (5, 4, 3, 2, 1, 0)
+    )
+    assert not torch.equal(in_float32, whole)  # the order matters in float32: why the sums are float64
+
+
+@pytest.mark.launch
+def test_two_failures_change_the_time_not_the_result_with_fsdp_inside_each_group(tmp_path, capsys):
+    """Fault-tolerant HSDP: 2 replica groups of 2 FSDP ranks; one group killed, then its replacement killed while
+    it heals; every check passes, the parameters equal one process's to the bit. (Plain replicas, --dp_shard 1,
+    pass every check but the one their mistake fails in test_each_mistake_fails_its_check.)"""
+    args = [*TINY, "--replica_groups", "2", "--dp_shard", "2", "--failures", "2"]
+    finished = run_in_process(main, args, tmp_path / "run", capsys)
+    assert finished.returncode == 0, finished.stdout[-3000:] + finished.stderr[-3000:]
+    checks = finished.summary["checks"]
+    assert all(
+        checks[name]["passed"] for name in ("matches_one_process", "every_sample_once", "failures_survived")
+    ), checks
+    metrics = finished.summary["metrics"]
+    assert (
+        metrics["failures_injected"] == metrics["failures_survived"] == 2
+        and metrics["survivor_restarts"] == 0
+    )
+    assert "= 0.00e+00" in checks["matches_one_process"]["detail"]  # to the bit, two failures or none
+    assert metrics["committed_steps"] == metrics["full_steps"] + metrics["degraded_steps"] == 40
+    assert metrics["allreduce_bytes_match_theory"]
+    assert all(seconds is not None for seconds in metrics["recover_s"])
+    events = [
+        json.loads(line)
+        for path in (tmp_path / "run" / "events").iterdir()
+        for line in path.read_text().splitlines()
+    ]
+    replacements = {p["pid"] for p in metrics["processes"] if p["why"] != "initial"}
+    healed = {
+        (e["pid"], e["rank"])
+        for e in events
+        if e["event"] == "healed" and e["group"] == metrics["kills"][0]["group"]
+    }
+    assert {rank for _, rank in healed} == {0, 1}  # each FSDP rank took its own shard from its peer rank
+    assert any(e["event"] == "healed" and e["pid"] in replacements for e in events)  # state from a peer
+    assert (tmp_path / "run" / "timeline.png").read_bytes()[:4] == b"\x89PNG"
+    assert children() == []
+
+
+@pytest.mark.launch
+@pytest.mark.parametrize(
+    ("variant", "failing"),
+    [
+        ("advance_past_failed_steps", {"every_sample_once", "matches_one_process"}),
+        ("average_over_groups", {"matches_one_process"}),
+        ("replacement_never_starts", {"failures_survived"}),
+    ],
+)
+def test_each_mistake_fails_its_check(tmp_path, capsys, variant, failing):
+    args = [
+        *TINY,
+        "--replica_groups",
+        "2",
+        "--failures",
+        "1",
+        "--wrong_variant",
+        variant,
+        "--rejoin_timeout_s",
+        "15",
+    ]
+    finished = run_in_process(main, args, tmp_path / "run", capsys)
+    assert finished.returncode == 1, finished.stdout[-3000:] + finished.stderr[-3000:]
+    checks = finished.summary["checks"]
+    assert {name for name, check in checks.items() if check["passed"] is False} == failing, checks
+    assert children() == []
+
+
+@pytest.mark.launch
+def test_diloco_sends_a_fraction_of_ddps_bytes_and_survives_a_failure(tmp_path, capsys):
+    args = [*TINY, "--algorithm", "diloco", "--sync_every", "4", "--replica_groups", "2", "--failures", "1"]
+    finished = run_in_process(main, args, tmp_path / "run", capsys)
+    assert finished.returncode == 0, finished.stdout[-3000:] + finished.stderr[-3000:]
+    checks, metrics = finished.summary["checks"], finished.summary["metrics"]
+    assert checks["matches_one_process"]["skipped"] and checks["failures_survived"]["passed"]
+    assert 0 < metrics["bytes_vs_ddp"] < 0.5  # a sync every 4 steps (and a redone one) against one every step
+    assert metrics["val_loss"] > 0 and metrics["val_loss_ddp"] > 0
+    assert children() == []
+
+
+def test_bad_input_is_one_line(tmp_path, capsys):
+    with socket.socket(socket.AF_INET6) as taken:
+        taken.bind(("::", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        cases = [
+            (["--replica_groups", "0"], "--replica_groups must be > 0"),
+            (["--failures", "30"], "--failures 30: at most 10 in 40 steps"),
+            (["--replica_groups", "1", "--failures", "1"], "a failure needs a healthy group to recover from"),
+            (
+                ["--replica_groups", "7"],
+                "--replica_groups 7: at most 6, the units a global batch splits into",
+            ),
+            (["--micro_batch_size", "4"], "--global_batch_size 6 must be a multiple of --micro_batch_size 4"),
+            (["--dp_shard", "4"], "--dp_shard 4 must divide the 6 micro-batches"),
+            (
+                ["--algorithm", "diloco", "--dp_shard", "2", "--failures", "0"],
+                "DiLoCo runs plain replicas here",
+            ),
+            (["--step_timeout_s", "1e308"], "--step_timeout_s must be <= 604800"),
+            (["--wrong_variant", "nope"], "--wrong_variant 'nope': known:"),
+            (
+                ["--lighthouse_port", str(port)],
+                f"--lighthouse_port {port}: the lighthouse cannot listen there",
+            ),
+        ]
+        for args, message in cases:
+            output_dir = tmp_path / "r"
+            code, stderr = run_main_in_process(main, ["--output_dir", str(output_dir), *TINY, *args], capsys)
+            assert code == 2 and message in stderr and stderr.strip().count("\n") == 0, (args, stderr)
+            assert not output_dir.exists(), args  # refused before anything was written
