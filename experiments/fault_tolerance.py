@@ -83,11 +83,12 @@ from common.text import load_corpus
 
 EXPERIMENT = "fault_tolerance"
 WRONG_VARIANTS = {
-    "advance_past_failed_steps": "torchft's own loop: a step a failure interrupted is not redone, the data moves "
-    "on with every attempt (its batch is never trained)",
+    "own_data_position": "torchft's own loop: each group reads its own data, a batch per attempt, whatever was "
+    "committed: a failed step's batch is skipped, and a replacement reads from the first batch",
     "average_over_groups": "torchft's default all-reduce (AVG) of gradients whose losses are already divided by the "
     "whole batch: every step's gradient divided by the number of live groups",
-    "replacement_never_starts": "the injector kills a group and hands its place to no one",
+    "replacement_hangs": "a replacement takes its place and hangs before its first quorum: the group never comes "
+    "back; after --rejoin_timeout_s it is given up on, named, and the survivors carry on",
 }
 
 
@@ -280,6 +281,8 @@ def replica_group(spare: int, rank: int, cfg: Config, lighthouse: str, run_dir: 
                       store_addr="127.0.0.1", store_port=store.port, rank=rank, world_size=cfg.dp_shard,
                       lighthouse_addr=lighthouse, replica_id=f"group{group}", quorum_retries=1_000_000)  # fmt: skip
     say("started", replacement=spare >= cfg.replica_groups)
+    while cfg.wrong_variant == "replacement_hangs" and spare >= cfg.replica_groups:
+        time.sleep(1)  # the mistake: alive, silent, never in a quorum
     try:
         if cfg.algorithm == "diloco":
             train_diloco(cfg, manager, model, optimizer, corpus, say, group)
@@ -368,6 +371,7 @@ def train_ddp(
     import torch.distributed as dist
 
     rank, R = dist.get_rank() if dist.is_initialized() else 0, cfg.dp_shard
+    # attempts: the steps this process has tried (the data position of the own_data_position mistake)
     attempts, waited, units = 0, 0, cfg.global_batch_size // cfg.micro_batch_size // R
     while manager.current_step() < cfg.max_steps:
         before = manager.current_step()
@@ -383,7 +387,8 @@ def train_ddp(
             time.sleep(0.1)
             continue
         replacement = False
-        batch = step + attempts if cfg.wrong_variant == "advance_past_failed_steps" else step
+        batch = attempts if cfg.wrong_variant == "own_data_position" else step
+        attempts += 1
         groups, group_rank = manager.num_participants(), manager.participating_rank()
         shares = micro_batches_of(units, groups, group_rank) if group_rank is not None else range(0)
         micro = [unit * R + rank for unit in shares]
@@ -407,10 +412,8 @@ def train_ddp(
             count, position_sum, position_squares, loss = tally.tolist()
             say("commit", step=step, batch=batch, groups=groups, rank_of_group=group_rank, count=count,
                 position_sum=position_sum, position_squares=position_squares, loss=loss)  # fmt: skip
-            attempts = 0
         else:
             say("redo", step=step)
-            attempts += 1
         optimizer.zero_grad(set_to_none=False)
 
 
@@ -491,6 +494,7 @@ class Injector:
         ] = []  # every spare given a group's place: group, pid (of rank 0), pids, t, why
         self.kills: list[dict] = []
         self.given_up: list[dict] = []
+        self.grace_until = 0.0  # no group is given up on before this (the others' time after one was)
 
     def start_spare(self) -> None:
         spare = len(self.spares)
@@ -524,17 +528,23 @@ class Injector:
         )
 
     def watch(self) -> list[dict]:
-        """Give up on a group with no progress for --rejoin_timeout_s (named; the others carry on); fail the run
-        when no group has committed a step for that long. Returns the events so far."""
+        """Give up on the group with no progress for longest, past --rejoin_timeout_s (named; the others carry on),
+        then give the others that long again: a live replica that never joins a quorum stalls everyone's (torchft's
+        lighthouse waits for half of the heartbeating replicas). Fail the run when no group has committed a step
+        for that long. Returns the events so far."""
         events, now = read_events(self.run_dir), time.time()
-        for group, processes in self.current.items():
-            stuck = now - self.last_progress(events, processes.pid)
-            if processes.is_alive() and stuck > self.cfg.rejoin_timeout_s:
-                processes.kill()  # a group that never comes back: named, the survivors carry on
-                self.given_up.append({"group": group, "pid": processes.pid, "no_progress_s": round(stuck, 1),
-                                      "pids": [p.pid for p in processes.processes]})  # fmt: skip
+        stuck = {g: now - self.last_progress(events, p.pid) for g, p in self.current.items() if p.is_alive()}
+        stuck = {g: seconds for g, seconds in stuck.items() if seconds > self.cfg.rejoin_timeout_s}
+        # of those, the one silent longest: a blocked survivor still says each failed quorum, a hung one nothing
+        silent = {g: now - max(e["t"] for e in events if e["pid"] == self.current[g].pid) for g in stuck}
+        worst = max(silent, key=silent.get, default=None)
+        if worst is not None and now > self.grace_until:
+            self.current[worst].kill()  # a group that never comes back: named, the survivors carry on
+            self.given_up.append({"group": worst, "pid": self.current[worst].pid, "no_progress_s": round(stuck[worst], 1),
+                                  "pids": [p.pid for p in self.current[worst].processes]})  # fmt: skip
+            self.grace_until = now + self.cfg.rejoin_timeout_s
         commits = [e["t"] for e in events if e["event"] == "commit"] or [self.placed[0]["t"]]
-        if now - max(commits) > self.cfg.rejoin_timeout_s + self.cfg.step_timeout_s:
+        if now - max(*commits, self.grace_until - self.cfg.rejoin_timeout_s) > 2 * self.cfg.rejoin_timeout_s:
             raise TimeoutError(f"no group committed a step for {now - max(commits):.0f} s")
         return events
 
@@ -555,11 +565,10 @@ class Injector:
 
     def run(self, say) -> None:
         cfg, rng = self.cfg, random.Random(self.cfg.seed)
-        replace = cfg.wrong_variant != "replacement_never_starts"
         # the groups and a hot spare per failure, all started now: a replacement takes a place in a fraction of a
         # second (a cluster's hot spare) instead of a cold start's seconds, which at this model's ~25 ms a step
         # would outlast the run
-        for _ in range(cfg.replica_groups + cfg.failures * replace):
+        for _ in range(cfg.replica_groups + cfg.failures):
             self.start_spare()
         self.wait(
             lambda: all(self.is_ready(spare) for spare in range(cfg.replica_groups)),
@@ -572,7 +581,7 @@ class Injector:
         at = max(1, total // 20)
         for index in range(cfg.failures):
             recovering = None  # the group whose replacement is healing when this failure hits
-            if index % 2 == 1 and replace:  # the previous failure's replacement has its place, not yet healed
+            if index % 2 == 1:  # the previous failure's replacement has its place, not yet healed
                 recovering = self.kills[-1]["group"]
                 self.wait(
                     lambda r=self.current[recovering].pid: self.has(r, "started"), "a replacement's start"
@@ -597,8 +606,7 @@ class Injector:
                                "t": time.time(), "step": self.progress(), "during_recovery": healing})  # fmt: skip
             say(f"step {self.progress()}: killed group {group} (pid {processes.pid})"
                 + (f" while group {recovering} was still recovering" if healing else ""))  # fmt: skip
-            if replace:
-                self.place(group, f"replaces group {group} (failure {index + 1})")
+            self.place(group, f"replaces group {group} (failure {index + 1})")
         while any(p.is_alive() for p in self.current.values()):
             self.watch()
             time.sleep(0.1)

@@ -100,9 +100,9 @@ def test_two_failures_change_the_time_not_the_result_with_fsdp_inside_each_group
 @pytest.mark.parametrize(
     ("variant", "failing"),
     [
-        ("advance_past_failed_steps", {"every_sample_once", "matches_one_process"}),
+        ("own_data_position", {"every_sample_once", "matches_one_process"}),
         ("average_over_groups", {"matches_one_process"}),
-        ("replacement_never_starts", {"failures_survived"}),
+        ("replacement_hangs", {"failures_survived"}),
     ],
 )
 def test_each_mistake_fails_its_check(tmp_path, capsys, variant, failing):
@@ -115,12 +115,15 @@ def test_each_mistake_fails_its_check(tmp_path, capsys, variant, failing):
         "--wrong_variant",
         variant,
         "--rejoin_timeout_s",
-        "15",
+        "6" if variant == "replacement_hangs" else "15",  # how long the hung replacement is waited for
     ]
     finished = run_in_process(main, args, tmp_path / "run", capsys)
     assert finished.returncode == 1, finished.stdout[-3000:] + finished.stderr[-3000:]
     checks = finished.summary["checks"]
     assert {name for name, check in checks.items() if check["passed"] is False} == failing, checks
+    if variant == "replacement_hangs":  # named, and the survivor finished the run
+        assert "given up on: [{'group': " in checks["failures_survived"]["detail"]
+        assert finished.summary["metrics"]["committed_steps"] == 40
     assert children() == []
 
 
