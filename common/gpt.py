@@ -57,6 +57,7 @@ class GPTConfig:
     n_experts: int = 0  # experts per block (0: the dense MLP)
     top_k: int = 2  # experts each token goes to
     router: str = "softmax"  # softmax (Switch, Mixtral) or sigmoid (DeepSeek-V3) scores
+    route_norm: bool = False  # renormalise a token's top_k weights to sum to 1 (off: torchtitan's default)
     capacity_factor: float = 0.0  # 0: dropless; c > 0: an expert takes at most c x tokens x top_k / n_experts
     aux_loss_coef: float = 0.0  # the auxiliary load-balancing loss's weight (0: none)
     bias_update_rate: float = (
@@ -356,6 +357,9 @@ class ModelFlags:
     top_k: int = flag(2, "with --n_experts: experts each token goes to")
     router: str = flag("softmax", "with --n_experts: the router's scores, softmax (Switch, Mixtral) or sigmoid "
                        "(DeepSeek-V3)", choices=ROUTERS)  # fmt: skip
+    route_norm: bool = flag(False, "with --n_experts: renormalise each token's top_k weights to sum to 1 (Mixtral, "
+                            "DeepSeek-V3); off (torchtitan's default) the outputs are weighted by the raw scores, so "
+                            "at --top_k 1 the router still learns from the language-model loss (Switch)")  # fmt: skip
     capacity_factor: float = flag(0.0, "with --n_experts: 0 = dropless; c > 0: an expert takes at most c x tokens x "
                                   "top_k / n_experts of a forward's tokens, the rest dropped (reported)")  # fmt: skip
     aux_loss_coef: float = flag(0.0, "with --n_experts: the auxiliary load-balancing loss's weight (Switch: 0.01; 0: "

@@ -1,17 +1,21 @@
 """A mixture-of-experts MLP for common/gpt.py's blocks (GPTConfig.n_experts > 0), readable top to bottom.
 
 Each token's router scores every expert (softmax, or sigmoid as DeepSeek-V3); the token goes to its top_k
-experts, and their outputs come back weighted by its scores of them (renormalised over the k chosen, as
-Mixtral and DeepSeek-V3 do). Dropless by default: every expert takes every token sent to it. With
+experts, and their outputs come back weighted by its scores of them: the raw scores (torchtitan's default,
+Switch Transformer's top-1), or, with route_norm, renormalised over the k chosen (Mixtral, DeepSeek-V3). At
+top_k 1 a renormalised weight is exactly 1: the router would get no gradient from the language-model loss.
+Dropless by default: every expert takes every token sent to it. With
 capacity_factor c > 0 each expert takes at most ceil(c x tokens x k / experts) of one forward's tokens (the
 first in order), the rest dropped (their residual stream passes unchanged; the fraction reported).
 
 Load balancing, the field's two kinds:
 - the auxiliary loss (Switch Transformer, Megatron): aux_loss_coef x experts x sum_i f_i P_i, f_i the share of
-  the k x tokens assignments expert i got, P_i its mean router score. f_i counts the GLOBAL batch's tokens (every
-  data-parallel rank's), so that data parallelism's averaged gradient equals one process's; the term's
-  gradient is added to the router's in backward without changing the reported loss (Megatron's
-  MoEAuxLossAutoScaler): the GPT's loss stays the language-model loss;
+  the k x tokens assignments expert i was sent (before any capacity drops them, as Megatron counts), P_i its
+  mean router probability (a sigmoid router's scores normalised over the experts first). f_i counts the GLOBAL
+  batch's tokens (every data-parallel rank's), so that data parallelism's averaged gradient equals one
+  process's; the term's gradient is added to the router's in backward without changing the reported loss
+  (Megatron's MoEAuxLossAutoScaler), scaled like the language-model loss's under gradient accumulation
+  (`aux_loss_scale`, 1 / the accumulation steps): the GPT's loss stays the language-model loss;
 - auxiliary-loss-free balancing (DeepSeek-V3, torchtitan): a per-expert bias added to the scores only to choose
   the experts (not to weigh them), moved after each optimizer step by bias_update_rate x sign(mean load - load),
   from the step's global token counts.
@@ -33,18 +37,20 @@ ROUTERS = ("softmax", "sigmoid")
 
 
 class AttachAuxLoss(torch.autograd.Function):
-    """Returns `output` unchanged; in backward, also backpropagates `aux_loss` (gradient 1), so that the balancing
-    term trains the router without being part of the loss the run reports (Megatron's MoEAuxLossAutoScaler)."""
+    """Returns `output` unchanged; in backward, also backpropagates `aux_loss` (gradient `scale`: 1, or 1 / k
+    under k micro-batches of accumulation, as the language-model loss is divided), so that the balancing term
+    trains the router without being part of the loss the run reports (Megatron's MoEAuxLossAutoScaler)."""
 
     @staticmethod
-    def forward(ctx, output: torch.Tensor, aux_loss: torch.Tensor) -> torch.Tensor:
+    def forward(ctx, output: torch.Tensor, aux_loss: torch.Tensor, scale: float) -> torch.Tensor:
         ctx.save_for_backward(aux_loss)
+        ctx.scale = scale
         return output
 
     @staticmethod
     def backward(ctx, grad_output: torch.Tensor):
         (aux_loss,) = ctx.saved_tensors
-        return grad_output, torch.ones_like(aux_loss)
+        return grad_output, torch.full_like(aux_loss, ctx.scale), None
 
 
 def local(weight: torch.Tensor) -> torch.Tensor:
@@ -79,7 +85,12 @@ class MoE(nn.Module):
     def __init__(self, cfg):
         super().__init__()
         d, hidden, experts = cfg.d_model, cfg.hidden, cfg.n_experts
-        self.n_experts, self.top_k, self.router_kind = experts, cfg.top_k, cfg.router
+        self.n_experts, self.top_k, self.router_kind, self.route_norm = (
+            experts,
+            cfg.top_k,
+            cfg.router,
+            cfg.route_norm,
+        )
         self.capacity_factor, self.aux_loss_coef = cfg.capacity_factor, cfg.aux_loss_coef
         self.bias_update_rate = cfg.bias_update_rate
         self.router = nn.Linear(d, experts, bias=False)
@@ -95,6 +106,9 @@ class MoE(nn.Module):
         self.exchange = LocalExchange()
         self.global_counts = lambda counts: counts
         self.weigh_outputs = True  # False only for ep.py's wrong variant combine_without_router_weights
+        self.aux_loss_scale = (
+            1.0  # the aux loss's gradient: 1 / the accumulation steps (the training loop sets it)
+        )
         self.order = self.order_by_expert
 
     def route(self, flat: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -104,7 +118,7 @@ class MoE(nn.Module):
         # the bias only chooses (the weights are the scores themselves)
         chosen = (scores.detach() + self.expert_bias).topk(self.top_k, dim=-1).indices
         weights = scores.gather(1, chosen)
-        return chosen, weights / weights.sum(-1, keepdim=True), scores
+        return chosen, weights / weights.sum(-1, keepdim=True) if self.route_norm else weights, scores
 
     def keep_within_capacity(self, expert_ids: torch.Tensor, tokens: int) -> torch.Tensor:
         """Which of the flattened assignments each expert takes: all (dropless), or each expert's first
@@ -144,17 +158,18 @@ class MoE(nn.Module):
         )
         combined = torch.zeros_like(flat).index_add(0, token_of, weighted.to(flat.dtype))
         if self.aux_loss_coef > 0 and self.training and torch.is_grad_enabled():
-            combined = AttachAuxLoss.apply(
-                combined, self.aux_loss(torch.tensor(counts, device=x.device), scores)
-            )
+            sent = torch.bincount(expert_ids, minlength=self.n_experts)  # f_i before any capacity drops
+            combined = AttachAuxLoss.apply(combined, self.aux_loss(sent, scores), self.aux_loss_scale)
         return combined.view(batch, time, width)
 
     def aux_loss(self, counts: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
-        """coef x E x sum_i f_i P_i: f_i from every data-parallel rank's counts (no gradient), P_i over this rank's
-        tokens (averaged over the ranks by data parallelism's gradient average)."""
+        """coef x E x sum_i f_i P_i: f_i from every data-parallel rank's counts of assignments sent (no gradient),
+        P_i over this rank's tokens (averaged over the ranks by data parallelism's gradient average). P_i is a
+        probability: a sigmoid router's scores are normalised over the experts first (they need not sum to 1)."""
         global_counts = self.global_counts(counts.float())
         share = global_counts / global_counts.sum()
-        return self.aux_loss_coef * self.n_experts * (share * scores.mean(0)).sum()
+        probabilities = scores if self.router_kind == "softmax" else scores / scores.sum(-1, keepdim=True)
+        return self.aux_loss_coef * self.n_experts * (share * probabilities.mean(0)).sum()
 
 
 def moe_layers(model: nn.Module) -> list[MoE]:
