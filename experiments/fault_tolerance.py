@@ -485,7 +485,10 @@ class Injector:
 
     def __init__(self, cfg: Config, lighthouse: str, run_dir: str):
         self.cfg, self.lighthouse, self.run_dir = cfg, lighthouse, run_dir
-        self.context = multiprocessing.get_context("spawn")
+        # a fork server that has imported torch: each process starts in a fraction of a second, not the ~2 s of a
+        # fresh interpreter (torchft is imported in each process: its Rust runtime must not be forked)
+        self.context = multiprocessing.get_context("forkserver")
+        self.context.set_forkserver_preload(["torch", "torch.distributed", "common.gpt", "common.text"])
         self.spares: dict[int, Group] = {}  # spare number -> its processes (every one started)
         self.current: dict[int, Group] = {}  # group -> the processes in its place now
         self.free: list[int] = []  # spares started, no place yet
@@ -495,6 +498,7 @@ class Injector:
         self.kills: list[dict] = []
         self.given_up: list[dict] = []
         self.grace_until = 0.0  # no group is given up on before this (the others' time after one was)
+        self.started_pids: list[int] = []  # every process this run started, spares never placed included
 
     def start_spare(self) -> None:
         spare = len(self.spares)
@@ -502,6 +506,7 @@ class Injector:
                                     self.lighthouse, self.run_dir)) for rank in range(self.cfg.dp_shard)])  # fmt: skip
         for process in self.spares[spare].processes:
             process.start()
+            self.started_pids.append(process.pid)
         self.free.append(spare)
 
     def is_ready(self, spare: int) -> bool:
@@ -528,19 +533,26 @@ class Injector:
         )
 
     def watch(self) -> list[dict]:
-        """Give up on the group with no progress for longest, past --rejoin_timeout_s (named; the others carry on),
-        then give the others that long again: a live replica that never joins a quorum stalls everyone's (torchft's
+        """When a group has made no progress for --rejoin_timeout_s, give up on one (named; the others carry on)
+        and give the others that long again: a live replica that never joins a quorum stalls everyone's (torchft's
         lighthouse waits for half of the heartbeating replicas). Fail the run when no group has committed a step
-        for that long. Returns the events so far."""
+        for twice that long. Returns the events so far."""
         events, now = read_events(self.run_dir), time.time()
-        stuck = {g: now - self.last_progress(events, p.pid) for g, p in self.current.items() if p.is_alive()}
+        alive = {g: p for g, p in self.current.items() if p.is_alive()}
+        stuck = {g: now - self.last_progress(events, p.pid) for g, p in alive.items()}
         stuck = {g: seconds for g, seconds in stuck.items() if seconds > self.cfg.rejoin_timeout_s}
-        # of those, the one silent longest: a blocked survivor still says each failed quorum, a hung one nothing
-        silent = {g: now - max(e["t"] for e in events if e["pid"] == self.current[g].pid) for g in stuck}
-        worst = max(silent, key=silent.get, default=None)
+        # who to give up on: a replacement that never healed though it had time to (a survivor blocked by it has
+        # trained before; its clock may run out first), else the stuck group silent longest
+        placed = {p["pid"]: p["t"] for p in self.placed}
+        silent = {g: now - max((e["t"] for e in events if e["pid"] == p.pid), default=placed[p.pid])
+                  for g, p in alive.items()}  # fmt: skip
+        never = [g for g, p in alive.items() if now - placed[p.pid] > self.cfg.step_timeout_s
+                 and not any(e["pid"] == p.pid and e["event"] in ("healed", "commit") for e in events)]  # fmt: skip
+        worst = max(never or stuck, key=silent.get) if stuck else None
         if worst is not None and now > self.grace_until:
             self.current[worst].kill()  # a group that never comes back: named, the survivors carry on
-            self.given_up.append({"group": worst, "pid": self.current[worst].pid, "no_progress_s": round(stuck[worst], 1),
+            waited = now - self.last_progress(events, self.current[worst].pid)
+            self.given_up.append({"group": worst, "pid": self.current[worst].pid, "no_progress_s": round(waited, 1),
                                   "pids": [p.pid for p in self.current[worst].processes]})  # fmt: skip
             self.grace_until = now + self.cfg.rejoin_timeout_s
         commits = [e["t"] for e in events if e["event"] == "commit"] or [self.placed[0]["t"]]
@@ -753,6 +765,7 @@ def report(
                            survivor_restarts=len(injector.placed) - cfg.replica_groups - len(injector.kills),
                            steps_redone=sum(e["event"] == "redo" for e in events), recover_s=recover_s,
                            kills=injector.kills, processes=injector.placed, given_up=injector.given_up,
+                           started_pids=injector.started_pids,
                            seconds=round(seconds, 1), committed_steps=len(by_step))  # fmt: skip
     samples_per_commit = cfg.global_batch_size * (cfg.sync_every if cfg.algorithm == "diloco" else 1)
     session.metrics["samples_per_s"] = round(len(by_step) * samples_per_commit / seconds, 1)
