@@ -249,7 +249,9 @@ def test_expert_parallel_on_two_ranks_passes_every_check_and_counts_the_routing(
     routing = counted["routing"]
     width = 32 * (4 + 4)  # float32 there and back
     assert theory["by_kind"]["all_to_all"] == sum(
-        8 * 8 + (r["sent_rows"] + r["received_rows"]) * width for r in routing  # the 8 experts' counts, int64
+        # the 8 experts' counts (int64), then the rows there and back
+        8 * 8 + (r["sent_rows"] + r["received_rows"]) * width
+        for r in routing
     )
     assert sum(r["sent_rows"] for r in routing) == 2 * 4 * 32 * 1  # blocks x rows x tokens x top_k: dropless
     experts = 2 * 2 * 8 * 32 * 128  # blocks x (w_in, w_out) x experts x d x hidden: each rank holds half
