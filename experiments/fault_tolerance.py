@@ -21,7 +21,7 @@ does not depend on how many groups shared the step or who computed what. (Under 
 micro-batches, one per rank, is reduce-scattered in float64 and reaches each shard rounded once: the reference
 rounds each unit alike.) A step a failure interrupts is not committed and is redone with the same batch. So
 failures change the time, not the result: the final parameters equal one process that accumulates the same
-micro-batches (gradient accumulation), to the bit in every run here.
+micro-batches (gradient accumulation): 0.0 apart in every run here.
 
 Checks (each has a --wrong_variant that fails it; tests/test_fault_tolerance.py):
 - matches_one_process  every finished group's parameters after --max_steps equal one process on the same global
