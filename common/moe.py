@@ -85,12 +85,8 @@ class MoE(nn.Module):
     def __init__(self, cfg):
         super().__init__()
         d, hidden, experts = cfg.d_model, cfg.hidden, cfg.n_experts
-        self.n_experts, self.top_k, self.router_kind, self.route_norm = (
-            experts,
-            cfg.top_k,
-            cfg.router,
-            cfg.route_norm,
-        )
+        self.n_experts, self.top_k, self.router_kind = experts, cfg.top_k, cfg.router
+        self.route_norm = cfg.route_norm
         self.capacity_factor, self.aux_loss_coef = cfg.capacity_factor, cfg.aux_loss_coef
         self.bias_update_rate = cfg.bias_update_rate
         self.router = nn.Linear(d, experts, bias=False)
@@ -106,9 +102,8 @@ class MoE(nn.Module):
         self.exchange = LocalExchange()
         self.global_counts = lambda counts: counts
         self.weigh_outputs = True  # False only for ep.py's wrong variant combine_without_router_weights
-        self.aux_loss_scale = (
-            1.0  # the aux loss's gradient: 1 / the accumulation steps (the training loop sets it)
-        )
+        # the aux loss's gradient: 1 / the accumulation steps (the training loop sets it)
+        self.aux_loss_scale = 1.0
         self.order = self.order_by_expert
 
     def route(self, flat: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

@@ -77,7 +77,8 @@ from common.config import (
     run_cli,
 )
 from common.data import iterate_sample_stream
-from common.gpt import GPTConfig, adamw, build_gpt, lm_loss
+from common.gpt import GPTConfig, adamw, build_gpt, lm_loss, parameter_count
+from common.moe import local  # a DTensor's local shard (a view: writing it writes it), else the tensor
 from common.run import start_run
 from common.text import load_corpus
 
@@ -312,11 +313,6 @@ def shard(model, dp_shard: int) -> None:
         module.set_gradient_divide_factor(1.0)
 
 
-def local(value):
-    """A DTensor's local shard (a view: writing it writes the parameter), anything else as it is."""
-    return value.to_local() if hasattr(value, "to_local") else value
-
-
 def tree_map(function, tree):
     if isinstance(tree, dict):
         return {k: tree_map(function, v) for k, v in tree.items()}
@@ -492,9 +488,8 @@ class Injector:
         self.spares: dict[int, Group] = {}  # spare number -> its processes (every one started)
         self.current: dict[int, Group] = {}  # group -> the processes in its place now
         self.free: list[int] = []  # spares started, no place yet
-        self.placed: list[
-            dict
-        ] = []  # every spare given a group's place: group, pid (of rank 0), pids, t, why
+        # every spare given a group's place: group, pid (of rank 0), pids, t, why
+        self.placed: list[dict] = []
         self.kills: list[dict] = []
         self.given_up: list[dict] = []
         self.grace_until = 0.0  # no group is given up on before this (the others' time after one was)
@@ -518,7 +513,7 @@ class Injector:
     def place(self, group: int, why: str) -> None:
         """The oldest spare takes `group`'s place (waiting for it to be ready if a failure came too soon)."""
         spare = self.free.pop(0)
-        self.wait(lambda: self.is_ready(spare), f"spare {spare} getting ready")
+        self.wait(lambda events: self.is_ready(spare), f"spare {spare} getting ready")
         with open(os.path.join(self.run_dir, f"spare{spare}.go"), "w") as handle:
             handle.write(str(group))
         self.current[group] = self.spares[spare]
@@ -561,19 +556,11 @@ class Injector:
         return events
 
     def wait(self, until, what: str) -> None:
-        while not until():
+        """Until `until(events)` holds, the event files read once a round (and the groups watched, once placed)."""
+        while not until(self.watch() if self.current else read_events(self.run_dir)):
             if self.current and not any(p.is_alive() for p in self.current.values()):
                 raise TimeoutError(f"{what}: every group has ended")
-            if self.current:
-                self.watch()
             time.sleep(0.05)
-
-    def progress(self) -> int:
-        """Committed steps (or DiLoCo syncs) so far: the most any group has logged."""
-        return max((e["step"] + 1 for e in read_events(self.run_dir) if e["event"] == "commit"), default=0)
-
-    def has(self, pid: int, *kinds: str) -> bool:
-        return any(e["pid"] == pid and e["event"] in kinds for e in read_events(self.run_dir))
 
     def run(self, say) -> None:
         cfg, rng = self.cfg, random.Random(self.cfg.seed)
@@ -583,7 +570,7 @@ class Injector:
         for _ in range(cfg.replica_groups + cfg.failures):
             self.start_spare()
         self.wait(
-            lambda: all(self.is_ready(spare) for spare in range(cfg.replica_groups)),
+            lambda events: all(self.is_ready(spare) for spare in range(cfg.replica_groups)),
             "the groups getting ready",
         )
         for group in range(cfg.replica_groups):  # all at once: none trains the first steps alone
@@ -596,7 +583,8 @@ class Injector:
             if index % 2 == 1:  # the previous failure's replacement has its place, not yet healed
                 recovering = self.kills[-1]["group"]
                 self.wait(
-                    lambda r=self.current[recovering].pid: self.has(r, "started"), "a replacement's start"
+                    lambda events, r=self.current[recovering].pid: has(events, r, "started"),
+                    "a replacement's start",
                 )
                 time.sleep(rng.uniform(0, 0.1))  # in its quorum, or fetching a peer's state
                 # the recovering group itself, or (3 groups or more: a healthy source stays) a healthy peer
@@ -604,19 +592,20 @@ class Injector:
                 group = recovering if index % 4 == 1 or len(peers) < 2 else rng.choice(peers)
             else:  # every group back and training, then any moment of a step: quorum, forward, all-reduce
                 at += rng.randint(1, max(1, total * 3 // (5 * cfg.failures)))
-                self.wait(lambda a=at: self.progress() >= a and all(self.has(p.pid, "commit", "finished")
+                self.wait(lambda events, a=at: progress(events) >= a and all(has(events, p.pid, "commit", "finished")
                           for p in self.current.values() if p.is_alive()), f"step {at}")  # fmt: skip
                 time.sleep(rng.uniform(0, 0.05))
                 group = rng.choice(sorted(g for g, p in self.current.items() if p.is_alive()))
             # was the recovering group still healing at the kill? (it may have been quicker than the injector)
-            healing = recovering is not None and not self.has(
-                self.current[recovering].pid, "healed", "commit"
+            events = read_events(self.run_dir)
+            healing = recovering is not None and not has(
+                events, self.current[recovering].pid, "healed", "commit"
             )
             processes = self.current[group]
             processes.kill()
             self.kills.append({"group": group, "pid": processes.pid, "pids": [p.pid for p in processes.processes],
-                               "t": time.time(), "step": self.progress(), "during_recovery": healing})  # fmt: skip
-            say(f"step {self.progress()}: killed group {group} (pid {processes.pid})"
+                               "t": time.time(), "step": progress(events), "during_recovery": healing})  # fmt: skip
+            say(f"step {progress(events)}: killed group {group} (pid {processes.pid})"
                 + (f" while group {recovering} was still recovering" if healing else ""))  # fmt: skip
             self.place(group, f"replaces group {group} (failure {index + 1})")
         while any(p.is_alive() for p in self.current.values()):
@@ -630,6 +619,15 @@ class Injector:
                 if process.is_alive():
                     process.kill()
                 process.join(timeout=10)
+
+
+def progress(events: list[dict]) -> int:
+    """Committed steps (or DiLoCo syncs) so far: the most any group has logged."""
+    return max((e["step"] + 1 for e in events if e["event"] == "commit"), default=0)
+
+
+def has(events: list[dict], pid: int, *kinds: str) -> bool:
+    return any(e["pid"] == pid and e["event"] in kinds for e in events)
 
 
 def read_events(run_dir: str) -> list[dict]:
@@ -786,9 +784,7 @@ def report(
     states = {name: torch.load(os.path.join(session.output_dir, name)) for name in sorted(os.listdir(session.output_dir))
               if name.startswith("group") and name.endswith(".pt")}  # fmt: skip
     reference = train_one_process(cfg, corpus)
-    parameter_count = sum(
-        p.numel() for p in build_gpt(cfg.model_config(corpus["vocab_size"]), 0).parameters()
-    )
+    parameters = parameter_count(cfg.model_config(corpus["vocab_size"]))
     sent = [sum(e["allreduce_bytes"]) for e in finished if e["rank"] == 0]
     session.metrics["allreduce_bytes_per_group"] = sent
     if cfg.algorithm == "ddp":
@@ -816,7 +812,7 @@ def report(
         session.skip_check("matches_one_process", "DiLoCo is another algorithm (local steps, an outer optimizer): it "
                            "is not one process's training, failures or not")  # fmt: skip
         # DDP (torch's, float32 gradients) sends one gradient all-reduce per step for the same tokens
-        session.metrics["ddp_bytes_same_tokens"] = cfg.max_steps * parameter_count * 4
+        session.metrics["ddp_bytes_same_tokens"] = cfg.max_steps * parameters * 4
         if sent:
             session.metrics["bytes_vs_ddp"] = round(max(sent) / session.metrics["ddp_bytes_same_tokens"], 4)
         session.metrics["val_loss_ddp"] = validation_loss(cfg, corpus, reference)

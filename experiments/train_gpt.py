@@ -255,9 +255,8 @@ def run(cfg: Config) -> int:
         if init_weights and not session.checkpoint:
             gpt.load_state_dict(init_weights)
             session.metrics["init_from"] = {"path": cfg.init_from, "weights_sha256": init_digest}
-        for layer in moe_layers(
-            gpt
-        ):  # the balancing loss's gradient divided over the micro-batches, as the loss's
+        # the balancing loss's gradient divided over the micro-batches, as the loss's is
+        for layer in moe_layers(gpt):
             layer.aux_loss_scale = 1 / work.micro_batches
         initial_state, n_parameters = copy.deepcopy(gpt.state_dict()), count_parameters(gpt)
         job = parallelize(gpt, layout, cfg, work, accelerator, cfg.make_optimizer, cfg.grad_clip)
