@@ -210,6 +210,7 @@ def replica_group(spare: int, rank: int, cfg: Config, lighthouse: str, run_dir: 
     import torch.distributed as dist
     from torch.distributed import PrefixStore, TCPStore
     from torch.distributed.distributed_c10d import ReduceOp
+    from torch.utils._pytree import tree_map  # as common/comm_counter.py uses torch's pytree
     from torchft import Manager, ProcessGroupGloo
 
     # a Ctrl-C is the launcher's to handle: it ends every process
@@ -311,14 +312,6 @@ def shard(model, dp_shard: int) -> None:
     for module in [*model.blocks.values(), model]:
         fully_shard(module, mesh=mesh, mp_policy=policy)
         module.set_gradient_divide_factor(1.0)
-
-
-def tree_map(function, tree):
-    if isinstance(tree, dict):
-        return {k: tree_map(function, v) for k, v in tree.items()}
-    if isinstance(tree, list):
-        return [tree_map(function, v) for v in tree]
-    return function(tree)
 
 
 def like_parameters(optim_state: dict, optimizer) -> dict:
