@@ -102,7 +102,7 @@ class MoE(nn.Module):
         self.exchange = LocalExchange()
         self.global_counts = lambda counts: counts
         self.weigh_outputs = True  # False only for ep.py's wrong variant combine_without_router_weights
-        # the aux loss's gradient: 1 / the accumulation steps (the training loop sets it)
+        # the aux loss's gradient: 1 / the accumulation steps (strategies/ep.py sets it)
         self.aux_loss_scale = 1.0
         self.order = self.order_by_expert
 

@@ -70,7 +70,7 @@ from common.gpt import (
     require_trainable,
     sample_text,
 )
-from common.moe import active_parameter_count, moe_layers
+from common.moe import active_parameter_count
 from common.optim import cosine_lr, set_lr
 from common.profiling import StepProfiler, report_profile
 from common.run import start_run
@@ -255,9 +255,6 @@ def run(cfg: Config) -> int:
         if init_weights and not session.checkpoint:
             gpt.load_state_dict(init_weights)
             session.metrics["init_from"] = {"path": cfg.init_from, "weights_sha256": init_digest}
-        # the balancing loss's gradient divided over the micro-batches, as the loss's is
-        for layer in moe_layers(gpt):
-            layer.aux_loss_scale = 1 / work.micro_batches
         initial_state, n_parameters = copy.deepcopy(gpt.state_dict()), count_parameters(gpt)
         job = parallelize(gpt, layout, cfg, work, accelerator, cfg.make_optimizer, cfg.grad_clip)
         checkpointer = job.checkpointer(restore_optimizer=variant != "resume_without_optimizer_state")

@@ -251,6 +251,9 @@ class ExpertParallel(Piece):
         refuse(plan)
 
     def apply(self, stages: list, ctx: Context) -> list:
+        for stage in stages:  # the balancing loss's gradient divided over the micro-batches, as the loss's is
+            for layer in moe_layers(stage):
+                layer.aux_loss_scale = 1 / ctx.work.micro_batches
         layout = ctx.layout
         data_dims = tuple(d for d in ("dp_replicate", "dp_shard", "ep") if getattr(layout, d) > 1)
         state = ctx.runtime[self.name] = {"exchanges": [], "replicas": None, "balance_history": []}
