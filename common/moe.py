@@ -5,8 +5,11 @@ experts, and their outputs come back weighted by its scores of them: the raw sco
 Switch Transformer's top-1), or, with route_norm, renormalised over the k chosen (Mixtral, DeepSeek-V3). At
 top_k 1 a renormalised weight is exactly 1: the router would get no gradient from the language-model loss.
 Dropless by default: every expert takes every token sent to it. With
-capacity_factor c > 0 each expert takes at most ceil(c x tokens x k / experts) of one forward's tokens (the
-first in order), the rest dropped (their residual stream passes unchanged; the fraction reported).
+capacity_factor c > 0 each expert takes at most ceil(c x tokens x k / experts) of one forward's tokens, the
+rest dropped (their residual stream passes unchanged; the fraction reported). The tokens are the GLOBAL
+micro-batch's, every data-parallel rank's, in the order one process sees them (rank 0's rows first): each rank
+learns how many assignments the ranks before it sent to each expert (`earlier_assignments`), so that the same
+tokens are dropped as one process would drop.
 
 Load balancing, the field's two kinds:
 - the auxiliary loss (Switch Transformer, Megatron): aux_loss_coef x experts x sum_i f_i P_i, f_i the share of
@@ -101,6 +104,8 @@ class MoE(nn.Module):
         # hooks: expert parallelism's all-to-all (strategies/ep.py); the data-parallel ranks' counts summed (ep.py)
         self.exchange = LocalExchange()
         self.global_counts = lambda counts: counts
+        # (assignments per expert that the data-parallel ranks before this one made in this forward, the ranks)
+        self.earlier_assignments = lambda counts: (torch.zeros_like(counts), 1)
         self.weigh_outputs = True  # False only for ep.py's wrong variant combine_without_router_weights
         # the aux loss's gradient: 1 / the accumulation steps (strategies/ep.py sets it)
         self.aux_loss_scale = 1.0
@@ -117,13 +122,16 @@ class MoE(nn.Module):
 
     def keep_within_capacity(self, expert_ids: torch.Tensor, tokens: int) -> torch.Tensor:
         """Which of the flattened assignments each expert takes: all (dropless), or each expert's first
-        ceil(capacity_factor x tokens x k / E) in token order."""
+        ceil(capacity_factor x global tokens x k / E) in the global micro-batch's token order (this rank's
+        `tokens` after the earlier data-parallel ranks' and before the later ones')."""
         if self.capacity_factor <= 0:
             return torch.ones_like(expert_ids, dtype=torch.bool)
-        capacity = math.ceil(self.capacity_factor * tokens * self.top_k / self.n_experts)
         one_hot = F.one_hot(expert_ids, self.n_experts)
-        place_in_expert = (one_hot.cumsum(0) * one_hot).sum(-1)  # 1 for an expert's first token, 2 ...
-        return place_in_expert <= capacity
+        earlier, ranks = self.earlier_assignments(one_hot.sum(0))
+        # 2 ranks x 128 tokens x top-2 over 4 experts at c = 1.25: ceil(1.25 x 256 x 2 / 4) = 160 per expert
+        capacity = math.ceil(self.capacity_factor * tokens * ranks * self.top_k / self.n_experts)
+        place_in_expert = (one_hot.cumsum(0) * one_hot).sum(-1)  # 1 for an expert's first token here, 2 ...
+        return place_in_expert + earlier[expert_ids] <= capacity
 
     def order_by_expert(self, expert_ids: torch.Tensor, tokens: int) -> tuple[torch.Tensor, list[int]]:
         """The kept assignments in expert order (indices into the flattened (token, choice) pairs) and how many

@@ -22,9 +22,14 @@ With or without ep, every data-parallel layout sums each step's tokens per exper
 (`global_counts`): the auxiliary loss's f_i and the balancing bias's loads are the GLOBAL batch's, as one
 process computes them, else the ranks' routers drift apart.
 
+Under a capacity (--capacity_factor) the data-parallel ranks count it over the global micro-batch: each learns
+what the ranks before it sent every expert (one all-reduce of a (ranks, experts) table), so the tokens dropped
+are those one process drops.
+
 Theory, per step and MoE block on a rank: the counts' all-to-all (E x 8 bytes) per forward; the dispatch
 (kept assignments x d_model x the activation's bytes) and the combine (what came in, back) per forward, each
-again in backward; the aux loss's all-reduce of E floats per forward when its coefficient is > 0. The
+again in backward; the aux loss's all-reduce of E floats per forward when its coefficient is > 0; under a
+capacity, the all-reduce of dp x E int64 counts per forward. The
 dispatch's bytes depend on where the router sent the tokens: the closed form is evaluated on the routing
 counts each block records for the step (`routing`), and the comm counter's count must equal it.
 """
@@ -57,6 +62,11 @@ MISTAKES = {  # each: what it is, and the runs under which it is one
     ),
     "balance_on_local_tokens": Mistake.of(
         "ep", "the balancing counts (aux loss, bias) of each rank's own tokens only"
+    ),
+    # a mistake wherever the data-parallel ranks' tokens meet one capacity: ep or not
+    "capacity_per_rank": Mistake(
+        "each rank's expert capacity counted over its own tokens, not the global micro-batch's",
+        lambda plan: plan.engine_stage is None and plan.layout.dp > 1 and plan.work.model.capacity_factor > 0,
     ),
 }
 EXPERT_WEIGHTS = ("w_in", "w_gate", "w_out")
@@ -156,14 +166,19 @@ class AllToAll:
 
 
 def apply(model, ep_mesh, data_group, layout: Layout, rank: int, args) -> list[AllToAll]:
-    """Each MoE block's counts summed over `data_group` (the data-parallel ranks); under ep its experts split
-    over `ep_mesh` and its exchange made an all-to-all. Returns the exchanges (their routing is the theory's)."""
+    """Each MoE block's counts summed over `data_group` (the data-parallel ranks) and its capacity counted over
+    their tokens; under ep its experts split over `ep_mesh` and its exchange made an all-to-all. Returns the
+    exchanges (their routing is the theory's)."""
     from torch.distributed.tensor import Shard, distribute_tensor
 
     exchanges = []
     for layer in moe_layers(model):
         if args.wrong_variant != "balance_on_local_tokens":
             layer.global_counts = lambda counts, group=data_group: summed(counts, group)
+        if args.wrong_variant != "capacity_per_rank":
+            layer.earlier_assignments = lambda counts, group=data_group: earlier_assignments(
+                counts, group, layout.dp_rank(rank), layout.dp
+            )
         layer.weigh_outputs = args.wrong_variant != "combine_without_router_weights"
         if layout.ep == 1:
             continue
@@ -180,6 +195,16 @@ def apply(model, ep_mesh, data_group, layout: Layout, rank: int, args) -> list[A
         layer.exchange = AllToAll(ep_mesh.get_group(), layout.ep, args.wrong_variant)
         exchanges.append(layer.exchange)
     return exchanges
+
+
+def earlier_assignments(counts: torch.Tensor, group, data_rank: int, ranks: int) -> tuple[torch.Tensor, int]:
+    """What the data-parallel ranks before `data_rank` sent each expert in this forward (rank 0's rows come first
+    in the global micro-batch), and how many data-parallel ranks there are: every rank puts its counts in its own
+    row of a (ranks, experts) table, one all-reduce fills it."""
+    table = counts.new_zeros(ranks, counts.shape[0])
+    table[data_rank] = counts
+    dist.all_reduce(table, group=group)
+    return table[:data_rank].sum(0), ranks
 
 
 def summed(counts: torch.Tensor, group) -> torch.Tensor:
@@ -212,9 +237,12 @@ def sent(t: Theory) -> list[Traffic]:
     expert_bytes = sum(math.prod(shape) * 4 for name, shape in t.held if split(name, layout))
     traffic = []
     moe = work.model
+    calls = moe.n_layer * work.micro_batches  # MoE forwards a step
     if moe.n_experts and moe.aux_loss_coef > 0 and layout.dp > 1:
-        calls = moe.n_layer * work.micro_batches
         traffic.append(Traffic("all_reduce", calls * moe.n_experts * 4, layout.dp, "ep"))
+    # under a capacity: the (ranks, experts) table of int64 counts
+    if moe.n_experts and moe.capacity_factor > 0 and layout.dp > 1:
+        traffic.append(Traffic("all_reduce", calls * layout.dp * moe.n_experts * 8, layout.dp, "ep"))
     if layout.ep == 1:
         return traffic
     a2a = 0

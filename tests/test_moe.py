@@ -74,6 +74,27 @@ def test_a_capacity_drops_each_experts_assignments_past_it_and_dropless_drops_no
             assert max(figures["loads"][0]) <= capacity
 
 
+def test_a_capacity_over_two_ranks_drops_what_one_process_drops_over_their_tokens():
+    """Two data-parallel ranks' halves of a batch, each told what the first half sent each expert, drop the
+    assignments that one forward over the whole batch drops (#45: each rank counted its own tokens)."""
+    torch.manual_seed(0)
+    moe = MoE(GPTConfig(d_model=16, n_experts=4, top_k=2, capacity_factor=0.75))
+    with torch.no_grad():
+        moe.router.weight[0] += 1.0  # expert 0 over capacity
+    x = torch.randn(2, 32, 16)
+    whole = moe(x)
+    first_half_sent = torch.bincount(moe.route(x[0])[0].flatten(), minlength=4)
+    halves = []
+    for rank in (0, 1):
+        earlier = first_half_sent if rank else torch.zeros_like(first_half_sent)
+        moe.earlier_assignments = lambda counts, earlier=earlier: (earlier, 2)
+        halves.append(moe(x[rank : rank + 1]))
+    assert balance(moe)["dropped_fraction"] > 0.1
+    assert torch.allclose(torch.cat(halves), whole, atol=1e-6)
+    moe.earlier_assignments = lambda counts: (torch.zeros_like(counts), 2)  # capacity_per_rank's count
+    assert not torch.allclose(torch.cat([moe(x[0:1]), moe(x[1:2])]), whole, atol=1e-3)
+
+
 def test_the_aux_loss_trains_the_router_and_stays_out_of_the_reported_loss():
     """The router's gradient is that of lm loss + coef x E x sum f_i P_i; the loss returned is the lm loss."""
     torch.manual_seed(0)
@@ -264,23 +285,31 @@ def test_expert_parallel_on_two_ranks_passes_every_check_and_counts_the_routing(
 
 @pytest.mark.launch
 def test_expert_parallel_inside_sharded_data_parallel_on_four_ranks_passes_every_check(tmp_path):
+    """With a capacity counted over the 4 data-parallel ranks' tokens (#45: each rank's own failed parity)."""
     args = [*GPT_TINY, *MOE, "--ep", "2", "--dp_shard", "2", "--bias_update_rate", "0.001", "--max_steps", "8",
-            "--parity_steps", "4"]  # fmt: skip
+            "--parity_steps", "4", "--capacity_factor", "1.25"]  # fmt: skip
     summary = assert_gpt_passed(fork_launch(main, args, tmp_path / "run", num_processes=4), 4)
     assert set(summary["checks"]) == GPT_DISTRIBUTED_CHECKS
     kinds = summary["metrics"]["communication"]["counted"]["bytes"]
     assert {"all_to_all", "all_gather", "reduce_scatter", "all_reduce"} <= set(
         kinds
     )  # the experts' all-reduce
+    assert summary["metrics"]["moe"]["dropped_fraction"] > 0
 
 
 @pytest.mark.launch
 @pytest.mark.parametrize(
-    "variant", ["combine_without_router_weights", "experts_initialised_per_rank", "balance_on_local_tokens"]
+    ("variant", "flags"),
+    [
+        ("combine_without_router_weights", []),
+        ("experts_initialised_per_rank", []),
+        ("balance_on_local_tokens", []),
+        ("capacity_per_rank", ["--capacity_factor", "1.25"]),
+    ],
 )
-def test_each_expert_parallel_mistake_fails_the_parity_check(tmp_path, variant):
+def test_each_expert_parallel_mistake_fails_the_parity_check(tmp_path, variant, flags):
     args = [*GPT_TINY, *MOE, "--ep", "2", "--wrong_variant", variant, "--max_steps", "4", "--parity_steps", "3",
-            "--min_loss_drop", "-9"]  # fmt: skip
+            "--min_loss_drop", "-9", *flags]  # fmt: skip
     finished = fork_launch(main, args, tmp_path / "run")
     assert finished.returncode == 1, finished.stderr[-3000:]
     failed = {name for name, check in finished.summary["checks"].items() if not check["passed"]}
