@@ -56,6 +56,7 @@ class GPTConfig:
     # A mixture of experts in place of each block's MLP (common/moe.py), when n_experts > 0
     n_experts: int = 0  # experts per block (0: the dense MLP)
     top_k: int = 2  # experts each token goes to
+    n_shared_experts: int = 0  # always-on experts beside the routed ones (DeepSeek), as wide as one
     router: str = "softmax"  # softmax (Switch, Mixtral) or sigmoid (DeepSeek-V3) scores
     route_norm: bool = False  # renormalise a token's top_k weights to sum to 1 (off: torchtitan's default)
     capacity_factor: float = 0.0  # 0: dropless; c > 0: an expert takes at most c x tokens x top_k / n_experts
@@ -355,6 +356,8 @@ class ModelFlags:
     n_experts: int = flag(0, "a mixture of experts in each block's MLP: this many experts (0: the dense MLP); "
                           "--ep splits them over ranks")  # fmt: skip
     top_k: int = flag(2, "with --n_experts: experts each token goes to")
+    n_shared_experts: int = flag(0, "with --n_experts: always-on experts beside the routed ones (DeepSeek-V3: 1), "
+                                 "each as wide as a routed one; every token goes through them")  # fmt: skip
     router: str = flag("softmax", "with --n_experts: the router's scores, softmax (Switch, Mixtral) or sigmoid "
                        "(DeepSeek-V3)", choices=ROUTERS)  # fmt: skip
     route_norm: bool = flag(False, "with --n_experts: renormalise each token's top_k weights to sum to 1 (Mixtral, "
@@ -387,6 +390,9 @@ class ModelFlags:
                 f"{cfg.d_model // cfg.n_head} must be even")  # fmt: skip
         require(cfg.n_experts >= 0 and (not cfg.n_experts or 1 <= cfg.top_k <= cfg.n_experts),
                 f"--n_experts {cfg.n_experts} --top_k {cfg.top_k}: need n_experts >= 0, 1 <= top_k <= n_experts")  # fmt: skip
+        require(cfg.n_shared_experts == 0 or (cfg.n_experts and 0 < cfg.n_shared_experts <= 64),
+                f"--n_shared_experts {cfg.n_shared_experts}: shared experts sit beside routed ones (needs "
+                "--n_experts); 0 to 64")  # fmt: skip
         require(min(cfg.capacity_factor, cfg.aux_loss_coef, cfg.bias_update_rate) >= 0,
                 "--capacity_factor, --aux_loss_coef, --bias_update_rate must be >= 0")  # fmt: skip
         # bounded: from --n_experts up no expert can be over capacity (c x tokens x k / E >= every token), and a

@@ -23,6 +23,9 @@ Load balancing, the field's two kinds:
   the experts (not to weigh them), moved after each optimizer step by bias_update_rate x sign(mean load - load),
   from the step's global token counts.
 
+Shared experts (DeepSeek-MoE, DeepSeek-V3; n_shared_experts > 0): always-on experts beside the routed ones,
+one dense MLP n x hidden wide that every token goes through, its output added to the routed experts' unweighted.
+
 Expert parallelism (strategies/ep.py) splits the experts over ranks: the `exchange` hook sends each token to
 the rank of its expert and back (all-to-all). The experts' weights are stacked (experts, in, out), so that a
 split over ranks is a split of dim 0.
@@ -93,6 +96,9 @@ class MoE(nn.Module):
         self.capacity_factor, self.aux_loss_coef = cfg.capacity_factor, cfg.aux_loss_coef
         self.bias_update_rate = cfg.bias_update_rate
         self.router = nn.Linear(d, experts, bias=False)
+        # DeepSeek's shared experts: n always-on experts beside the routed ones, one dense MLP n x hidden wide
+        # (no biases, as the routed experts); data-parallel like the rest of the model, never sent anywhere
+        self.shared = shared_experts(cfg) if cfg.n_shared_experts else None
         self.w_in = nn.Parameter(torch.empty(experts, d, hidden))
         self.w_gate = nn.Parameter(torch.empty(experts, d, hidden)) if cfg.mlp == "swiglu" else None
         self.w_out = nn.Parameter(torch.empty(experts, hidden, d))
@@ -160,6 +166,8 @@ class MoE(nn.Module):
             else outputs
         )
         combined = torch.zeros_like(flat).index_add(0, token_of, weighted.to(flat.dtype))
+        if self.shared is not None:  # every token, unweighted (DeepSeek-V3: output = shared + routed)
+            combined = combined + self.shared(flat)
         if self.aux_loss_coef > 0 and self.training and torch.is_grad_enabled():
             sent = torch.bincount(expert_ids, minlength=self.n_experts)  # f_i before any capacity drops
             combined = AttachAuxLoss.apply(combined, self.aux_loss(sent, scores), self.aux_loss_scale)
@@ -173,6 +181,15 @@ class MoE(nn.Module):
         share = global_counts / global_counts.sum()
         probabilities = scores if self.router_kind == "softmax" else scores / scores.sum(-1, keepdim=True)
         return self.aux_loss_coef * self.n_experts * (share * probabilities.mean(0)).sum()
+
+
+def shared_experts(cfg) -> nn.Module:
+    """The shared experts of a block: common/gpt.py's MLP, n_shared_experts x hidden wide, without biases."""
+    import dataclasses
+
+    from common.gpt import MLP  # here, not above: common/gpt.py imports this module
+
+    return MLP(dataclasses.replace(cfg, d_ff=cfg.n_shared_experts * cfg.hidden, bias=False, n_experts=0))
 
 
 def moe_layers(model: nn.Module) -> list[MoE]:
@@ -213,11 +230,12 @@ def init_experts(model: nn.Module, n_layer: int) -> None:
 def moe_parameter_count(cfg) -> int:
     """The MoE MLP's parameters (router and every expert): replaces the dense MLP's in parameter_count."""
     matrices = 3 if cfg.mlp == "swiglu" else 2
-    return cfg.d_model * cfg.n_experts + cfg.n_experts * matrices * cfg.d_model * cfg.hidden
+    routed_and_shared = cfg.n_experts + cfg.n_shared_experts
+    return cfg.d_model * cfg.n_experts + routed_and_shared * matrices * cfg.d_model * cfg.hidden
 
 
 def active_parameter_count(cfg, total: int) -> int:
-    """Parameters a token uses: all but the experts it is not sent to (a dense GPT: all)."""
+    """Parameters a token uses: all but the routed experts it is not sent to (the shared ones it always uses)."""
     if not cfg.n_experts:
         return total
     matrices = 3 if cfg.mlp == "swiglu" else 2

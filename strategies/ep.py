@@ -63,6 +63,11 @@ MISTAKES = {  # each: what it is, and the runs under which it is one
     "balance_on_local_tokens": Mistake.of(
         "ep", "the balancing counts (aux loss, bias) of each rank's own tokens only"
     ),
+    # tp ranks route the same tokens (tp.py leaves a MoE whole): their expert gradients are copies, not more data
+    "expert_gradients_summed_over_tp": Mistake(
+        "the experts' gradients also summed over the tensor-parallel ranks, as if they had routed other tokens",
+        lambda plan: plan.engine_stage is None and plan.layout.ep > 1 and plan.layout.tp > 1,
+    ),
     # a mistake wherever the data-parallel ranks' tokens meet one capacity: ep or not
     "capacity_per_rank": Mistake(
         "each rank's expert capacity counted over its own tokens, not the global micro-batch's",
@@ -90,10 +95,16 @@ def refuse(plan: Plan) -> None:
             "divisor")  # fmt: skip
     if not experts:
         return
-    other = [f"--{dim} {getattr(layout, dim)}" for dim in ("tp", "pp", "cp") if getattr(layout, dim) > 1]
     require(
-        not other,
-        f"--n_experts with {' '.join(other)}: not built (MoE runs under dp_replicate, dp_shard, ep)",
+        layout.cp == 1,
+        f"--n_experts with --cp {layout.cp}: not built (MoE runs under dp_replicate, dp_shard, ep, tp, pp)",
+    )
+    # the balancing loss and a capacity count each forward's tokens: a pipeline's forward is one of its
+    # micro-batches, which the one-process reference (and the global micro-batch) does not cut
+    require(
+        layout.pp == 1 or (work.model.aux_loss_coef == 0 and work.model.capacity_factor == 0),
+        f"--n_experts with --pp {layout.pp} and --aux_loss_coef or --capacity_factor: not built (each counts "
+        "one forward's tokens, and a pipeline's forward is a micro-batch); balance with --bias_update_rate",
     )
     require(not plan.engine_stage, "--n_experts under a DeepSpeed accelerate config: not built")
     require(
@@ -218,15 +229,19 @@ def expert_parameters(model) -> list:
             if p is not None and hasattr(p, "to_local")]  # fmt: skip
 
 
-def reduce_gradients(model, replicas_group, data_ranks: int) -> None:
+def reduce_gradients(model, replicas_group, data_ranks: int, tp_group=None) -> None:
     """The experts' gradients (each already the sum over its ep group's tokens) summed over the ranks that hold
-    the same experts and divided by every data-parallel rank: the mean gradient one process computes."""
+    the same experts and divided by every data-parallel rank: the mean gradient one process computes. The tp
+    ranks of a data-parallel rank routed the same tokens: their gradients are already equal, and are not summed
+    (`tp_group`: only the mistake expert_gradients_summed_over_tp sums them)."""
     for param in expert_parameters(model):
         if param.grad is None:
             continue
         grad = param.grad.to_local()
         if replicas_group is not None:
             dist.all_reduce(grad, group=replicas_group)
+        if tp_group is not None:
+            dist.all_reduce(grad, group=tp_group)
         grad.div_(data_ranks)
 
 
@@ -284,7 +299,14 @@ class ExpertParallel(Piece):
                 layer.aux_loss_scale = 1 / ctx.work.micro_batches
         layout = ctx.layout
         data_dims = tuple(d for d in ("dp_replicate", "dp_shard", "ep") if getattr(layout, d) > 1)
-        state = ctx.runtime[self.name] = {"exchanges": [], "replicas": None, "balance_history": []}
+        state = ctx.runtime[self.name] = {
+            "exchanges": [],
+            "replicas": None,
+            "balance_history": [],
+            "tp": None,
+        }
+        if ctx.args.wrong_variant == "expert_gradients_summed_over_tp":
+            state["tp"] = ctx.mesh["tp"].get_group()
         if not data_dims:  # one data-parallel rank: its counts are the global ones
             return stages
         data_group = submesh(ctx.mesh, data_dims).get_group()
@@ -316,7 +338,7 @@ class ExpertParallel(Piece):
     def after_backward(self, job) -> None:
         state = job.state(self)
         if state["exchanges"] and job.accelerator.sync_gradients:
-            reduce_gradients(job.model, state["replicas"], job.layout.dp)
+            reduce_gradients(job.model, state["replicas"], job.layout.dp, state["tp"])
 
     def before_clip(self, job) -> None:
         """The step's loads (summed over the data-parallel ranks) move the balancing bias."""

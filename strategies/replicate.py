@@ -47,7 +47,7 @@ def apply(model: torch.nn.Module, mesh, accelerator, whole_world: bool, claimed=
         return accelerator.prepare(model)
     from torch.distributed._composable.replicate_with_fsdp import replicate
 
-    replicate(model, mesh=mesh)
+    replicate(model, mesh=mesh, ignored_params=set(claimed) or None)
     return model
 
 

@@ -12,6 +12,11 @@ of every block's heads and MLP units and of the vocabulary, and every rank of th
                                    own rows (the output all-reduced) and computes its own logits
                                    (all-gathered). Both weights are split on dim 0, so the tied weight
                                    stays one tensor (re-tied after parallelizing).
+A mixture-of-experts MLP (common/moe.py) is left whole, as the LayerNorms are: every tp rank routes the same
+tokens through the same experts (which expert parallelism may split over the data-parallel ranks: the
+experts over data-parallel ranks inside each tp group, Megatron's expert tensor-parallel size 1); its block
+sends one all-reduce in forward and one in backward, the attention's. The experts are computed tp times over:
+splitting them over tp too (torchtitan's etp = tp, or ep over tp with sequence parallelism) is not built.
 LayerNorms and the position embedding are replicated: every rank computes them on the same data, and
 their gradients come out equal everywhere. The sharded weights come from rank 0 of the group
 (distribute_tensor's src_data_rank); the replicated ones are whatever each rank built, so every rank
@@ -106,6 +111,9 @@ def refuse(plan: Plan) -> None:
     require(not args.sequence_parallel or (layout.pp == 1 and layout.cp == 1),
             "--sequence_parallel with --pp or --cp: not built (a stage would send, and context parallelism would "
             "gather, a sequence already split over the tensor-parallel ranks)")  # fmt: skip
+    require(not (args.sequence_parallel and work.model.n_experts),
+            "--sequence_parallel with --n_experts: not built (the experts would route 1/N of the tokens on each "
+            "tensor-parallel rank: expert parallelism over tp, torchtitan's etp 1)")  # fmt: skip
     require(not (args.sequence_parallel and RECOMPUTES_BLOCKS in plan.traits),
             "--sequence_parallel with --activation_checkpointing full: not built (its recompute would gather "
             "the sequence again); use selective")  # fmt: skip
@@ -134,6 +142,13 @@ def apply(model, tp_mesh, args) -> None:
         input_layouts=(Replicate(),), desired_input_layouts=(Replicate(),), use_local_output=False
     )
     for block in model.blocks.values():
+        # a mixture of experts is left whole on every tp rank (the module docstring)
+        mlp = {} if not is_dense(block.mlp) else {
+            "mlp": replicated_input,
+            "mlp.fc_in": ColwiseParallel(),
+            **({"mlp.fc_gate": ColwiseParallel()} if block.mlp.fc_gate is not None else {}),
+            "mlp.fc_out": RowwiseParallel(output_layouts=row_output),
+        }  # fmt: skip
         parallelize_module(
             block,
             tp_mesh,
@@ -143,10 +158,7 @@ def apply(model, tp_mesh, args) -> None:
                 "attn.k_proj": ColwiseParallel(),
                 "attn.v_proj": ColwiseParallel(),
                 "attn.o_proj": RowwiseParallel(output_layouts=row_output),
-                "mlp": replicated_input,
-                "mlp.fc_in": ColwiseParallel(),
-                **({"mlp.fc_gate": ColwiseParallel()} if block.mlp.fc_gate is not None else {}),
-                "mlp.fc_out": RowwiseParallel(output_layouts=row_output),
+                **mlp,
             },
         )
     plan = {}
@@ -155,6 +167,11 @@ def apply(model, tp_mesh, args) -> None:
     if model.head is not None:
         plan["head"] = ColwiseParallel(output_layouts=Replicate())
     _parallelize_ends(model, tp_mesh, plan)
+
+
+def is_dense(mlp) -> bool:
+    """A dense MLP (fc_in, fc_out), not a mixture of experts."""
+    return hasattr(mlp, "fc_in")
 
 
 def _parallelize_ends(model, tp_mesh, plan: dict) -> None:
@@ -249,7 +266,11 @@ def sent(t: Theory) -> list[Traffic]:
             "reduce_scatter": (2 * blocks * (matmul_out + stream) + heads * stream) * activation,
         }
     else:  # forward: the row-parallel outputs (again in a recompute); backward: the inputs' gradients
-        forward, backward = (2 * blocks + recomputed_blocks) * matmul_out, 2 * blocks * stream
+        sub_layers = 1 if work.model.n_experts else 2  # a mixture of experts sends nothing over tp
+        forward, backward = (
+            (sub_layers * blocks + recomputed_blocks) * matmul_out,
+            sub_layers * blocks * stream,
+        )
         sizes = {
             "all_reduce": (forward + backward + (embeds + heads) * stream) * activation,
             "all_gather": logits,

@@ -34,13 +34,15 @@ def by_definition(moe: MoE, x: torch.Tensor) -> torch.Tensor:
             hidden = x[t] @ moe.w_in[e]
             hidden = F.gelu(hidden) if moe.w_gate is None else F.silu(x[t] @ moe.w_gate[e]) * hidden
             out[t] += w * (hidden @ moe.w_out[e])
+    if moe.shared is not None:  # every token, unweighted
+        out += moe.shared(x)
     return out
 
 
-@pytest.mark.parametrize(("router", "mlp"), [("softmax", "gelu"), ("sigmoid", "swiglu")])
-def test_the_moe_block_is_its_definition_token_by_token(router, mlp):
+@pytest.mark.parametrize(("router", "mlp", "shared"), [("softmax", "gelu", 0), ("sigmoid", "swiglu", 2)])
+def test_the_moe_block_is_its_definition_token_by_token(router, mlp, shared):
     torch.manual_seed(0)
-    moe = MoE(GPTConfig(d_model=16, n_experts=4, top_k=2, router=router, mlp=mlp))
+    moe = MoE(GPTConfig(d_model=16, n_experts=4, top_k=2, router=router, mlp=mlp, n_shared_experts=shared))
     for weight in (moe.w_in, moe.w_gate, moe.w_out):
         if weight is not None:
             torch.nn.init.normal_(weight, std=0.2)
@@ -51,7 +53,8 @@ def test_the_moe_block_is_its_definition_token_by_token(router, mlp):
 def test_the_parameter_formula_counts_every_expert_and_the_active_ones_are_fewer():
     from common.moe import active_parameter_count
 
-    for cfg in (GPTConfig(n_experts=4, top_k=2), GPTConfig(n_experts=8, top_k=1, mlp="swiglu", bias=False)):
+    for cfg in (GPTConfig(n_experts=4, top_k=2), GPTConfig(n_experts=8, top_k=1, mlp="swiglu", bias=False),
+                GPTConfig(n_experts=8, top_k=2, n_shared_experts=2)):  # fmt: skip
         total = count_parameters(GPT(cfg))
         assert parameter_count(cfg) == total
         matrices = 3 if cfg.mlp == "swiglu" else 2
@@ -81,6 +84,8 @@ def test_a_capacity_over_two_ranks_drops_what_one_process_drops_over_their_token
     moe = MoE(GPTConfig(d_model=16, n_experts=4, top_k=2, capacity_factor=0.75))
     with torch.no_grad():
         moe.router.weight[0] += 1.0  # expert 0 over capacity
+        for weight in (moe.w_in, moe.w_out):  # torch.empty's memory until the GPT initialises it
+            torch.nn.init.normal_(weight, std=0.2)
     x = torch.randn(2, 32, 16)
     whole = moe(x)
     first_half_sent = torch.bincount(moe.route(x[0])[0].flatten(), minlength=4)
@@ -237,7 +242,8 @@ def test_bad_moe_flags_are_one_line_and_exit_2(flags, said, capsys, tmp_path):
     [
         ({"ep": 2}, 0, "--ep 2: expert parallelism splits experts; the model has none (--n_experts N)"),
         ({"ep": 2}, 3, "--n_experts 3 with --ep 2: each ep rank holds n_experts / ep experts; pick a divisor"),
-        ({"tp": 2, "ep": 2}, 4, "--n_experts with --tp 2: not built"),
+        ({"cp": 2, "ep": 2}, 4, "--n_experts with --cp 2: not built"),
+        ({"pp": 2, "ep": 2}, 4, "--n_experts with --pp 2 and --aux_loss_coef or --capacity_factor: not built"),
     ],
 )  # fmt: skip
 def test_expert_parallelism_refuses_what_it_cannot_split_in_one_line(degrees, experts, said):
@@ -246,7 +252,8 @@ def test_expert_parallelism_refuses_what_it_cannot_split_in_one_line(degrees, ex
     from strategies.args import ParallelArgs
     from strategies.layout import Layout, Workload
 
-    plan = ParallelArgs().plan(Layout(**degrees), Workload(GPTConfig(n_experts=experts), rows=4))
+    model = GPTConfig(n_experts=experts, aux_loss_coef=0.01 if degrees.get("pp") else 0.0)
+    plan = ParallelArgs().plan(Layout(**degrees), Workload(model, rows=4))
     with pytest.raises(UsageError) as refused:
         ep.PIECE.refuse(plan)
     assert said in str(refused.value)
@@ -298,19 +305,54 @@ def test_expert_parallel_inside_sharded_data_parallel_on_four_ranks_passes_every
 
 
 @pytest.mark.launch
+def test_expert_parallel_composes_with_tensor_parallel_shared_experts_and_a_capacity(tmp_path):
+    """ep 2 x tp 2 (the experts over the data-parallel ranks of each tp coordinate, the MoE whole on every tp
+    rank), one shared expert, a capacity counted over both data-parallel ranks, the aux loss: every check."""
+    args = [*GPT_TINY, *MOE, "--ep", "2", "--tp", "2", "--n_shared_experts", "1", "--capacity_factor", "1.25",
+            "--max_steps", "8", "--parity_steps", "4"]  # fmt: skip
+    summary = assert_gpt_passed(fork_launch(main, args, tmp_path / "run", num_processes=4), 4)
+    assert set(summary["checks"]) == GPT_DISTRIBUTED_CHECKS
+    metrics = summary["metrics"]
+    # tp's all-reduces: the attention's only (the MoE block sends nothing over tp), besides ep's and replicate's
+    assert (
+        metrics["communication"]["counted"]["bytes"]["all_to_all"] > 0
+        and metrics["moe"]["dropped_fraction"] > 0
+    )
+    shared = 2 * 2 * 32 * 128  # blocks x (fc_in, fc_out) x d x hidden, whole on every rank
+    experts = 2 * 2 * 4 * 32 * 128  # each rank holds half; tp splits attention, embeddings, not the MoE
+    assert metrics["parameters"] > shared + experts
+    assert all(
+        held["params"] < 4 * (metrics["parameters"] - experts // 2) for held in metrics["bytes_per_rank"]
+    )
+
+
+@pytest.mark.launch
+def test_expert_parallel_composes_with_a_pipeline(tmp_path):
+    """ep 2 x pp 2: each stage's MoE blocks split their experts over the stage's 2 data-parallel ranks, the
+    all-to-alls inside the schedule's micro-batches; balanced by the bias (counted over the step)."""
+    args = [*GPT_TINY, *MOE[:4], "--ep", "2", "--pp", "2", "--bias_update_rate", "0.001", "--max_steps", "8",
+            "--parity_steps", "4"]  # fmt: skip
+    summary = assert_gpt_passed(fork_launch(main, args, tmp_path / "run", num_processes=4), 4)
+    counted = summary["metrics"]["communication"]["counted"]
+    # one block a stage, 4 pipeline micro-batches: (counts, dispatch, combine) forward, 2 back, each micro-batch
+    assert counted["calls"]["all_to_all"] == 5 * 4 and counted["bytes"]["send"] > 0
+
+
+@pytest.mark.launch
 @pytest.mark.parametrize(
-    ("variant", "flags"),
+    ("variant", "flags", "ranks"),
     [
-        ("combine_without_router_weights", []),
-        ("experts_initialised_per_rank", []),
-        ("balance_on_local_tokens", []),
-        ("capacity_per_rank", ["--capacity_factor", "1.25"]),
+        ("combine_without_router_weights", [], 2),
+        ("experts_initialised_per_rank", [], 2),
+        ("balance_on_local_tokens", [], 2),
+        ("capacity_per_rank", ["--capacity_factor", "1.25"], 2),
+        ("expert_gradients_summed_over_tp", ["--tp", "2"], 4),
     ],
 )
-def test_each_expert_parallel_mistake_fails_the_parity_check(tmp_path, variant, flags):
+def test_each_expert_parallel_mistake_fails_the_parity_check(tmp_path, variant, flags, ranks):
     args = [*GPT_TINY, *MOE, "--ep", "2", "--wrong_variant", variant, "--max_steps", "4", "--parity_steps", "3",
             "--min_loss_drop", "-9", *flags]  # fmt: skip
-    finished = fork_launch(main, args, tmp_path / "run")
+    finished = fork_launch(main, args, tmp_path / "run", num_processes=ranks)
     assert finished.returncode == 1, finished.stderr[-3000:]
     failed = {name for name, check in finished.summary["checks"].items() if not check["passed"]}
     assert "matches_single_process" in failed
