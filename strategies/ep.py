@@ -31,7 +31,8 @@ Theory, per step and MoE block on a rank: the counts' all-to-all (E x 8 bytes) p
 again in backward; the aux loss's all-reduce of E floats per forward when its coefficient is > 0; under a
 capacity, the all-reduce of dp x E int64 counts per forward. The
 dispatch's bytes depend on where the router sent the tokens: the closed form is evaluated on the routing
-counts each block records for the step (`routing`), and the comm counter's count must equal it.
+counts each block records for the step (`routing`), and the comm counter's count must equal it. On the wire a
+rank puts every row but those it sends itself: with uneven routing that is not the even split's (ep - 1) / ep.
 """
 
 from __future__ import annotations
@@ -170,7 +171,9 @@ class AllToAll:
         returned = returned.wait() if hasattr(returned, "wait") else returned
         if torch.is_grad_enabled():
             self.seconds += waited + time.perf_counter() - started
+            # the rows a rank sends itself (send[me] = receive[me]) cross no wire
             self.routing.append({"sent_rows": sum(send), "received_rows": sum(receive),
+                                 "own_rows": send[dist.get_rank(self.group)],
                                  "row_bytes": routed.shape[-1] * (routed.element_size() + back.element_size()),
                                  "experts": moe.n_experts})  # fmt: skip
         return returned
@@ -260,12 +263,16 @@ def sent(t: Theory) -> list[Traffic]:
         traffic.append(Traffic("all_reduce", calls * layout.dp * moe.n_experts * 8, layout.dp, "ep"))
     if layout.ep == 1:
         return traffic
-    a2a = 0
+    a2a = wire = 0
     for record in routing:
         a2a += record["experts"] * 8  # the counts
         # dispatch: sent rows forward, received rows' gradients back; combine: received rows forward, sent back
-        a2a += (record["sent_rows"] + record["received_rows"]) * record["row_bytes"]
-    traffic.append(Traffic("all_to_all", a2a, layout.ep, "ep"))
+        rows = record["sent_rows"] + record["received_rows"]
+        a2a += rows * record["row_bytes"]
+        # on the wire: the counts for the other ep ranks, and every row but those a rank sends itself (each way)
+        wire += record["experts"] * 8 * (layout.ep - 1) / layout.ep
+        wire += (rows - 2 * record["own_rows"]) * record["row_bytes"]
+    traffic.append(Traffic("all_to_all", a2a, layout.ep, "ep", wire=wire if routing else None))
     if layout.dp > layout.ep:
         traffic.append(Traffic("all_reduce", expert_bytes, layout.dp // layout.ep, "ep"))
     return traffic

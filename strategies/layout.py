@@ -177,11 +177,15 @@ class Traffic:
     bytes: int
     ranks: int
     by: str
+    wire: float | None = None  # what leaves the rank, where the bus factor's even split does not hold
 
     @property
     def wire_bytes(self) -> float:
-        """What this rank puts on the wire for it (the nccl-tests bus factor of its group's size; what it receives
-        point to point it does not send)."""
+        """What this rank puts on the wire for it: `wire` if the piece knows it (an uneven all-to-all: the rows it
+        sends its peers, not itself), else the nccl-tests bus factor of its group's size; what it receives point
+        to point it does not send."""
+        if self.wire is not None:
+            return self.wire
         if self.kind == "recv" or self.ranks == 1:
             return 0.0
         return bus_factor(self.kind, self.ranks) * self.bytes

@@ -282,6 +282,14 @@ def test_expert_parallel_on_two_ranks_passes_every_check_and_counts_the_routing(
         for r in routing
     )
     assert sum(r["sent_rows"] for r in routing) == 2 * 4 * 32 * 1  # blocks x rows x tokens x top_k: dropless
+    # on the wire: the all-reduces (2 ranks: 2(n-1)/n = 1 x their bytes), half the counts, and every row but
+    # those a rank sent itself, each way (#45: the even split's (n-1)/n was 5.3 % over on one rank)
+    wire = theory["by_kind"]["all_reduce"] + sum(
+        8 * 8 / 2 + (r["sent_rows"] + r["received_rows"] - 2 * r["own_rows"]) * width for r in routing
+    )
+    assert theory["wire_bytes"] == wire and any(r["own_rows"] for r in routing)
+    even_split = theory["by_kind"]["all_reduce"] + theory["by_kind"]["all_to_all"] / 2
+    assert wire != even_split
     experts = 2 * 2 * 8 * 32 * 128  # blocks x (w_in, w_out) x experts x d x hidden: each rank holds half
     assert [held["params"] for held in metrics["bytes_per_rank"]] == [
         4 * (metrics["parameters"] - experts // 2)
