@@ -272,7 +272,7 @@ def sent(t: Theory) -> list[Traffic]:
         # on the wire: the counts for the other ep ranks, and every row but those a rank sends itself (each way)
         wire += record["experts"] * 8 * (layout.ep - 1) / layout.ep
         wire += (rows - 2 * record["own_rows"]) * record["row_bytes"]
-    traffic.append(Traffic("all_to_all", a2a, layout.ep, "ep", wire=wire if routing else None))
+    traffic.append(Traffic("all_to_all", a2a, layout.ep, "ep", wire=wire))
     if layout.dp > layout.ep:
         traffic.append(Traffic("all_reduce", expert_bytes, layout.dp // layout.ep, "ep"))
     return traffic
