@@ -64,6 +64,7 @@ class GPTConfig:
     bias_update_rate: float = (
         0.0  # auxiliary-loss-free balancing: the bias's step per optimizer step (0: none)
     )
+    expert_matmul: str = "grouped"  # grouped GEMM for the experts, or "loop": one matmul per expert (the reference)
 
     @property
     def kv_heads(self) -> int:
@@ -369,6 +370,9 @@ class ModelFlags:
                                 "none)")  # fmt: skip
     bias_update_rate: float = flag(0.0, "with --n_experts: auxiliary-loss-free balancing (DeepSeek-V3): each expert's "
                                    "routing bias moves by this per step towards the mean load (0: none)")  # fmt: skip
+    expert_matmul: str = flag("grouped", "with --n_experts: grouped (torch._grouped_mm, one kernel for every expert; "
+                              "where a width is not a multiple of 8 the loop runs) or loop (one matmul per expert, the "
+                              "reference; the same numbers)", choices=("grouped", "loop"))  # fmt: skip
 
     def model_config(self, base: GPTConfig | None = None, vocab_size: int = 0) -> GPTConfig:
         """The GPT these flags ask for (`vocab_size`: the one the tokenizer really has, once it is trained)."""

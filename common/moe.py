@@ -65,15 +65,41 @@ def local(weight: torch.Tensor) -> torch.Tensor:
 
 
 def run_experts(moe: MoE, tokens: torch.Tensor, counts: list[int]) -> torch.Tensor:
-    """Tokens grouped by expert (counts[e] rows for this rank's e-th expert, in order) through their experts."""
+    """Tokens grouped by expert (counts[e] rows for this rank's e-th expert, in order) through their experts: three
+    grouped GEMMs (torch._grouped_mm, one kernel for every expert's rows), or, with expert_matmul "loop" or where
+    the grouped kernel cannot run, the per-expert loop it is checked against (tests/test_moe.py: equal)."""
     w_in, w_out = local(moe.w_in), local(moe.w_out)
     w_gate = local(moe.w_gate) if moe.w_gate is not None else None
+    # the tokens' dtype, or autocast's: under FSDP's bf16 policy the tokens are bf16 while ep's experts, which
+    # FSDP leaves alone, stay float32; autocast does not cast _grouped_mm's inputs (measured, torch 2.13)
+    dtype = torch.get_autocast_dtype("cpu") if torch.is_autocast_enabled("cpu") else tokens.dtype
+    w_in, w_out = w_in.to(dtype), w_out.to(dtype)
+    w_gate = w_gate.to(dtype) if w_gate is not None else None
+    rows = tokens.to(dtype)
+    if moe.expert_matmul == "grouped" and can_group(rows, w_in):
+        offsets = torch.tensor(counts, device=tokens.device).cumsum(0).to(torch.int32)
+        hidden = torch._grouped_mm(rows, w_in, offs=offsets)
+        gate = None if w_gate is None else torch._grouped_mm(rows, w_gate, offs=offsets)
+        hidden = F.gelu(hidden) if gate is None else F.silu(gate) * hidden
+        return torch._grouped_mm(hidden, w_out, offs=offsets)
     outputs = []
-    for e, rows in enumerate(tokens.split(counts)):
-        hidden = rows @ w_in[e]
-        hidden = F.gelu(hidden) if w_gate is None else F.silu(rows @ w_gate[e]) * hidden
+    for e, expert_rows in enumerate(rows.split(counts)):
+        hidden = expert_rows @ w_in[e]
+        hidden = F.gelu(hidden) if w_gate is None else F.silu(expert_rows @ w_gate[e]) * hidden
         outputs.append(hidden @ w_out[e])
-    return torch.cat(outputs) if outputs else tokens.new_zeros(0, w_out.shape[-1])
+    return torch.cat(outputs) if outputs else rows.new_zeros(0, w_out.shape[-1])
+
+
+def can_group(tokens: torch.Tensor, w_in: torch.Tensor) -> bool:
+    """torch._grouped_mm's limits on CPU (torch 2.13, measured): every row 16-byte aligned (d_model and the
+    hidden width multiples of 8 in bf16, of 4 in float32); on fake tensors (experiments/at_scale.py) bf16 only:
+    its meta kernel refuses float32."""
+    from torch._subclasses.fake_tensor import FakeTensor
+
+    aligned = all(width * tokens.dtype.itemsize % 16 == 0 for width in w_in.shape[1:])
+    if isinstance(tokens, FakeTensor) or tokens.device.type != "cpu":
+        return aligned and tokens.dtype == torch.bfloat16  # CUDA's kernel is bf16's (torchtitan's experts)
+    return aligned
 
 
 class LocalExchange:
@@ -95,6 +121,7 @@ class MoE(nn.Module):
         self.route_norm = cfg.route_norm
         self.capacity_factor, self.aux_loss_coef = cfg.capacity_factor, cfg.aux_loss_coef
         self.bias_update_rate = cfg.bias_update_rate
+        self.expert_matmul = cfg.expert_matmul
         self.router = nn.Linear(d, experts, bias=False)
         # DeepSeek's shared experts: n always-on experts beside the routed ones, one dense MLP n x hidden wide
         # (no biases, as the routed experts); data-parallel like the rest of the model, never sent anywhere

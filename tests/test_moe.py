@@ -6,6 +6,8 @@ its mistakes fails."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -48,6 +50,51 @@ def test_the_moe_block_is_its_definition_token_by_token(router, mlp, shared):
             torch.nn.init.normal_(weight, std=0.2)
     x = torch.randn(2, 5, 16)
     assert torch.allclose(moe(x).view(10, 16), by_definition(moe, x.view(10, 16)), atol=1e-5)
+
+
+@pytest.mark.parametrize(("mlp", "d_model", "autocast"), [("gelu", 16, False), ("swiglu", 16, True), ("gelu", 6, False)])
+def test_grouped_experts_equal_the_per_expert_loop_forward_and_backward(mlp, d_model, autocast, monkeypatch):
+    """torch._grouped_mm against the loop it replaced, float32 and under bf16 autocast; at d_model 6 (24-byte
+    rows, not 16-byte aligned) the grouped setting runs the loop."""
+    kernel, calls = torch._grouped_mm, []
+    monkeypatch.setattr(torch, "_grouped_mm", lambda *a, **k: calls.append(a[0].dtype) or kernel(*a, **k))
+    torch.manual_seed(0)
+    cfg = GPTConfig(d_model=d_model, n_experts=4, top_k=2, mlp=mlp, n_head=2, bias=False)
+    grouped, loop = MoE(cfg), MoE(dataclasses.replace(cfg, expert_matmul="loop"))
+    for weight in (grouped.w_in, grouped.w_gate, grouped.w_out):
+        if weight is not None:
+            torch.nn.init.normal_(weight, std=0.2)
+    loop.load_state_dict(grouped.state_dict())
+    x, target = torch.randn(2, 9, d_model), torch.randn(2, 9, d_model)
+    results = []
+    for moe in (grouped, loop):
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+            out = moe(x)
+        ((out.float() - target) ** 2).sum().backward()
+        results.append([out, *(p.grad for p in moe.parameters())])
+    expected = [] if d_model % 4 else [torch.bfloat16 if autocast else torch.float32] * (3 if mlp == "swiglu" else 2)
+    assert calls == expected  # the grouped MoE's forward ran the grouped kernel (in autocast's dtype); the loop's not
+    for mine, reference in zip(*results):  # the same kernels' sums in another grouping: equal to rounding
+        assert torch.allclose(mine.float(), reference.float(), rtol=1e-2 if autocast else 1e-5, atol=1e-5)
+
+
+def test_bf16_tokens_go_through_float32_experts_as_fsdps_bf16_policy_leaves_them():
+    """Under FSDP's bf16 policy with ep the tokens are bf16 and the experts (FSDP leaves them to ep) float32: the
+    experts run in bf16 on bf16 copies (train_gpt --dp_shard 2 --ep 2 --mixed_precision bf16 raised a dtype error
+    before), grouped and looped alike, equal to the experts cast to bf16 beforehand."""
+    from common.moe import run_experts
+
+    torch.manual_seed(0)
+    moe = MoE(GPTConfig(d_model=16, n_experts=4, top_k=2, mlp="swiglu", bias=False))
+    for weight in (moe.w_in, moe.w_gate, moe.w_out):
+        torch.nn.init.normal_(weight, std=0.2)
+    tokens, counts = torch.randn(10, 16).bfloat16(), [3, 0, 5, 2]
+    by_hand = torch.cat([F.silu(rows @ moe.w_gate[e].bfloat16()) * (rows @ moe.w_in[e].bfloat16()) @ moe.w_out[e].bfloat16()
+                         for e, rows in enumerate(tokens.split(counts))])  # fmt: skip
+    for matmul in ("grouped", "loop"):
+        moe.expert_matmul = matmul
+        out = run_experts(moe, tokens, counts)
+        assert out.dtype == torch.bfloat16 and torch.allclose(out.float(), by_hand.float(), rtol=2e-2, atol=1e-2)
 
 
 def test_the_parameter_formula_counts_every_expert_and_the_active_ones_are_fewer():
