@@ -10,8 +10,10 @@ Per micro-batch, on each pipeline stage (the slowest sets the pace):
                flash kernel skips the masked half), and the memory-bound rest (norms, residual adds, the MLP's
                activation, rope) as so many reads and writes of the activations. Backward: twice the forward
                (weights' and inputs' gradients); full activation checkpointing runs the forward again.
-  exposed      tensor parallelism's, context parallelism's and the pipeline's sends: on the critical path
-               (Megatron's TP waits for each all-reduce; our CP gathers K and V before attention).
+  exposed      tensor parallelism's, context parallelism's and the pipeline's sends, and expert parallelism's
+               all-to-alls: on the critical path (Megatron's TP waits for each all-reduce; our CP gathers K and
+               V before attention; a MoE block waits for its tokens). A mixture of experts is priced on a uniform
+               routing (strategies/ep.uniform_routing), its FLOPs the active parameters'.
 Per step:
   pipeline     (m + p - 1) micro-batch times of the slowest stage (GPipe and 1F1B: p - 1 of them the bubble;
                Narayanan et al. 2021), m micro-batches when p = 1;
@@ -35,6 +37,7 @@ from pathlib import Path
 from common.comm_counter import bus_factor
 from common.config import require
 from common.gpt import GPTConfig, parameter_count
+from common.moe import active_parameter_count
 from strategies.layout import DIMS, Layout, Workload
 from strategies.theory import gathered_bytes, held_bytes, stage_theories, theory_of
 
@@ -45,6 +48,9 @@ PROFILES = Path(__file__).with_name("hardware.yaml")
 ELEMENTWISE_D = 12
 ELEMENTWISE_HIDDEN = {"gelu": 2, "swiglu": 5}
 ADAMW_BYTES_PER_PARAMETER = 28
+# a MoE's row (an assignment of a token to an expert) of width d: gathered in expert order (read, write: 2),
+# regrouped by local expert under ep (2), weighed by the router (2), added back to its token (index_add: 3)
+ELEMENTWISE_MOE_D = 9
 
 
 @dataclass(frozen=True)
@@ -112,18 +118,38 @@ def block_forward_seconds(work: Workload, layout: Layout, args, hw: Hardware, to
                   for k, n, split_out in ((d, d, True), (d, kv, True), (d, kv, True)))  # fmt: skip
     seconds += matmul_seconds(tokens, d // tp, d, element, hw, precision)  # output projection (row-parallel)
     up = 3 if cfg.mlp == "swiglu" else 2  # gate, up, down; or up, down
-    seconds += (up - 1) * matmul_seconds(tokens, d, cfg.hidden // tp, element, hw, precision)
-    seconds += matmul_seconds(tokens, cfg.hidden // tp, d, element, hw, precision)
+    if cfg.n_experts:
+        seconds += moe_forward_seconds(cfg, layout, hw, tokens, element, precision)
+    else:
+        seconds += (up - 1) * matmul_seconds(tokens, d, cfg.hidden // tp, element, hw, precision)
+        seconds += matmul_seconds(tokens, cfg.hidden // tp, d, element, hw, precision)
     # attention: each of this rank's query tokens against the sequence's keys up to it (half the sequence on
     # average under the causal mask), QK^T and AV, 2 FLOPs per multiply-add
     attention_flops = 2 * 2 * tokens * cfg.block_size / 2 * d / tp
     seconds += op_seconds(attention_flops, element * 4 * tokens * d / tp, hw, precision)
     sequence_split = tp if args.sequence_parallel else 1
-    rest = (
-        element
-        * tokens
-        * (ELEMENTWISE_D * d / sequence_split + ELEMENTWISE_HIDDEN[cfg.mlp] * cfg.hidden / tp)
-    )
+    hidden_rows = tokens * cfg.hidden / tp if not cfg.n_experts else 0  # the MoE's: moe_forward_seconds
+    rest = element * (tokens * ELEMENTWISE_D * d / sequence_split + ELEMENTWISE_HIDDEN[cfg.mlp] * hidden_rows)
+    return seconds + rest / hw.memory_bandwidth
+
+
+def moe_forward_seconds(cfg, layout: Layout, hw: Hardware, tokens: int, element: int, precision: str) -> float:
+    """A MoE block's MLP over `tokens` (whole on every tp rank: strategies/tp.py leaves it so), routing uniform
+    (ep.uniform_routing): the router (tokens x d x E), the experts' grouped GEMMs over the tokens x top_k rows a
+    rank receives (each of its E / ep experts' weights read once), the shared experts' MLP over every token; the
+    memory-bound rest: the activation over the rows' hidden width, the rows gathered in expert order and the
+    outputs weighed and added back (ELEMENTWISE_MOE_D reads and writes of a row)."""
+    d, hidden, rows = cfg.d_model, cfg.hidden, tokens * cfg.top_k
+    matrices = 3 if cfg.mlp == "swiglu" else 2
+    local_experts = cfg.n_experts // layout.ep
+    seconds = matmul_seconds(tokens, d, cfg.n_experts, element, hw, precision)
+    grouped_flops = 2 * rows * d * hidden
+    grouped_bytes = element * (rows * d + local_experts * d * hidden + rows * hidden)
+    seconds += matrices * op_seconds(grouped_flops, grouped_bytes, hw, precision)
+    shared = cfg.n_shared_experts * hidden
+    if shared:
+        seconds += matrices * matmul_seconds(tokens, d, shared, element, hw, precision)
+    rest = element * (ELEMENTWISE_HIDDEN[cfg.mlp] * (rows * hidden + tokens * shared) + ELEMENTWISE_MOE_D * rows * d)
     return seconds + rest / hw.memory_bandwidth
 
 
@@ -176,12 +202,18 @@ def activation_bytes(work: Workload, layout: Layout, args, blocks: int, first: b
         kv_width = cfg.kv_heads * (d // heads)
         attention += 2 * (t * layout.cp - t) * kv_width / tp * e + t * d / tp * e
     mlp = (4 if cfg.mlp == "swiglu" else 2) * t * h / tp * e
+    mlp_input_casts = 2 if cfg.mlp == "swiglu" else 1
+    if cfg.n_experts:
+        mlp, mlp_input_casts = moe_activation_bytes(cfg, layout, t, e, stream_e, autocast)
     casts = 0.0
     if autocast:
         one_block = parameter_count(GPTConfig(**{**cfg.__dict__, "n_layer": 1})) - parameter_count(
             GPTConfig(**{**cfg.__dict__, "n_layer": 0})
         )
-        casts = (3 + (2 if cfg.mlp == "swiglu" else 1)) * t * d * 2 + one_block / tp * 2
+        # a rank casts the experts it holds (E / ep of them), whole on every tp rank
+        experts = cfg.n_experts * (3 if cfg.mlp == "swiglu" else 2) * d * h
+        one_block = (one_block - experts) / tp + experts / layout.ep
+        casts = (3 + mlp_input_casts) * t * d * 2 + one_block * 2
     per_block = {
         "none": 2 * norm + attention + mlp + casts,
         "full": t * d / s * stream_e,
@@ -189,6 +221,27 @@ def activation_bytes(work: Workload, layout: Layout, args, blocks: int, first: b
     }[args.activation_checkpointing]
     ends = (norm + t * cfg.vocab_size * 4) if last else 0.0
     return blocks * per_block + ends
+
+
+def moe_activation_bytes(cfg, layout: Layout, t: float, e: int, stream_e: int, autocast: bool) -> tuple[float, int]:
+    """A MoE MLP's bytes kept for backward over t tokens (routing uniform: the rank's experts take the t x k rows
+    R it sends), whole on every tp rank, and how many of its matmul inputs autocast casts (per t d); as
+    common/moe.py and strategies/ep.py save them (listed with a saved-tensor hook under autocast and under FSDP's
+    bf16 policy, 2026-12-05): the router's float32 scores (t E) and chosen experts (t k, int64); three int64
+    indices a row (its token, its place in expert order, the combine's); the rows in expert order, the experts'
+    outputs, their weighted copy (3 R d) and that copy in the residual stream's dtype (R d); SwiGLU's gate, up,
+    silu and product (4 R h; GELU 2); each row's router weight; the shared experts as a dense MLP over the t
+    tokens. Under FSDP's bf16 policy ep's experts (FSDP leaves them alone: float32) are cast to bf16 each
+    forward, and the copies kept (under autocast: `casts`)."""
+    rows, d, h = t * cfg.top_k, cfg.d_model, cfg.hidden
+    per_hidden = 4 if cfg.mlp == "swiglu" else 2
+    routed = t * cfg.n_experts * 4 + t * cfg.top_k * 8 + rows * (3 * 8 + e)
+    routed += rows * d * (3 * e + stream_e) + per_hidden * rows * h * e
+    shared = per_hidden * t * cfg.n_shared_experts * h * e
+    expert_casts = 0
+    if layout.ep > 1 and layout.shard_dims and e == 2:
+        expert_casts = cfg.n_experts // layout.ep * (per_hidden // 2 + 1) * d * h * 2
+    return routed + shared + expert_casts, 1 + ((per_hidden // 2) if cfg.n_shared_experts else 0)
 
 
 def in_flight(schedule: str, pp_size: int, stage: int, m: int) -> int:
@@ -249,7 +302,7 @@ def collective_seconds(kind: str, size: float, ranks: int, link: Link, calls: in
     return calls * link.latency * ring_steps(kind, ranks) + size * bus_factor(kind, ranks) / link.bandwidth
 
 
-DIMENSION_GROUP = {"tp": ("tp",), "cp": ("cp",), "pp": ("pp",), "dp_replicate": ("dp_replicate",)}
+DIMENSION_GROUP = {"tp": ("tp",), "cp": ("cp",), "pp": ("pp",), "dp_replicate": ("dp_replicate",), "ep": ("ep",)}
 
 
 def traffic_seconds(traffic, layout: Layout, hw: Hardware, calls: dict | None = None) -> dict:
@@ -260,7 +313,10 @@ def traffic_seconds(traffic, layout: Layout, hw: Hardware, calls: dict | None = 
         by_kind[t.kind] = by_kind.get(t.kind, 0) + t.bytes
     seconds: dict[str, float] = {}
     for t in traffic:
-        dims = DIMENSION_GROUP.get(t.by) or (layout.shard_dims or ("dp_shard",))
+        # ep's all-to-alls wait in every MoE block (exposed, as tp's); its other collectives (the experts'
+        # gradients over their replicas, the balancing counts) are data parallelism's
+        by = t.by if t.by != "ep" or t.kind == "all_to_all" else "ep_data_parallel"
+        dims = DIMENSION_GROUP.get(by) or (layout.shard_dims or ("dp_shard",))
         share = t.bytes / by_kind[t.kind] if by_kind[t.kind] else 0
         n_calls = max(1, round((calls or {}).get(t.kind, 1) * share))
         fit = (hw.fitted or {}).get(t.kind)
@@ -268,11 +324,12 @@ def traffic_seconds(traffic, layout: Layout, hw: Hardware, calls: dict | None = 
             spent = 0.0 if t.kind == "recv" else n_calls * fit.latency + t.bytes / fit.bandwidth
         else:
             spent = collective_seconds(t.kind, t.bytes, t.ranks, link_of(layout, dims, hw), n_calls)
-        seconds[t.by] = seconds.get(t.by, 0.0) + spent
+        seconds[by] = seconds.get(by, 0.0) + spent
     return seconds
 
 
 # --------------------------------------------------------------------------------------------- the step
+EXPOSED = ("tp", "cp", "pp", "ep")  # on the critical path of every micro-batch
 def predict_step(
     reference, layout: Layout, args, work: Workload, hw: Hardware, calls: dict | None = None
 ) -> dict:
@@ -291,8 +348,8 @@ def predict_step(
         forward = t.blocks * block + ends_forward_seconds(work, layout, hw, tokens, t.first, t.last)
         comm = traffic_seconds(t.traffic, layout, hw, calls)
         per_microbatch = {"compute": forward * (3 + recompute),
-                          **{dim: comm.get(dim, 0.0) / m for dim in ("tp", "cp", "pp")}}  # fmt: skip
-        data_parallel = sum(s for dim, s in comm.items() if dim not in ("tp", "cp", "pp"))
+                          **{dim: comm.get(dim, 0.0) / m for dim in EXPOSED}}  # fmt: skip
+        data_parallel = sum(s for dim, s in comm.items() if dim not in EXPOSED)
         held = sum(math.prod(shape) for _, shape in t.held)
         stages.append((sum(per_microbatch.values()), per_microbatch, data_parallel, held / shard, t.rank))
     slowest = max(stages, key=lambda s: s[0])
@@ -310,6 +367,7 @@ def predict_step(
             "tp": m * terms["tp"],
             "cp": m * terms["cp"],
             "pp_sends": m * terms["pp"],
+            "ep_all_to_all": m * terms["ep"],
             "bubble": (layout.pp - 1) * per_microbatch_s,
             "data_parallel_exposed": exposed_dp_s,
             "data_parallel_total": data_parallel_s,
@@ -328,7 +386,9 @@ def model_flops_per_token(cfg, recompute: bool = False) -> float:
     eq. 3: 96 B s l h^2 (1 + s / 6h + V / 16 l h)), which counts the blocks' forward again, not the head's."""
 
     head = cfg.vocab_size * cfg.d_model
-    n = parameter_count(cfg) - (cfg.block_size * cfg.d_model if cfg.positions == "learned" else 0)
+    # a mixture of experts: the parameters a token uses (common/moe.active_parameter_count)
+    n = active_parameter_count(cfg, parameter_count(cfg))
+    n -= cfg.block_size * cfg.d_model if cfg.positions == "learned" else 0
     n -= 0 if cfg.tie_weights else head  # the token embedding is a lookup; its matmul is the head's
     attention = 4 * cfg.n_layer * cfg.block_size * cfg.d_model  # a forward's QK^T and AV per token
     flops = 3 * (2 * n + attention)

@@ -156,7 +156,6 @@ def run_rank(cfg, layout: Layout, work: Workload, rank: int) -> dict:
         routing = job.theory_inputs().get(
             "routing", []
         )  # what the MoE blocks sent and received: ep's theory's
-    moe = bool(work.model.n_experts)
     reference = meta_gpt(work.model)
     held, theory = instruments.held, held_bytes(reference, layout, rank, cfg, work)
     holding = theory_of(reference, layout, rank, cfg, work)  # its blocks
@@ -171,11 +170,8 @@ def run_rank(cfg, layout: Layout, work: Workload, rank: int) -> dict:
         },  # fmt: skip
         "activations_per_microbatch": max(kept),
         "activations_peak": peak_live,
-        # the cost model's estimates are the dense GPT's: none for a mixture of experts
-        "activations_estimate": None
-        if moe
-        else round(activation_bytes(work, layout, cfg, holding.blocks, first, last)),
-        "peak_estimate": None if moe else round(memory_estimate(reference, layout, cfg, work, rank)["peak"]),
+        "activations_estimate": round(activation_bytes(work, layout, cfg, holding.blocks, first, last)),
+        "peak_estimate": round(memory_estimate(reference, layout, cfg, work, rank)["peak"]),
         "in_flight": most_in_flight,
         "grads_accumulated_unsharded": accumulated or 0,
         "counted": {"calls": dict(counter.calls), "bytes": dict(counter.bytes)},
@@ -222,11 +218,13 @@ def run_ranks(cfg, layout: Layout, work: Workload, ranks: list[int], show_progre
     pool = ProcessPoolExecutor(workers, mp_context=context, max_tasks_per_child=1)
     futures = {pool.submit(run_rank, cfg, layout, work, rank): rank for rank in ranks}
     bar = tqdm(total=len(futures), desc="at_scale ranks", disable=not show_progress, leave=False)
+    finished = False
     try:
         results = []
         for future in as_completed(futures, timeout=limit_s):
             results.append(future.result())
             bar.update()
+        finished = True
     except TimeoutError:
         late = [rank for future, rank in futures.items() if not future.done()]
         raise UsageError(f"rank {late[0]} did not finish within --dist_timeout_s {cfg.dist_timeout_s:g} ({limit_s:g} s for "
@@ -235,8 +233,11 @@ def run_ranks(cfg, layout: Layout, work: Workload, ranks: list[int], show_progre
     finally:
         bar.close()
         # Ends the workers at once on a timeout or Ctrl-C (a pool's exit would wait for every rank to finish;
-        # the executor has no public way to stop a running task)
-        for process in list(getattr(pool, "_processes", {}).values()):
-            process.kill()
+        # the executor has no public way to stop a running task). Not when every rank finished: an idle worker
+        # killed while it held the task queue's lock left the pool's shutdown waiting for ever (measured: 4
+        # ranks on 2 workers, each worker replaced after its rank)
+        if not finished:
+            for process in list(getattr(pool, "_processes", {}).values()):
+                process.kill()
         pool.shutdown(wait=True, cancel_futures=True)
     return sorted(results, key=lambda r: r["rank"])

@@ -68,6 +68,34 @@ MODELS = {
         1024,
         "Muennighoff et al. 2024 (OLMoE), Table 1",
     ),  # fmt: skip
+    # DeepSeek-AI 2024 (DeepSeek-V3 technical report), section 4.2: 61 layers, width 7,168, 128 heads, 1 shared and
+    # 256 routed experts of FFN width 2,048 a layer, 8 a token, sigmoid scores renormalised over the 8 chosen
+    # (671B parameters, 37B active); vocabulary 129,280 (its config), context 4,096, batch 15,360 sequences (after
+    # its ramp); SwiGLU, RMSNorm, untied. Its differences from ours, which change bytes and FLOPs: multi-head
+    # latent attention (ours: plain multi-head, 56-wide heads), its first 3 layers dense (ours: all 61 MoE), its
+    # multi-token prediction module; ours has 704.9B parameters, 38.7B active.
+    "deepseek_v3": Model(
+        GPTConfig(
+            vocab_size=129_280,
+            block_size=4096,
+            n_layer=61,
+            n_head=128,
+            d_model=7168,
+            d_ff=2048,
+            tie_weights=False,
+            mlp="swiglu",
+            norm="rmsnorm",
+            positions="rope",
+            bias=False,
+            n_experts=256,
+            top_k=8,
+            n_shared_experts=1,
+            router="sigmoid",
+            route_norm=True,
+        ),
+        15_360,
+        "DeepSeek-AI 2024 (DeepSeek-V3), sections 3.2 and 4.2",
+    ),  # fmt: skip
 }
 
 

@@ -48,7 +48,7 @@ import torch.distributed._functional_collectives as funcol
 from common import moe
 from common.config import flag, require
 from common.moe import moe_layers, run_experts
-from strategies.layout import Layout, Mistake, Traffic, submesh
+from strategies.layout import Layout, Mistake, Traffic, chunk_rows, submesh
 from strategies.piece import Context, Piece, Plan, Theory
 
 MISTAKES = {  # each: what it is, and the runs under which it is one
@@ -276,6 +276,27 @@ def sent(t: Theory) -> list[Traffic]:
     if layout.dp > layout.ep:
         traffic.append(Traffic("all_reduce", expert_bytes, layout.dp // layout.ep, "ep"))
     return traffic
+
+
+def uniform_routing(layout: Layout, work, args, rank: int, blocks: int) -> list[dict]:
+    """The routing records a rank's exchanges make in one step when every rank routes uniformly (what
+    experiments/at_scale.py assumes on fake tensors, planning/fake_ranks.uniform_order, and the planner prices):
+    each forward's tokens x top_k assignments shared out over the experts as torch.chunk shares them, the same
+    on every rank, so a rank receives what it sends. `blocks`: the MoE blocks the rank holds."""
+    cfg = work.model
+    if layout.ep == 1 or not cfg.n_experts:
+        return []
+    m = args.pp_microbatches if layout.pp > 1 else 1
+    assignments = work.rows // m * cfg.block_size // layout.cp * cfg.top_k
+    per_expert = [chunk_rows(assignments, cfg.n_experts, e) for e in range(cfg.n_experts)]
+    local_experts, me = cfg.n_experts // layout.ep, layout.coordinate(rank, "ep")
+    own_rows = sum(per_expert[me * local_experts : (me + 1) * local_experts])
+    # a row goes out in the residual stream's dtype and comes back in the experts' (their matmuls' output)
+    stream = 2 if work.mixed_precision == "bf16" and layout.shard_dims else 4
+    expert_out = 2 if work.mixed_precision == "bf16" else 4
+    record = {"sent_rows": assignments, "received_rows": assignments, "own_rows": own_rows,
+              "row_bytes": cfg.d_model * (stream + expert_out), "experts": cfg.n_experts}  # fmt: skip
+    return [dict(record) for _ in range(blocks * m * work.micro_batches)]
 
 
 def forget_routing(exchanges: list[AllToAll]) -> None:

@@ -46,5 +46,13 @@ def sent_bytes(model, layout: Layout, rank: int, args, work: Workload, routing: 
 
 def stage_theories(model, layout: Layout, args, work: Workload) -> list[Theory]:
     """The theory of each pipeline stage's first rank (every rank, when there is no pipeline), what it holds and
-    sends composed: what planning/cost_model.py prices."""
-    return [theory_of(model, layout, layout.rank_at(pp=stage), args, work) for stage in range(layout.pp)]
+    sends composed: what planning/cost_model.py prices. A mixture of experts' all-to-alls as a uniform routing
+    sends them (strategies/ep.uniform_routing: what experiments/at_scale.py assumes and counts)."""
+    from strategies.ep import uniform_routing
+
+    theories = []
+    for rank in (layout.rank_at(pp=stage) for stage in range(layout.pp)):
+        blocks = theory_of(model, layout, rank, args, work).blocks
+        routing = uniform_routing(layout, work, args, rank, blocks)
+        theories.append(theory_of(model, layout, rank, args, work, {"routing": routing}))
+    return theories

@@ -20,6 +20,24 @@ def test_a_plan_lists_fitting_layouts_fastest_first_and_says_why_others_do_not(c
     assert "python experiments/at_scale.py --model llama3_8b --world_size 16" in out
 
 
+def test_a_mixture_of_experts_is_planned_with_expert_parallelism_and_priced_by_its_active_parameters(capsys):
+    """OLMoE on 64 GPUs: ep enumerated over the data-parallel ranks, the layouts priced (no refusal); its model
+    FLOPs are the active parameters' (1.3B of 6.9B), so that no layout claims more TFLOP/s than the hardware."""
+    from common.moe import active_parameter_count
+    from planning.cost_model import model_flops_per_token
+    from planning.published import MODELS
+
+    assert main(["--model", "olmoe_1b_7b", "--gpus", "64", "--top", "50"]) == 0
+    out = capsys.readouterr().out
+    table = out.split("\n\n")[1].splitlines()[1:]
+    assert any(" x ep " in line for line in table) and any(" x ep " not in line for line in table)
+    assert all(float(line.split()[-2]) <= 989 for line in table)  # TFLOP/s under an H100's bf16 peak
+    shape = MODELS["olmoe_1b_7b"].shape
+    active = active_parameter_count(shape, 6_919_096_320)
+    assert model_flops_per_token(shape) == 3 * (2 * (active - shape.vocab_size * shape.d_model)
+                                                + 4 * shape.n_layer * shape.block_size * shape.d_model)  # fmt: skip
+
+
 def test_nothing_fits_is_said_in_words(capsys):
     assert main(["--model", "llama3_8b", "--gpus", "1"]) == 1
     out = capsys.readouterr().out
@@ -35,7 +53,6 @@ def test_nothing_fits_is_said_in_words(capsys):
         (["--hardware", "tpu_v9"], "--hardware 'tpu_v9' is not a profile in planning/hardware.yaml"),
         (["--gpus", "0"], "--gpus must be > 0, got 0"),
         (["--gpus", "1000000000"], "--gpus 1,000,000,000: at most 1,048,576"),  # it hung in the divisor walk
-        (["--model", "olmoe_1b_7b"], "--model olmoe_1b_7b: a mixture of experts; the planner's cost model"),
     ],
 )
 def test_unknown_input_is_one_line_and_exit_2(args, message, capsys):

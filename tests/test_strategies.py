@@ -11,6 +11,7 @@ import inspect
 import itertools
 
 import pytest
+import torch
 
 from common.config import UsageError
 from common.gpt import GPTConfig, build_gpt
@@ -255,6 +256,10 @@ def test_three_ranks_hold_torch_chunks_uneven_shards():
     held = [theory(layout, args, rank)[0]["params"] for rank in range(3)]
     assert held[0] == held[1] > held[2] and sum(held) == FULL
     assert [chunk_rows(2048, 3, r) for r in range(3)] == [683, 683, 682]
+    # the arithmetic is torch.chunk's, empty trailing pieces too (torch.chunk(5 rows, 4): 2, 2, 1, none)
+    for rows, parts in [(0, 3), (5, 4), (7, 7), (10, 4), (2048, 5), (3, 8)]:
+        pieces = [p.shape[0] for p in torch.chunk(torch.empty(rows), parts)]
+        assert [chunk_rows(rows, parts, i) for i in range(parts)] == pieces + [0] * (parts - len(pieces))
     # FSDP2 gathers into a buffer padded to a multiple of 3 ranks: more than the parameters
     assert theory(layout, args)[1]["by_kind"]["all_gather"] > 7_422_976
 

@@ -4,8 +4,9 @@
     python -m tools.plan --model llama3_405b --gpus 16384 --hardware h100_sxm --top 5
     python -m tools.plan --model gpt3_175b --gpus 1024 --hardware a100_80gb --block_size 4096
 
-Every layout of the five degrees whose product is --gpus (tp within a node and dividing the heads, pp at most
-the blocks, cp for sequences of 32K tokens and more, the data-parallel rest sharded (FSDP) or replicated), each
+Every layout of the degrees whose product is --gpus (tp within a node and dividing the heads, pp at most the
+blocks, cp for sequences of 32K tokens and more, for a mixture of experts ep dividing the experts, the
+data-parallel rest sharded (FSDP) or replicated), each
 with and without full activation checkpointing (sequence parallelism where it can run), goes through the
 same refusals train_gpt and experiments/at_scale.py apply (strategies/: a layout they cannot run is rejected
 with their one line), then:
@@ -55,9 +56,7 @@ class PlanArgs:
     top: int = flag(10, "fitting layouts to list")
 
     def validate(self) -> None:
-        require(not model_named(self.model).shape.n_experts,
-                f"--model {self.model}: a mixture of experts; the planner's cost model (FLOPs, activations) is the dense "
-                "GPT's: not built (experiments/at_scale.py measures its memory and all-to-alls)")  # fmt: skip
+        model_named(self.model)  # an unknown shape: one line
         load_hardware(self.hardware)
         for name in ("gpus", "top"):
             require(getattr(self, name) > 0, f"--{name} must be > 0, got {getattr(self, name)}")
@@ -96,9 +95,13 @@ def candidates(cfg: GPTConfig, gpus: int, gpus_per_node: int, global_batch: int)
                 dp = gpus // (tp * pp * cp)
                 if global_batch % dp:
                     continue
-                for data_parallel in ("dp_shard", "dp_replicate")[: 2 if dp > 1 else 1]:
-                    for checkpointing in ("none", "full"):
-                        yield {"tp": tp, "pp": pp, "cp": cp, data_parallel: dp}, checkpointing
+                # a mixture of experts: ep of the data-parallel ranks split the experts (each a divisor of both)
+                for ep in (d for d in divisors(dp) if cfg.n_experts % d == 0) if cfg.n_experts else (1,):
+                    rest = dp // ep
+                    for data_parallel in ("dp_shard", "dp_replicate")[: 2 if rest > 1 else 1]:
+                        for checkpointing in ("none", "full"):
+                            degrees = {"tp": tp, "pp": pp, "cp": cp, data_parallel: rest, "ep": ep}
+                            yield degrees, checkpointing
 
 
 def describe(degrees: dict, checkpointing: str) -> str:
@@ -110,7 +113,7 @@ def evaluate(reference, cfg: GPTConfig, degrees: dict, checkpointing: str, args:
     """A candidate's refusal, or its memory per stage and its predicted step."""
     layout = Layout(**{d: degrees.get(d, 1) for d in DIMS})
     rows = args.global_batch // layout.dp
-    sequence_parallel = layout.tp > 1 and layout.pp == layout.cp == 1 and checkpointing != "full"
+    sequence_parallel = layout.tp > 1 and layout.pp == layout.cp == 1 and checkpointing != "full" and not cfg.n_experts
     flags = Candidate(**{d: getattr(layout, d) for d in DIMS}, activation_checkpointing=checkpointing,
                       pp_microbatches=rows, sequence_parallel=sequence_parallel)  # fmt: skip
     work = Workload(cfg, rows, 1, args.mixed_precision)
