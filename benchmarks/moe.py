@@ -1,13 +1,15 @@
 """A mixture of experts against the dense GPT at equal active parameters, and its load balancing measured: train_gpt
 on 2 CPU ranks, in turns in one command so the figures compare.
 
-    python -m benchmarks.moe                      # 5 runs of 200 steps: ~6 minutes here
+    python -m benchmarks.moe                      # 6 runs of 200 steps: ~7 minutes here
     python -m benchmarks.moe --max_steps 40       # a quicker look
 
 Runs (each through `accelerate launch`, every train_gpt check passing):
   dense            the default GPT (MLP hidden 512), data parallel (--dp_replicate 2)
   moe_ddp          4 experts of hidden 256, top 2 (the same active MLP width: 2 x 256), data parallel
-  ep_none          the same under --ep 2 (2 experts a rank, all-to-all), no balancing
+  ep_none          the same under --ep 2 (2 experts a rank, all-to-all), no balancing; the experts by grouped GEMM
+  ep_loop          ep_none with --expert_matmul loop: one matmul per expert (the reference the grouped GEMM is
+                   checked against), side by side with it
   ep_aux           + the auxiliary loss (--aux_loss_coef 0.01)
   ep_bias          + auxiliary-loss-free balancing instead (--bias_update_rate 0.001)
 Writes <output_dir>/<UTC time>/moe.md and moe.json; the table goes into docs/train_gpt.md by hand, with this command.
@@ -29,6 +31,7 @@ RUNS = {
     "dense": ["--dp_replicate", "2"],
     "moe_ddp": [*MOE, "--dp_replicate", "2"],
     "ep_none": [*MOE, "--ep", "2"],
+    "ep_loop": [*MOE, "--ep", "2", "--expert_matmul", "loop"],
     "ep_aux": [*MOE, "--ep", "2", "--aux_loss_coef", "0.01"],
     "ep_bias": [*MOE, "--ep", "2", "--bias_update_rate", "0.001"],
 }

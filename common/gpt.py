@@ -64,7 +64,8 @@ class GPTConfig:
     bias_update_rate: float = (
         0.0  # auxiliary-loss-free balancing: the bias's step per optimizer step (0: none)
     )
-    expert_matmul: str = "grouped"  # grouped GEMM for the experts, or "loop": one matmul per expert (the reference)
+    # the experts by grouped GEMM, or "loop": one matmul per expert (the reference it is checked against)
+    expert_matmul: str = "grouped"
 
     @property
     def kv_heads(self) -> int:

@@ -133,7 +133,9 @@ def block_forward_seconds(work: Workload, layout: Layout, args, hw: Hardware, to
     return seconds + rest / hw.memory_bandwidth
 
 
-def moe_forward_seconds(cfg, layout: Layout, hw: Hardware, tokens: int, element: int, precision: str) -> float:
+def moe_forward_seconds(
+    cfg, layout: Layout, hw: Hardware, tokens: int, element: int, precision: str
+) -> float:
     """A MoE block's MLP over `tokens` (whole on every tp rank: strategies/tp.py leaves it so), routing uniform
     (ep.uniform_routing): the router (tokens x d x E), the experts' grouped GEMMs over the tokens x top_k rows a
     rank receives (each of its E / ep experts' weights read once), the shared experts' MLP over every token; the
@@ -149,7 +151,9 @@ def moe_forward_seconds(cfg, layout: Layout, hw: Hardware, tokens: int, element:
     shared = cfg.n_shared_experts * hidden
     if shared:
         seconds += matrices * matmul_seconds(tokens, d, shared, element, hw, precision)
-    rest = element * (ELEMENTWISE_HIDDEN[cfg.mlp] * (rows * hidden + tokens * shared) + ELEMENTWISE_MOE_D * rows * d)
+    rest = element * (
+        ELEMENTWISE_HIDDEN[cfg.mlp] * (rows * hidden + tokens * shared) + ELEMENTWISE_MOE_D * rows * d
+    )
     return seconds + rest / hw.memory_bandwidth
 
 
@@ -223,7 +227,9 @@ def activation_bytes(work: Workload, layout: Layout, args, blocks: int, first: b
     return blocks * per_block + ends
 
 
-def moe_activation_bytes(cfg, layout: Layout, t: float, e: int, stream_e: int, autocast: bool) -> tuple[float, int]:
+def moe_activation_bytes(
+    cfg, layout: Layout, t: float, e: int, stream_e: int, autocast: bool
+) -> tuple[float, int]:
     """A MoE MLP's bytes kept for backward over t tokens (routing uniform: the rank's experts take the t x k rows
     R it sends), whole on every tp rank, and how many of its matmul inputs autocast casts (per t d); as
     common/moe.py and strategies/ep.py save them (listed with a saved-tensor hook under autocast and under FSDP's
@@ -302,7 +308,13 @@ def collective_seconds(kind: str, size: float, ranks: int, link: Link, calls: in
     return calls * link.latency * ring_steps(kind, ranks) + size * bus_factor(kind, ranks) / link.bandwidth
 
 
-DIMENSION_GROUP = {"tp": ("tp",), "cp": ("cp",), "pp": ("pp",), "dp_replicate": ("dp_replicate",), "ep": ("ep",)}
+DIMENSION_GROUP = {
+    "tp": ("tp",),
+    "cp": ("cp",),
+    "pp": ("pp",),
+    "dp_replicate": ("dp_replicate",),
+    "ep": ("ep",),
+}
 
 
 def traffic_seconds(traffic, layout: Layout, hw: Hardware, calls: dict | None = None) -> dict:
@@ -330,6 +342,8 @@ def traffic_seconds(traffic, layout: Layout, hw: Hardware, calls: dict | None = 
 
 # --------------------------------------------------------------------------------------------- the step
 EXPOSED = ("tp", "cp", "pp", "ep")  # on the critical path of every micro-batch
+
+
 def predict_step(
     reference, layout: Layout, args, work: Workload, hw: Hardware, calls: dict | None = None
 ) -> dict:

@@ -69,6 +69,11 @@ MISTAKES = {  # each: what it is, and the runs under which it is one
         "the experts' gradients also summed over the tensor-parallel ranks, as if they had routed other tokens",
         lambda plan: plan.engine_stage is None and plan.layout.ep > 1 and plan.layout.tp > 1,
     ),
+    # cp ranks hold other tokens of the same sequences: the experts' gradients must be averaged over them too
+    "experts_averaged_without_cp": Mistake(
+        "the experts' gradients summed and averaged over the data-parallel ranks only, as if cp ranks held copies",
+        lambda plan: plan.engine_stage is None and plan.layout.ep > 1 and plan.layout.cp > 1,
+    ),
     # a mistake wherever the data-parallel ranks' tokens meet one capacity: ep or not
     "capacity_per_rank": Mistake(
         "each rank's expert capacity counted over its own tokens, not the global micro-batch's",
@@ -96,9 +101,12 @@ def refuse(plan: Plan) -> None:
             "divisor")  # fmt: skip
     if not experts:
         return
+    # a capacity keeps each expert's first tokens in one process's order (row by row), which a cp rank's chunks
+    # of every row do not follow
     require(
-        layout.cp == 1,
-        f"--n_experts with --cp {layout.cp}: not built (MoE runs under dp_replicate, dp_shard, ep, tp, pp)",
+        layout.cp == 1 or work.model.capacity_factor == 0,
+        f"--n_experts with --cp {layout.cp} and --capacity_factor: not built (the capacity's token order is one "
+        "process's, row by row; a cp rank holds chunks of every row)",
     )
     # the balancing loss and a capacity count each forward's tokens: a pipeline's forward is one of its
     # micro-batches, which the one-process reference (and the global micro-batch) does not cut
@@ -256,9 +264,10 @@ def sent(t: Theory) -> list[Traffic]:
     traffic = []
     moe = work.model
     calls = moe.n_layer * work.micro_batches  # MoE forwards a step
-    if moe.n_experts and moe.aux_loss_coef > 0 and layout.dp > 1:
-        traffic.append(Traffic("all_reduce", calls * moe.n_experts * 4, layout.dp, "ep"))
-    # under a capacity: the (ranks, experts) table of int64 counts
+    token_ranks = layout.dp * layout.cp  # the ranks whose tokens make the batch (`apply`'s data group)
+    if moe.n_experts and moe.aux_loss_coef > 0 and token_ranks > 1:
+        traffic.append(Traffic("all_reduce", calls * moe.n_experts * 4, token_ranks, "ep"))
+    # under a capacity: the (ranks, experts) table of int64 counts (refused under cp)
     if moe.n_experts and moe.capacity_factor > 0 and layout.dp > 1:
         traffic.append(Traffic("all_reduce", calls * layout.dp * moe.n_experts * 8, layout.dp, "ep"))
     if layout.ep == 1:
@@ -273,8 +282,8 @@ def sent(t: Theory) -> list[Traffic]:
         wire += record["experts"] * 8 * (layout.ep - 1) / layout.ep
         wire += (rows - 2 * record["own_rows"]) * record["row_bytes"]
     traffic.append(Traffic("all_to_all", a2a, layout.ep, "ep", wire=wire))
-    if layout.dp > layout.ep:
-        traffic.append(Traffic("all_reduce", expert_bytes, layout.dp // layout.ep, "ep"))
+    if token_ranks > layout.ep:  # the experts' gradients over the ranks that hold the same experts
+        traffic.append(Traffic("all_reduce", expert_bytes, token_ranks // layout.ep, "ep"))
     return traffic
 
 
@@ -326,12 +335,15 @@ class ExpertParallel(Piece):
             for layer in moe_layers(stage):
                 layer.aux_loss_scale = 1 / ctx.work.micro_batches
         layout = ctx.layout
-        data_dims = tuple(d for d in ("dp_replicate", "dp_shard", "ep") if getattr(layout, d) > 1)
+        # the ranks whose tokens make the step's batch: the data-parallel ones and the cp ranks (each holds
+        # chunks of the sequences), over which the counts are summed and the experts' gradients averaged
+        data_dims = tuple(d for d in ("dp_replicate", "dp_shard", "ep", "cp") if getattr(layout, d) > 1)
         state = ctx.runtime[self.name] = {
             "exchanges": [],
             "replicas": None,
             "balance_history": [],
             "tp": None,
+            "token_ranks": layout.dp * layout.cp,  # what the experts' summed gradients are divided by
         }
         if ctx.args.wrong_variant == "expert_gradients_summed_over_tp":
             state["tp"] = ctx.mesh["tp"].get_group()
@@ -344,6 +356,9 @@ class ExpertParallel(Piece):
                 state["exchanges"] += apply(stage, ep_mesh, data_group, layout, ctx.rank, ctx.args)
         # the ranks that hold the same experts (the data-parallel ranks of other ep coordinates' peers: not ep)
         replica_dims = tuple(d for d in data_dims if d != "ep")
+        if ctx.args.wrong_variant == "experts_averaged_without_cp":
+            replica_dims = tuple(d for d in replica_dims if d != "cp")
+            state["token_ranks"] = layout.dp
         if state["exchanges"] and replica_dims:
             state["replicas"] = submesh(ctx.mesh, replica_dims).get_group()
         return stages
@@ -366,7 +381,7 @@ class ExpertParallel(Piece):
     def after_backward(self, job) -> None:
         state = job.state(self)
         if state["exchanges"] and job.accelerator.sync_gradients:
-            reduce_gradients(job.model, state["replicas"], job.layout.dp, state["tp"])
+            reduce_gradients(job.model, state["replicas"], state["token_ranks"], state["tp"])
 
     def before_clip(self, job) -> None:
         """The step's loads (summed over the data-parallel ranks) move the balancing bias."""

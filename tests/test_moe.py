@@ -52,7 +52,9 @@ def test_the_moe_block_is_its_definition_token_by_token(router, mlp, shared):
     assert torch.allclose(moe(x).view(10, 16), by_definition(moe, x.view(10, 16)), atol=1e-5)
 
 
-@pytest.mark.parametrize(("mlp", "d_model", "autocast"), [("gelu", 16, False), ("swiglu", 16, True), ("gelu", 6, False)])
+@pytest.mark.parametrize(
+    ("mlp", "d_model", "autocast"), [("gelu", 16, False), ("swiglu", 16, True), ("gelu", 6, False)]
+)
 def test_grouped_experts_equal_the_per_expert_loop_forward_and_backward(mlp, d_model, autocast, monkeypatch):
     """torch._grouped_mm against the loop it replaced, float32 and under bf16 autocast; at d_model 6 (24-byte
     rows, not 16-byte aligned) the grouped setting runs the loop."""
@@ -72,9 +74,15 @@ def test_grouped_experts_equal_the_per_expert_loop_forward_and_backward(mlp, d_m
             out = moe(x)
         ((out.float() - target) ** 2).sum().backward()
         results.append([out, *(p.grad for p in moe.parameters())])
-    expected = [] if d_model % 4 else [torch.bfloat16 if autocast else torch.float32] * (3 if mlp == "swiglu" else 2)
-    assert calls == expected  # the grouped MoE's forward ran the grouped kernel (in autocast's dtype); the loop's not
-    for mine, reference in zip(*results):  # the same kernels' sums in another grouping: equal to rounding
+    expected = (
+        [] if d_model % 4 else [torch.bfloat16 if autocast else torch.float32] * (3 if mlp == "swiglu" else 2)
+    )
+    assert (
+        calls == expected
+    )  # the grouped MoE's forward ran the grouped kernel (in autocast's dtype); the loop's not
+    for mine, reference in zip(
+        *results, strict=True
+    ):  # the same kernels' sums in another grouping: equal to rounding
         assert torch.allclose(mine.float(), reference.float(), rtol=1e-2 if autocast else 1e-5, atol=1e-5)
 
 
@@ -94,7 +102,9 @@ def test_bf16_tokens_go_through_float32_experts_as_fsdps_bf16_policy_leaves_them
     for matmul in ("grouped", "loop"):
         moe.expert_matmul = matmul
         out = run_experts(moe, tokens, counts)
-        assert out.dtype == torch.bfloat16 and torch.allclose(out.float(), by_hand.float(), rtol=2e-2, atol=1e-2)
+        assert out.dtype == torch.bfloat16 and torch.allclose(
+            out.float(), by_hand.float(), rtol=2e-2, atol=1e-2
+        )
 
 
 def test_the_parameter_formula_counts_every_expert_and_the_active_ones_are_fewer():
@@ -289,7 +299,7 @@ def test_bad_moe_flags_are_one_line_and_exit_2(flags, said, capsys, tmp_path):
     [
         ({"ep": 2}, 0, "--ep 2: expert parallelism splits experts; the model has none (--n_experts N)"),
         ({"ep": 2}, 3, "--n_experts 3 with --ep 2: each ep rank holds n_experts / ep experts; pick a divisor"),
-        ({"cp": 2, "ep": 2}, 4, "--n_experts with --cp 2: not built"),
+        ({"cp": 2, "ep": 2}, 4, "--n_experts with --cp 2 and --capacity_factor: not built"),
         ({"pp": 2, "ep": 2}, 4, "--n_experts with --pp 2 and --aux_loss_coef or --capacity_factor: not built"),
     ],
 )  # fmt: skip
@@ -299,7 +309,8 @@ def test_expert_parallelism_refuses_what_it_cannot_split_in_one_line(degrees, ex
     from strategies.args import ParallelArgs
     from strategies.layout import Layout, Workload
 
-    model = GPTConfig(n_experts=experts, aux_loss_coef=0.01 if degrees.get("pp") else 0.0)
+    model = GPTConfig(n_experts=experts, aux_loss_coef=0.01 if degrees.get("pp") else 0.0,
+                      capacity_factor=1.25 if degrees.get("cp") else 0.0)  # fmt: skip
     plan = ParallelArgs().plan(Layout(**degrees), Workload(model, rows=4))
     with pytest.raises(UsageError) as refused:
         ep.PIECE.refuse(plan)
@@ -394,6 +405,19 @@ def test_expert_parallel_composes_with_a_pipeline(tmp_path):
 
 
 @pytest.mark.launch
+def test_expert_parallel_composes_with_context_parallelism(tmp_path):
+    """ep 2 x cp 2: each cp rank routes its chunks of every sequence (tokens are independent to a MoE); the counts
+    are summed and the experts' gradients averaged over the cp ranks too, as over data-parallel ones."""
+    args = [*GPT_TINY, *MOE, "--ep", "2", "--cp", "2", "--bias_update_rate", "0.001", "--max_steps", "8",
+            "--parity_steps", "4"]  # fmt: skip
+    summary = assert_gpt_passed(fork_launch(main, args, tmp_path / "run", num_processes=4), 4)
+    counted = summary["metrics"]["communication"]["counted"]
+    assert (
+        counted["bytes"]["all_to_all"] > 0 and counted["bytes"]["all_gather"] > 0
+    )  # the tokens; cp's K and V
+
+
+@pytest.mark.launch
 @pytest.mark.parametrize(
     ("variant", "flags", "ranks"),
     [
@@ -402,6 +426,7 @@ def test_expert_parallel_composes_with_a_pipeline(tmp_path):
         ("balance_on_local_tokens", [], 2),
         ("capacity_per_rank", ["--capacity_factor", "1.25"], 2),
         ("expert_gradients_summed_over_tp", ["--tp", "2"], 4),
+        ("experts_averaged_without_cp", ["--cp", "2"], 4),
     ],
 )
 def test_each_expert_parallel_mistake_fails_the_parity_check(tmp_path, variant, flags, ranks):

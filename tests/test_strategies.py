@@ -90,7 +90,13 @@ def test_the_registry_applies_the_pieces_in_torchtitans_order():
 
 def test_every_mistake_says_what_it_is_and_is_one_under_some_layout():
     assert set(COMMON_WRONG_VARIANTS) < set(WRONG_VARIANTS) and all(WRONG_VARIANTS.values())
-    layouts = [Layout(dp_shard=2, tp=2, pp=2, cp=2), Layout(dp_replicate=2), Layout(ep=2), Layout(ep=2, tp=2)]
+    layouts = [
+        Layout(dp_shard=2, tp=2, pp=2, cp=2),
+        Layout(dp_replicate=2),
+        Layout(ep=2),
+        Layout(ep=2, tp=2),
+        Layout(ep=2, cp=2),
+    ]
     works = [WORK, Workload(GPTConfig(n_experts=4, capacity_factor=1.0), rows=4)]  # a MoE's under a capacity
     for variant in WRONG_VARIANTS:
         assert any(is_a_mistake_under_plan(variant, plan_of(layout, stage, work)) for layout in layouts

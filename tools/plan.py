@@ -113,7 +113,9 @@ def evaluate(reference, cfg: GPTConfig, degrees: dict, checkpointing: str, args:
     """A candidate's refusal, or its memory per stage and its predicted step."""
     layout = Layout(**{d: degrees.get(d, 1) for d in DIMS})
     rows = args.global_batch // layout.dp
-    sequence_parallel = layout.tp > 1 and layout.pp == layout.cp == 1 and checkpointing != "full" and not cfg.n_experts
+    sequence_parallel = (
+        layout.tp > 1 and layout.pp == layout.cp == 1 and checkpointing != "full" and not cfg.n_experts
+    )
     flags = Candidate(**{d: getattr(layout, d) for d in DIMS}, activation_checkpointing=checkpointing,
                       pp_microbatches=rows, sequence_parallel=sequence_parallel)  # fmt: skip
     work = Workload(cfg, rows, 1, args.mixed_precision)
