@@ -21,31 +21,30 @@ if os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1") != "1":
 # The files that take longest, longest first (measured durations, this machine). xdist hands each worker a
 # whole file at a time in collection order (--no-loadscope-reorder in pyproject.toml): a long file handed
 # out last would run alone at the end while the other worker idles. The others keep their order.
-LONGEST_FIRST = (  # measured 2026-12-05 (pytest --durations=120: each file's tests' seconds summed)
-    "test_train_gpt_layouts.py",
-    "test_deepspeed.py",
-    "test_benchmarks.py",  # one test of ~57 s: never last
-    "test_tools_sweep.py",
-    "test_train_gpt_pipeline.py",
-    "test_resume.py",
-    "test_train_gpt_checkpoints.py",
-    "test_performance.py",  # one test of ~38 s
-    "test_train_gpt_tensor_parallel.py",
-    "test_fault_tolerance.py",
-    "test_checkpoint_integrity.py",
-    "test_ddp_linear.py",
+LONGEST_FIRST = (  # measured 2026-12-05 18:10 UTC (pytest --durations=0: each file's tests' seconds summed)
+    "test_deepspeed.py",  # 96 s
+    "test_train_gpt_layouts.py",  # 94 s
+    "test_resume.py",  # 71 s
+    "test_moe.py",  # 69 s
+    "test_train_gpt_checkpoints.py",  # 62 s
+    "test_tools_sweep.py",  # 61 s
+    "test_benchmarks.py",  # one test of ~55 s: never last
     "test_reliability.py",
+    "test_performance.py",  # one test of ~44 s
+    "test_checkpoint_integrity.py",
+    "test_train_gpt_pipeline.py",
+    "test_ddp_linear.py",
+    "test_fault_tolerance.py",
     "test_at_scale.py",
-    "test_moe.py",
     "test_train_gpt.py",
+    "test_train_gpt_tensor_parallel.py",
     "test_manual_data_parallel.py",
     "test_pipeline_parallel.py",
     "test_loss_normalization.py",
-    "test_train_gpt_context_parallel.py",
     "test_activation_checkpointing.py",
-    "test_one_module.py",
-    "test_faults.py",
+    "test_train_gpt_context_parallel.py",
     "test_model_parallel.py",
+    "test_one_module.py",
     "test_collectives_bench.py",
 )
 

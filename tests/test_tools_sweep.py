@@ -202,7 +202,8 @@ def test_a_timed_out_trial_leaves_no_process_and_no_late_writes(tmp_path):
     sweep_file.write_text(
         (REPO / "sweep_configs" / "ddp_linear_lr.yaml")
         .read_text()
-        .replace("value: 150", "value: 100000000")
+        # a trial that never ends without burning the cores the other tests share: rank 0 sleeps after step 1
+        .replace("value: 150", "value: 150\n  hang_at_step:\n    value: 1")
         .replace("values: [0.02, 0.1]", "values: [0.1]")
         .replace("values: [16, 32]", "values: [32]")
     )
