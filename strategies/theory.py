@@ -52,7 +52,9 @@ def stage_theories(model, layout: Layout, args, work: Workload) -> list[Theory]:
 
     theories = []
     for rank in (layout.rank_at(pp=stage) for stage in range(layout.pp)):
-        blocks = theory_of(model, layout, rank, args, work).blocks
-        routing = uniform_routing(layout, work, args, rank, blocks)
-        theories.append(theory_of(model, layout, rank, args, work, {"routing": routing}))
+        theory = theory_of(model, layout, rank, args, work)
+        if layout.ep > 1:  # the all-to-alls need the rank's blocks first
+            routing = uniform_routing(layout, work, args, rank, theory.blocks)
+            theory = theory_of(model, layout, rank, args, work, {"routing": routing})
+        theories.append(theory)
     return theories

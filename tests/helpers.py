@@ -175,11 +175,21 @@ def fork_launch(
 
 @functools.cache
 def _start_fork_server() -> None:
-    """Import what every rank needs into the fork server, once per test process (~4 s), before it starts."""
+    """Import what every rank needs into the fork server, once per test process (~4 s), before it starts:
+    torch._dynamo too, which every rank imports on its first optimizer (torch.optim's _disable_dynamo: 0.5-1 s
+    a rank, measured with -X importtime), and DeepSpeed, whose import runs a torch.compile (1-2 s a rank)."""
     import multiprocessing
 
     multiprocessing.get_context("forkserver").set_forkserver_preload(
-        ["torch", "torch.distributed", "accelerate", "experiments.train_gpt", "experiments.ddp_linear"]
+        [
+            "torch",
+            "torch.distributed",
+            "torch._dynamo",
+            "accelerate",
+            "deepspeed",
+            "experiments.train_gpt",
+            "experiments.ddp_linear",
+        ]
     )
 
 
