@@ -3,6 +3,8 @@ do not; nothing-fits in words; unknown shapes and profiles in one line."""
 
 from __future__ import annotations
 
+import math
+
 import pytest
 
 from tools.plan import main
@@ -53,6 +55,11 @@ def test_nothing_fits_is_said_in_words(capsys):
         (["--hardware", "tpu_v9"], "--hardware 'tpu_v9' is not a profile in planning/hardware.yaml"),
         (["--gpus", "0"], "--gpus must be > 0, got 0"),
         (["--gpus", "1000000000"], "--gpus 1,000,000,000: at most 1,048,576"),  # it hung in the divisor walk
+        (
+            ["--gpus", "512", "--tp", "8", "--dp_shard", "16"],
+            "--dp_shard 16 x --tp 8 = 128 GPU(s), but --gpus 512",
+        ),
+        (["--gpus", "8", "--tp", "-2"], "--tp must be >= 0, got -2"),
     ],
 )
 def test_unknown_input_is_one_line_and_exit_2(args, message, capsys):
@@ -67,3 +74,25 @@ def test_divisors_are_every_divisor_in_order_at_any_size():
 
     assert all(divisors(n) == [d for d in range(1, n + 1) if n % d == 0] for n in range(1, 300))
     assert divisors(2**20) == [2**k for k in range(21)]  # in sqrt(n) steps: 16,384 ranks and beyond at once
+
+
+def test_a_given_layout_is_priced_even_when_it_does_not_fit_and_json_lists_the_degrees(capsys):
+    """--tp --pp --dp_shard ...: that one layout, priced and printed; one that does not fit says so (exit 1).
+    --json: the layouts fastest first, each with its degrees by name."""
+    import json
+
+    assert main(["--model", "llama3_8b", "--gpus", "8", "--dp_shard", "8"]) == 1
+    out = capsys.readouterr().out
+    assert "llama3_8b on 8 x h100_sxm, dp_shard 8: peak" in out and "does NOT fit: rank 0 (stage 0)" in out
+    assert "PREDICTED step" in out and "--world_size 8 --dp_shard 8" in out
+    assert main(["--model", "llama3_8b", "--gpus", "16", "--json", "--top", "50"]) == 0
+    layouts = json.loads(capsys.readouterr().out)
+    steps = [row["step_s"] for row in layouts]
+    assert (
+        steps == sorted(steps)
+        and any(row["fits"] for row in layouts)
+        and not all(row["fits"] for row in layouts)
+    )
+    assert all(set(row["layout"]) == {"dp_replicate", "dp_shard", "tp", "pp", "cp", "ep"} for row in layouts)
+    assert all(math.prod(row["layout"].values()) == 16 for row in layouts)
+    assert {"tflops_per_gpu", "mfu", "step_s", "peak_gib"} <= set(layouts[0])

@@ -3,6 +3,12 @@
     python -m tools.plan --model llama3_70b --gpus 512 --hardware h100_sxm
     python -m tools.plan --model llama3_405b --gpus 16384 --hardware h100_sxm --top 5
     python -m tools.plan --model gpt3_175b --gpus 1024 --hardware a100_80gb --block_size 4096
+    python -m tools.plan --model llama3_70b --gpus 512 --tp 8 --pp 4 --dp_shard 16   # this one layout, priced
+    python -m tools.plan --model olmoe_1b_7b --gpus 64 --json                          # every layout, as JSON
+
+A layout given by its degrees (--dp_replicate --dp_shard --tp --pp --cp --ep, the rest 1) is priced alone and
+printed whether or not it fits (exit 1 if not, said in words). --json prints the priced layouts fastest first,
+each with its degrees by name, tflops_per_gpu, mfu, step_s, peak_gib and fits.
 
 Every layout of the degrees whose product is --gpus (tp within a node and dividing the heads, pp at most the
 blocks, cp for sequences of 32K tokens and more, for a mixture of experts ep dividing the experts, the
@@ -22,6 +28,7 @@ profile it does not know is one line and exit 2; a request nothing fits says so 
 
 from __future__ import annotations
 
+import json
 import math
 import os
 import sys
@@ -54,12 +61,37 @@ class PlanArgs:
     global_batch: int = flag(0, "sequences per optimizer step (0: the model's published batch)")
     mixed_precision: str = flag("bf16", "bf16 or no (float32)", choices=("bf16", "no"))
     top: int = flag(10, "fitting layouts to list")
+    # one given layout instead of every one: any degree given prices that layout alone (the others 1)
+    dp_replicate: int = flag(0, "price this one layout: data-parallel replicas (0: enumerate every layout)")
+    dp_shard: int = flag(0, "price this one layout: FSDP ranks (0: enumerate)")
+    tp: int = flag(0, "price this one layout: tensor-parallel degree (0: enumerate)")
+    pp: int = flag(0, "price this one layout: pipeline stages (0: enumerate)")
+    cp: int = flag(0, "price this one layout: context-parallel degree (0: enumerate)")
+    ep: int = flag(0, "price this one layout: expert-parallel degree (0: enumerate)")
+    activation_checkpointing: str = flag(
+        "none", "with a given layout: none or full", choices=("none", "full")
+    )
+    json: bool = flag(False, "print the layouts as JSON, fastest first: layout (its degrees by name), "
+                      "tflops_per_gpu, mfu, step_s, peak_gib, fits")  # fmt: skip
+
+    def given(self) -> dict | None:
+        """The degrees of the one layout asked for, or None (enumerate)."""
+        if not any(getattr(self, d) for d in DIMS):
+            return None
+        return {d: getattr(self, d) or 1 for d in DIMS}
 
     def validate(self) -> None:
         model_named(self.model)  # an unknown shape: one line
         load_hardware(self.hardware)
         for name in ("gpus", "top"):
             require(getattr(self, name) > 0, f"--{name} must be > 0, got {getattr(self, name)}")
+        for name in DIMS:
+            require(getattr(self, name) >= 0, f"--{name} must be >= 0, got {getattr(self, name)}")
+        given = self.given()
+        if given:
+            product = math.prod(given.values())
+            require(product == self.gpus, " x ".join(f"--{d} {n}" for d, n in given.items() if n > 1)
+                    + f" = {product:,} GPU(s), but --gpus {self.gpus:,}: the degrees multiply to the GPUs")  # fmt: skip
         require(self.gpus <= MOST_GPUS, f"--gpus {self.gpus:,}: at most {MOST_GPUS:,} (the largest published runs use "
                 "tens of thousands)")  # fmt: skip
         require(
@@ -145,6 +177,28 @@ def evaluate(reference, cfg: GPTConfig, degrees: dict, checkpointing: str, args:
     }  # fmt: skip
 
 
+def as_json(row: dict) -> dict:
+    """A priced layout as --json prints it."""
+    return {"layout": {d: row["degrees"].get(d, 1) for d in DIMS}, "activation_checkpointing": row["checkpointing"],
+            "tflops_per_gpu": row["tflops_per_gpu"], "mfu": row["mfu"], "step_s": row["step_s"],
+            "peak_gib": row["peak_bytes"] / 2**30, "fits": row["fits"]}  # fmt: skip
+
+
+def print_given(args: PlanArgs, row: dict, hardware) -> int:
+    """The one layout asked for, priced; exit 0 if it fits, 1 if not (said in words)."""
+    if args.json:
+        print(json.dumps([as_json(row)], indent=1))
+        return 0 if row["fits"] else 1
+    capacity = hardware.memory_bytes / 2**30
+    verdict = ("fits" if row["fits"] else f"does NOT fit: rank {row['worst_rank']} (stage {row['worst_stage']}) "
+               f"needs {row['peak_bytes'] / 2**30 - capacity:,.1f} GiB more than the {capacity:.0f} GiB a GPU has")  # fmt: skip
+    print(f"{args.model} on {args.gpus:,} x {hardware.name}, {row['layout']}: peak {row['peak_bytes'] / 2**30:,.1f} "
+          f"GiB ({verdict}); PREDICTED step {row['step_s']:.3g} s, {row['tokens_per_s']:,.0f} tokens/s, "
+          f"{row['tflops_per_gpu']:.0f} TFLOP/s per GPU, MFU {row['mfu']:.0%}")  # fmt: skip
+    print(f"check it at the real size: {at_scale_command(args, row)}")
+    return 0 if row["fits"] else 1
+
+
 def at_scale_command(args: PlanArgs, row: dict) -> str:
     degrees = " ".join(f"--{d} {n}" for d, n in row["degrees"].items() if n > 1)
     extra = " --activation_checkpointing full" if row["checkpointing"] == "full" else ""
@@ -162,8 +216,17 @@ def plan(args: PlanArgs) -> int:
     args.global_batch = args.global_batch or model.global_batch
     with torch.device("meta"):
         reference = GPT(cfg)
+    given = args.given()
+    if given:  # the one layout asked for: priced and printed whether or not it fits
+        row = evaluate(reference, cfg, given, args.activation_checkpointing, args, hardware)
+        require("refused" not in row, f"{row['layout']}: {row.get('refused')}")
+        return print_given(args, row, hardware)
     rows = [evaluate(reference, cfg, degrees, checkpointing, args, hardware)
             for degrees, checkpointing in candidates(cfg, args.gpus, hardware.gpus_per_node, args.global_batch)]  # fmt: skip
+    if args.json:
+        priced = sorted((r for r in rows if "step_s" in r), key=lambda r: r["step_s"])
+        print(json.dumps([as_json(r) for r in priced], indent=1))
+        return 0 if any(r["fits"] for r in priced) else 1
     fitting = sorted((r for r in rows if r.get("fits")), key=lambda r: -r["tokens_per_s"])
     capacity = hardware.memory_bytes / 2**30
     print(f"{args.model}: {parameter_count(cfg):,} parameters, {cfg.block_size:,} tokens a sequence, "
