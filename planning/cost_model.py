@@ -38,7 +38,7 @@ from common.comm_counter import bus_factor
 from common.config import require
 from common.gpt import GPTConfig, parameter_count
 from common.moe import active_parameter_count
-from strategies.layout import DIMS, Layout, Workload
+from strategies.layout import DIMS, Layout, Workload, stream_dtype
 from strategies.theory import gathered_bytes, held_bytes, stage_theories, theory_of
 
 PROFILES = Path(__file__).with_name("hardware.yaml")
@@ -193,7 +193,7 @@ def activation_bytes(work: Workload, layout: Layout, args, blocks: int, first: b
     s = tp if args.sequence_parallel else 1
     bf16 = work.mixed_precision == "bf16"
     autocast = bf16 and not layout.shard_dims
-    e, stream_e = (2 if bf16 else 4), (2 if bf16 and layout.shard_dims else 4)
+    e, stream_e = (2 if bf16 else 4), stream_dtype(layout, work).itemsize
     d, h, heads = cfg.d_model, cfg.hidden, cfg.n_head
     stats = (1 if cfg.norm == "rmsnorm" else 2) * 4 * t / s
     # RMSNorm keeps x / rms too, in float32 when the stream is bf16 (it computes in float32: its upcast as well)

@@ -35,9 +35,8 @@ from common.config import UsageError
 from common.gpt import GPT, GPTConfig, adamw, lm_loss
 from common.moe import moe_layers
 from planning.cost_model import activation_bytes, memory_estimate
-from strategies import pp
 from strategies.job import Instruments, local_bytes
-from strategies.layout import DIMS, Layout, Workload, chunk_rows, unique_tensors
+from strategies.layout import DIMS, Layout, Workload, chunk_rows, stream_dtype, unique_tensors
 from strategies.parallelize import parallelize, quiet
 from strategies.theory import gathered_bytes, held_bytes, sent_bytes, theory_of
 
@@ -126,7 +125,7 @@ def run_rank(cfg, layout: Layout, work: Workload, rank: int) -> dict:
                         )
                         x, y = job.split_batch(ids, ids)
                         if not first:  # the previous stage's output, as the schedule hands it over
-                            x = torch.empty(*x.shape, work.model.d_model, dtype=pp.activation_dtype(layout, work),
+                            x = torch.empty(*x.shape, work.model.d_model, dtype=stream_dtype(layout, work),
                                             requires_grad=True)  # fmt: skip
                         with SavedActivations() as saved, accelerator.autocast():
                             out = stage(x)

@@ -48,7 +48,7 @@ import torch.distributed._functional_collectives as funcol
 from common import moe
 from common.config import flag, require
 from common.moe import moe_layers, run_experts
-from strategies.layout import Layout, Mistake, Traffic, chunk_rows, submesh
+from strategies.layout import Layout, Mistake, Traffic, chunk_rows, stream_dtype, submesh
 from strategies.piece import Context, Piece, Plan, Theory
 
 MISTAKES = {  # each: what it is, and the runs under which it is one
@@ -301,7 +301,7 @@ def uniform_routing(layout: Layout, work, args, rank: int, blocks: int) -> list[
     local_experts, me = cfg.n_experts // layout.ep, layout.coordinate(rank, "ep")
     own_rows = sum(per_expert[me * local_experts : (me + 1) * local_experts])
     # a row goes out in the residual stream's dtype and comes back in the experts' (their matmuls' output)
-    stream = 2 if work.mixed_precision == "bf16" and layout.shard_dims else 4
+    stream = stream_dtype(layout, work).itemsize
     expert_out = 2 if work.mixed_precision == "bf16" else 4
     record = {"sent_rows": assignments, "received_rows": assignments, "own_rows": own_rows,
               "row_bytes": cfg.d_model * (stream + expert_out), "experts": cfg.n_experts}  # fmt: skip

@@ -170,6 +170,13 @@ class Workload:
         return self.rows * self.model.block_size
 
 
+def stream_dtype(layout: Layout, work: Workload) -> torch.dtype:
+    """The residual stream's dtype (what pipeline stages send, what a MoE dispatches, a norm's output): float32
+    under autocast (a matmul's bf16 output added to a float32 stream stays float32), bf16 under FSDP's bf16
+    policy (the embedding's bf16 copy starts it so)."""
+    return torch.bfloat16 if work.mixed_precision == "bf16" and layout.shard_dims else torch.float32
+
+
 @dataclass(frozen=True)
 class Traffic:
     """Bytes of one kind of collective in one step, counted as common/comm_counter.py counts them (each call's

@@ -41,7 +41,7 @@ from torch import nn
 
 from common.config import flag, require
 from common.gpt import GPT, lm_loss
-from strategies.layout import Layout, Mistake, Traffic, Workload, unique_tensors
+from strategies.layout import Layout, Mistake, Traffic, stream_dtype, unique_tensors
 from strategies.piece import Context, Piece, Plan, Theory
 
 MISTAKES = {  # each: what it is, and the runs under which it is one
@@ -137,7 +137,7 @@ class Pipeline:
     def __init__(self, gpt: GPT, layout: Layout, rank: int, args, sent_dtype: torch.dtype = torch.float32):
         self.p, self.schedule_name, self.microbatches = layout.pp, args.pp_schedule, args.pp_microbatches
         self.sent_dtype = (
-            sent_dtype  # the residual stream's: bf16 under FSDP's bf16 policy (`activation_dtype`)
+            sent_dtype  # the residual stream's: bf16 under FSDP's bf16 policy (layout.stream_dtype)
         )
         self.pp_rank = layout.coordinate(rank, "pp")
         self.stage_ids = stages_of(self.pp_rank, self.p, self.schedule_name)
@@ -343,12 +343,6 @@ def holding(layout: Layout, rank: int, args, n_layer: int, tied: bool) -> Holdin
     return Holding(blocks, 0 in stage_ids, last, tied and last)
 
 
-def activation_dtype(layout: Layout, work: Workload) -> torch.dtype:
-    """What the stages send: the residual stream, float32 under autocast (a matmul's bf16 output added to a
-    float32 stream stays float32), bf16 under FSDP's bf16 policy (the embedding's bf16 copy starts it so)."""
-    return torch.bfloat16 if work.mixed_precision == "bf16" and layout.shard_dims else torch.float32
-
-
 def sent(t: Theory) -> list[Traffic]:
     """The rank's point-to-point bytes of one step: activations and their gradients across each of its stages'
     boundaries with another rank (m each way); the loss's broadcast; the tied gradient's all-reduce (this
@@ -358,7 +352,7 @@ def sent(t: Theory) -> list[Traffic]:
     pp_rank = layout.coordinate(rank, "pp")
     stage_ids = stages_of(pp_rank, p, schedule)
     n_stages = p * len(stage_ids)
-    element = torch.finfo(activation_dtype(layout, work)).bits // 8
+    element = stream_dtype(layout, work).itemsize
     activation = (work.rows // m) * (work.tokens // work.rows // layout.cp) * work.model.d_model * element
     boundaries = sum(
         (s > 0 and holder(s - 1, p, schedule) != pp_rank)
@@ -395,7 +389,7 @@ class PipelineParallel(Piece):
     def apply(self, stages: list, ctx: Context) -> list:
         (gpt,) = stages
         pipeline = ctx.runtime[self.name] = Pipeline(gpt, ctx.layout, ctx.rank, ctx.args,
-                                                     activation_dtype(ctx.layout, ctx.work))  # fmt: skip
+                                                     stream_dtype(ctx.layout, ctx.work))  # fmt: skip
         ctx.model = pipeline.model
         return list(pipeline.stages)
 

@@ -59,7 +59,7 @@ from torch.distributed.tensor.parallel import (
 )
 
 from common.config import flag, require
-from strategies.layout import Layout, Mistake, Traffic, chunk_rows
+from strategies.layout import Layout, Mistake, Traffic, chunk_rows, stream_dtype
 from strategies.piece import Context, Piece, Plan, Theory
 
 RECOMPUTES_BLOCKS = "recomputes_blocks"  # a trait: some piece runs each block's forward again in backward
@@ -246,7 +246,7 @@ def sent(t: Theory) -> list[Traffic]:
     matmul_out = (
         2 if bf16 else 4
     )  # a row-parallel output, the logits, and their gradients (the module docstring)
-    stream = 2 if bf16 and layout.shard_dims else 4  # the residual stream, a norm's output, their gradients
+    stream = stream_dtype(layout, work).itemsize  # the residual stream, a norm's output, their gradients
     activation = k * tokens * work.model.d_model
     logits = (
         k * tokens * math.ceil(work.model.vocab_size / layout.tp) * layout.tp * matmul_out if heads else 0
