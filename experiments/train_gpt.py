@@ -99,8 +99,11 @@ class Config(ResumableArgs, ModelFlags, ParallelArgs, CheckArgs):
     reshardable = True
     layout_flags = (*ParallelArgs.layout_flags, "per_rank_batch_size", "gradient_accumulation_steps")
     # --text_files is known by its content (the corpus's and its tokenizer's sha256, in every checkpoint)
+    # how, not what: the checkpointing recomputes the same forward, --expert_matmul runs the same experts' GEMMs
+    # (a checkpoint from before the flag existed resumes: it was refused, naming the missing flag)
     result_neutral = (*ResumableArgs.result_neutral, *CheckArgs.tolerances, "parity_steps", "parity_steps_bf16",
-                      "min_loss_drop", "sample_tokens", "profile_steps", "text_files", "activation_checkpointing")  # fmt: skip
+                      "min_loss_drop", "sample_tokens", "profile_steps", "text_files", "activation_checkpointing",
+                      "expert_matmul")  # fmt: skip
 
     text_files: str = flag("", "comma-separated text files to train on (default: CPython's pydoc topics)")
     init_from: str = flag("", "a .safetensors file of full weights (tools.convert_checkpoint to-safetensors) to start "

@@ -460,3 +460,15 @@ def test_an_expert_parallel_checkpoint_resumes_in_one_process_then_sharded(tmp_p
     checks = sharded.summary["checks"]
     assert sharded.returncode == 0 and checks["resume_restored_state"]["passed"]
     assert checks["matches_single_process"]["passed"]
+
+
+def test_the_expert_matmul_is_not_part_of_a_runs_trajectory():
+    """--expert_matmul chooses how the same experts run, not what the run computes: it stays out of the trajectory a
+    resume is checked against, so a checkpoint written before the flag existed (its trajectory has none) resumes.
+    It was refused once: "--expert_matmul: None in the checkpoint, 'grouped' now" (measured on a 907e82f one)."""
+    from common.config import parse_config
+    from experiments.train_gpt import Config
+
+    for choice in ("grouped", "loop"):
+        trajectory = parse_config(Config, [*GPT_TINY, *MOE, "--expert_matmul", choice]).trajectory(2)
+        assert "expert_matmul" not in trajectory and trajectory["n_experts"] == 4
