@@ -1,22 +1,30 @@
-"""The step-time predictor (planning/cost_model.py) against steps this machine really runs: measure this machine
-into a hardware profile, train every 2-rank layout, predict each one's step from its own workload, compare.
+"""The step-time predictor (planning/cost_model.py) against steps this machine really runs: train 9 layouts, record
+the ops each layout's ranks run (fake ranks: the real code on fake tensors), time those ops here, predict each
+step from its recorded ops and its collectives, compare.
 
-    python -m benchmarks.at_scale_calibration                # the profile, then ddp, zero2, fsdp, tp, pp, cp: ~5 min
+    python -m benchmarks.at_scale_calibration                # the profile, 9 layouts, the op model: ~10 min
     python -m benchmarks.at_scale_calibration --quick        # a tiny GPT, 12 steps: checks the figures are made
 
-1. The profile: one thread's matmul peak (float32, a 2048 square: benchmarks/mfu.py) and copy bandwidth
-   (256 MiB), and gloo's collectives on 2 ranks (experiments/collectives_bench.py) fitted per kind as
-   alpha + bytes / bandwidth (benchmarks/performance.py's fit). Written as this_machine.yaml, the entry
-   planning/hardware.yaml keeps (pasted by hand, with this command).
-2. Each preset's run: train_gpt on 2 ranks through `accelerate launch`, one thread per rank; its median step
-   (forward + backward + optimizer) and the collectives it counted (calls per kind).
-3. The prediction of that step: predict_step on the run's own layout, workload and flags, the calls counted.
-Writes <output_dir>/<UTC time>/: calibration.md (the table docs/at_scale.md shows), calibration.json,
-this_machine.yaml, and every run's folder.
+1. Each layout's run: train_gpt through `accelerate launch`, one thread per rank: ddp, zero2, fsdp, tp, pp, cp on
+   2 ranks, dp_shard x tp, tp x pp, pp x dp_shard on 4; its median step (forward + backward + optimizer) and the
+   collectives it counted (calls per kind).
+2. The profile, measured after the runs, nothing else running: one thread's matmul peak and copy bandwidth;
+   gloo's collectives on 2 ranks as a step issues them (each after some compute: back to back they are up to 4x
+   faster here), fitted per kind as latency + bytes / bandwidth; and the op model (benchmarks/op_costs.py): every
+   op the layouts' fake ranks recorded, timed at its own shapes in two processes at once (two ranks on two
+   cores), and what a one-process step costs beyond its ops (per op, forward and backward; per optimizer step).
+3. The prediction of each step: predict_step on the run's layout, workload and flags, its recorded ops priced by
+   the op model, its counted collectives by the fit; a layout of more ranks than cores has its compute slowed
+   by ranks / cores (two ranks share a core). Nothing of a run's measured time enters its prediction.
+Writes <output_dir>/<UTC time>/: calibration.md (the table docs/at_scale.md shows), calibration.json (rows
+{layout, ranks, measured_step_s, predicted_step_s}), this_machine.yaml and this_machine_ops.json (the profile
+planning/hardware.yaml keeps, pasted by hand, with this command), and every run's folder.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import json
 import os
 import sys
 import time
@@ -28,17 +36,17 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import torch
 import yaml
 
-from benchmarks import compare_strategies, mfu
-from benchmarks.performance import bench_collectives, fit_alpha_beta
+from benchmarks import compare_strategies, mfu, op_costs
 from benchmarks.workers import benchmark_parser, dated_folder, write_table
 from common.gpt import GPT, GPTConfig
 from planning.cost_model import hardware_from, predict_step
+from planning.fake_ranks import run_ranks
 from strategies.args import PRESETS
 from strategies.layout import Layout, Workload
 
-KIND_OF_OP = {"all_reduce": "all_reduce", "all_gather_into_tensor": "all_gather",
-              "reduce_scatter_tensor": "reduce_scatter"}  # fmt: skip
 STRATEGIES = ("ddp", "zero2", "fsdp", "tp", "pp", "cp")
+LAYOUTS_OF_4 = ({"dp_shard": 2, "tp": 2}, {"tp": 2, "pp": 2}, {"pp": 2, "dp_shard": 2})
+CORES = os.cpu_count() or 1
 
 
 def copy_gbps(size_bytes: int = 256 * 2**20) -> float:
@@ -57,62 +65,86 @@ def copy_gbps(size_bytes: int = 256 * 2**20) -> float:
     return 2 * size_bytes / best / 1e9
 
 
-def measure_profile(folder: Path, args) -> dict:
-    """this_machine's profile, measured now (the module docstring, step 1)."""
+def load_run(summary: dict):
+    """A finished train_gpt run's own config (train_gpt's Config), layout and workload (the corpus's vocabulary)."""
+    from experiments.train_gpt import Config
+
+    config, metrics = summary["config"], summary["metrics"]
+    names = {f.name for f in dataclasses.fields(Config)}
+    cfg = Config(**{k: v for k, v in config.items() if k in names})
+    model = GPTConfig(**{**GPTConfig().__dict__, **{k: config[k] for k in GPTConfig().__dict__ if k in config},
+                         "vocab_size": metrics["corpus"]["vocab_size"]})  # fmt: skip
+    work = Workload(
+        model, config["per_rank_batch_size"], config["gradient_accumulation_steps"], config["mixed_precision"]
+    )
+    return cfg, Layout(**metrics["layout"]), work
+
+
+def trace(summary: dict) -> list[dict]:
+    """The first rank of each pipeline stage of the run's layout, run on fake ranks: the ops it records."""
+    cfg, layout, work = load_run(summary)
+    return run_ranks(cfg, layout, work, sorted({layout.rank_at(pp=s) for s in range(layout.pp)}), False)
+
+
+def measure_profile(folder: Path, traced: list[dict], work: Workload, args) -> tuple[dict, dict]:
+    """this_machine's profile, measured now (the module docstring, step 2), and its table of timed ops."""
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # what each rank gets
     try:
         peak = mfu.gemm_flops_per_s(2048, 2048, 2048, torch.float32, 0.5 if args.quick else 2.0)
     finally:
         torch.set_num_threads(threads)
-    fits = fit_alpha_beta(bench_collectives(folder / "collectives_bench", args))
-    all_reduce = fits["all_reduce"]
-    link = {
-        "bandwidth_gbps": round(all_reduce["bandwidth_gbps"], 3),
-        "latency_us": round(all_reduce["alpha_us"] / 2),
-    }
-    return {
+    fitted = op_costs.fit_collectives()
+    link = {"bandwidth_gbps": fitted["all_reduce"]["bandwidth_gbps"],
+            "latency_us": round(fitted["all_reduce"]["latency_us"] / 2)}  # fmt: skip
+    spec = {**op_costs.shapes_of(traced), "budget_s": 0.05 if args.quick else 0.2,
+            "model_shape": {k: getattr(work.model, k) for k in GPTConfig().__dict__}, "rows": work.rows}  # fmt: skip
+    ops = op_costs.measure_two_ranks(spec)
+    measured_ops = ops.pop("measured_ops")
+    profile = {
         "description": "this machine, one thread per rank, gloo over shared memory; measured by "
         f"`python -m benchmarks.at_scale_calibration` on {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}",
         "peak_tflops": {"fp32": round(peak / 1e12, 5), "bf16": round(peak / 1e12, 5)},
         "memory_gb": 24,
         "memory_bandwidth_gbps": round(copy_gbps(), 2),
         "gpus_per_node": 2,
+        "cores": CORES,
         "intra_node": link,  # what a ring step model would use; the fits below replace it per kind
         "inter_node": link,
         "overlaps_communication": False,
-        "fitted": {
-            KIND_OF_OP[op]: {
-                "bandwidth_gbps": round(fit["bandwidth_gbps"] or 1e6, 3),
-                "latency_us": round(fit["alpha_us"]),
-            }
-            for op, fit in fits.items()
-            if op in KIND_OF_OP
-        },  # fmt: skip
+        "fitted": fitted,
+        "ops": {**ops, "measured_ops": "this_machine_ops.json"},
     }
+    return profile, measured_ops
 
 
-def predicted_ms(summary: dict, hardware) -> dict:
-    """The predictor's step for a finished train_gpt run, from its own config and its counted calls."""
-    config, metrics = summary["config"], summary["metrics"]
-    model = GPTConfig(**{**GPTConfig().__dict__, **{k: config[k] for k in GPTConfig().__dict__ if k in config},
-                         "vocab_size": metrics["corpus"]["vocab_size"]})  # fmt: skip
-    layout = Layout(**metrics["layout"])
-    work = Workload(model, config["per_rank_batch_size"], config["gradient_accumulation_steps"],
-                    config["mixed_precision"])  # fmt: skip
+def predicted_ms(summary: dict, traced: list[dict], hardware) -> dict:
+    """The predictor's step for a finished train_gpt run: its recorded ops and its counted calls."""
+    cfg, layout, work = load_run(summary)
     with torch.device("meta"):
-        reference = GPT(model)
-    calls = metrics.get("communication", {}).get("counted", {}).get("calls", {})
-    prediction = predict_step(reference, layout, SimpleNamespace(**config), work, hardware, calls)
+        reference = GPT(work.model)
+    calls = summary["metrics"].get("communication", {}).get("counted", {}).get("calls", {})
+    prediction = predict_step(reference, layout, cfg, work, hardware, calls, traced)
     return {
         "step_ms": 1000 * prediction["step_s"],
         "terms_ms": {k: 1000 * v for k, v in prediction["terms_s"].items()},
     }
 
 
+def runs_of(strategies: list[str], with_layouts_of_4: bool) -> list:
+    runs = [compare_strategies.Run(name, ["--strategy", name], PRESETS[name].ranks, PRESETS[name].launch_config)
+            for name in strategies]  # fmt: skip
+    for degrees in LAYOUTS_OF_4 if with_layouts_of_4 else ():
+        layout = Layout(**degrees)
+        flags = [item for dim, n in degrees.items() for item in (f"--{dim}", str(n))]
+        runs.append(compare_strategies.Run(layout.describe().split(" (")[0], flags, layout.world_size, ""))
+    return runs
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = benchmark_parser(__doc__)
     parser.add_argument("--strategies", default=",".join(STRATEGIES), help="presets to run, 2 ranks each")
+    parser.add_argument("--no_layouts_of_4", action="store_true", help="leave out the three 4-rank layouts")
     parser.add_argument(
         "--max_steps", type=int, default=40, help="steps per run (the median step is compared)"
     )
@@ -128,55 +160,79 @@ def main(argv: list[str] | None = None) -> int:
     folder = dated_folder(args.output_dir, "at_scale_calibration")
     if folder is None:
         return 2
-    profile = measure_profile(folder, args)
-    (folder / "this_machine.yaml").write_text(yaml.safe_dump({"this_machine": profile}, sort_keys=False))
-    hardware = hardware_from("this_machine", profile)
     run_args = SimpleNamespace(
         quick=args.quick, max_steps=args.max_steps, profile_steps=0, timeout_s=args.timeout_s
     )
-    rows = []
-    for name in strategies:
-        preset = PRESETS[name]
-        run = compare_strategies.Run(name, ["--strategy", name], preset.ranks, preset.launch_config)
-        print(f"{name} on {run.ranks} ranks ...", flush=True)
-        summary = compare_strategies.run_strategy(run, folder / name, run_args)
+    finished, rows = [], []
+    for run in runs_of(strategies, not args.no_layouts_of_4):
+        print(f"{run.label} on {run.ranks} ranks ...", flush=True)
+        summary = compare_strategies.run_strategy(run, folder / run.label.replace(" ", "_"), run_args)
         if "error" in summary:
-            rows.append({"strategy": name, "error": summary["error"]})
-            continue
+            rows.append({"layout": run.label, "error": summary["error"]})
+        else:
+            finished.append((run, summary))
+    print("recording each layout's ops on fake ranks ...", flush=True)
+    traced = [trace(summary) for _, summary in finished]
+    print("measuring this machine: its matmul peak, gloo, the recorded ops ...", flush=True)
+    work = load_run(finished[0][1])[2] if finished else Workload(GPTConfig(), 1, 1, "no")
+    profile, measured_ops = measure_profile(folder, [r for ranks in traced for r in ranks], work, args)
+    (folder / "this_machine.yaml").write_text(yaml.safe_dump({"this_machine": profile}, sort_keys=False))
+    (folder / "this_machine_ops.json").write_text(json.dumps(measured_ops, indent=0))
+    hardware = hardware_from(
+        "this_machine", {**profile, "ops": {**profile["ops"], "measured_ops": measured_ops}}
+    )
+    for (run, summary), ranks in zip(finished, traced, strict=False):
         measured = sum(summary["metrics"]["step_time_ms"].values())
-        predicted = predicted_ms(summary, hardware)
-        rows.append({"strategy": name, "layout": Layout(**summary["metrics"]["layout"]).describe(),
-                     "measured_ms": measured, "predicted_ms": predicted["step_ms"],
+        predicted = predicted_ms(summary, ranks, hardware)
+        layout = Layout(**summary["metrics"]["layout"])
+        rows.append({"layout": run.label, "described": layout.describe(), "ranks": layout.world_size,
+                     "measured_step_s": measured / 1000, "predicted_step_s": predicted["step_ms"] / 1000,
                      "ratio": predicted["step_ms"] / measured, "terms_ms": predicted["terms_ms"]})  # fmt: skip
     command = "python -m benchmarks.at_scale_calibration " + " ".join(
         argv if argv is not None else sys.argv[1:]
     )
     table = markdown(rows, profile, command.strip())
-    write_table(folder, "calibration", table, {"profile": profile, "rows": rows}, also=", this_machine.yaml")
+    write_table(folder, "calibration", table, rows, also=", this_machine.yaml, this_machine_ops.json")
     return 0 if all("error" not in r for r in rows) else 1
 
 
 def markdown(rows: list[dict], profile: dict, command: str) -> str:
     fitted = ", ".join(f"{kind} {f['latency_us']} us + bytes / {f['bandwidth_gbps']} GB/s"
                        for kind, f in profile["fitted"].items())  # fmt: skip
+    ops = profile["ops"]
+    gaps = ops["eager_gaps"]
     lines = [
         f"`{command}`",
         "",
         f"this_machine: matmul peak {profile['peak_tflops']['fp32'] * 1000:.1f} GFLOP/s (one thread, float32), "
-        f"copy {profile['memory_bandwidth_gbps']} GB/s; gloo on 2 ranks: {fitted}",
+        f"copy {profile['memory_bandwidth_gbps']} GB/s; gloo on 2 ranks after compute: {fitted}; per op "
+        f"dispatched {ops['op_overhead_us']} us, a DTensor op {ops['dtensor_overhead_us']} us more; a step beyond "
+        f"its ops: {gaps['forward_us_per_op']} us an op forward, {gaps['backward_us_per_op']} backward, "
+        f"{gaps['step_us']} us an optimizer step",
         "",
-        "| preset | layout | measured step ms | PREDICTED step ms | predicted / measured | predicted terms, ms |",
+        "| layout | ranks | measured step ms | PREDICTED step ms | predicted / measured | predicted terms, ms |",
         "|---|---|---|---|---|---|",
     ]
     for r in rows:
         if "error" in r:
-            lines.append(f"| {r['strategy']} | – | {r['error']} | – | – | – |")
+            lines.append(f"| {r['layout']} | – | {r['error']} | – | – | – |")
             continue
         terms = ", ".join(
             f"{k} {v:.1f}" for k, v in r["terms_ms"].items() if v >= 0.05 and k != "data_parallel_total"
         )
-        lines.append(f"| {r['strategy']} | {r['layout']} | {r['measured_ms']:.1f} | {r['predicted_ms']:.1f} | "
-                     f"{r['ratio']:.2f} | {terms} |")  # fmt: skip
+        lines.append(f"| {r['layout']} | {r['ranks']} | {1000 * r['measured_step_s']:.1f} | "
+                     f"{1000 * r['predicted_step_s']:.1f} | {r['ratio']:.2f} | {terms} |")  # fmt: skip
+    ratios = [r["ratio"] for r in rows if "ratio" in r]
+    if ratios:
+        measured = [
+            r["layout"] for r in sorted((r for r in rows if "ratio" in r), key=lambda r: r["measured_step_s"])
+        ]
+        predicted = [
+            r["layout"]
+            for r in sorted((r for r in rows if "ratio" in r), key=lambda r: r["predicted_step_s"])
+        ]
+        lines += ["", f"predicted / measured: {min(ratios):.2f}-{max(ratios):.2f}; order by measured step: "
+                  f"{', '.join(measured)}; by predicted: {', '.join(predicted)}"]  # fmt: skip
     return "\n".join(lines) + "\n"
 
 

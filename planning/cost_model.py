@@ -38,6 +38,8 @@ from common.comm_counter import bus_factor
 from common.config import require
 from common.gpt import GPTConfig, parameter_count
 from common.moe import active_parameter_count
+from planning.ops import OpCall, OpModel, op_model_from
+from planning.timeline import step_seconds
 from strategies.layout import DIMS, Layout, Workload, stream_dtype
 from strategies.theory import gathered_bytes, held_bytes, stage_theories, theory_of
 
@@ -73,6 +75,10 @@ class Hardware:
     fitted: dict | None = (
         None  # kind -> Link measured for a whole call (this_machine): latency + bytes / bandwidth
     )
+    ops: OpModel | None = (
+        None  # what a recorded op costs (planning/ops.py); None: the roofline at the datasheet's
+    )
+    cores: int | None = None  # a CPU's: ranks beyond it share a core, their compute slowed by ranks / cores
 
 
 def load_hardware(name: str) -> Hardware:
@@ -88,9 +94,10 @@ def hardware_from(name: str, p: dict) -> Hardware:
     """A profile's YAML mapping as a Hardware (units: TFLOP/s, GB, GB/s, us)."""
     link = lambda spec: Link(spec["bandwidth_gbps"] * 1e9, spec["latency_us"] * 1e-6)  # noqa: E731
     fitted = {kind: link(spec) for kind, spec in p["fitted"].items()} if p.get("fitted") else None
-    return Hardware(name, p["description"], {k: v * 1e12 for k, v in p["peak_tflops"].items()}, p["memory_gb"] * 2**30,
-                    p["memory_bandwidth_gbps"] * 1e9, p["gpus_per_node"], link(p["intra_node"]),
-                    link(p["inter_node"]), p["overlaps_communication"], fitted)  # fmt: skip
+    peak, bandwidth = {k: v * 1e12 for k, v in p["peak_tflops"].items()}, p["memory_bandwidth_gbps"] * 1e9
+    return Hardware(name, p["description"], peak, p["memory_gb"] * 2**30, bandwidth, p["gpus_per_node"],
+                    link(p["intra_node"]), link(p["inter_node"]), p["overlaps_communication"], fitted,
+                    op_model_from(p, peak, bandwidth), p.get("cores"))  # fmt: skip
 
 
 def hardware_names() -> list[str]:
@@ -100,13 +107,46 @@ def hardware_names() -> list[str]:
 
 
 # ------------------------------------------------------------------------------------------------ compute
+DTYPE_OF = {"bf16": "bfloat16", "fp32": "float32"}
+
+
 def op_seconds(flops: float, bytes_moved: float, hw: Hardware, precision: str) -> float:
     """The roofline: an op takes the longer of its FLOPs at peak and its bytes at the memory bandwidth."""
     return max(flops / hw.peak_flops[precision], bytes_moved / hw.memory_bandwidth)
 
 
+def priced(call: OpCall, hw: Hardware) -> float:
+    """An op's seconds on `hw`: its op model's (planning/ops.py), or the roofline at the datasheet's figures."""
+    if hw.ops is None:
+        return op_seconds(call.flops, call.bytes, hw, "bf16" if call.dtype == "bfloat16" else "fp32")
+    return hw.ops.seconds(call)
+
+
 def matmul_seconds(m: int, k: int, n: int, element: int, hw: Hardware, precision: str) -> float:
-    return op_seconds(2 * m * k * n, element * (m * k + k * n + m * n), hw, precision)
+    flops, moved = 2 * m * k * n, element * (m * k + k * n + m * n)
+    return priced(OpCall("mm", "gemm", DTYPE_OF[precision], (m, k, n), flops, moved), hw)
+
+
+def attention_seconds(rows: int, cfg, layout: Layout, element: int, hw: Hardware, precision: str) -> float:
+    """Causal attention's forward over this rank's rows: each of its heads (n_head / tp) and query tokens
+    (block_size / cp) against the sequence's keys up to it, QK^T and AV (flash: the masked half skipped)."""
+    heads, queries, width = (
+        rows * cfg.n_head // layout.tp,
+        cfg.block_size // layout.cp,
+        cfg.d_model // cfg.n_head,
+    )
+    flops = 4.0 * heads * queries * cfg.block_size * width * 0.5
+    moved = element * 4 * heads * queries * width
+    call = OpCall("scaled_dot_product_attention", "attention", DTYPE_OF[precision],
+                  (heads, queries, cfg.block_size, width), flops, moved, causal=True)  # fmt: skip
+    return priced(call, hw)
+
+
+def memory_seconds(bytes_moved: float, hw: Hardware) -> float:
+    """Memory-bound ops' bytes at the bandwidth the op model reaches (the datasheet's without one)."""
+    if not bytes_moved:
+        return 0.0
+    return bytes_moved / (hw.ops.bandwidth(int(bytes_moved)) if hw.ops else hw.memory_bandwidth)
 
 
 def block_forward_seconds(work: Workload, layout: Layout, args, hw: Hardware, tokens: int) -> float:
@@ -123,14 +163,11 @@ def block_forward_seconds(work: Workload, layout: Layout, args, hw: Hardware, to
     else:
         seconds += (up - 1) * matmul_seconds(tokens, d, cfg.hidden // tp, element, hw, precision)
         seconds += matmul_seconds(tokens, cfg.hidden // tp, d, element, hw, precision)
-    # attention: each of this rank's query tokens against the sequence's keys up to it (half the sequence on
-    # average under the causal mask), QK^T and AV, 2 FLOPs per multiply-add
-    attention_flops = 2 * 2 * tokens * cfg.block_size / 2 * d / tp
-    seconds += op_seconds(attention_flops, element * 4 * tokens * d / tp, hw, precision)
+    seconds += attention_seconds(tokens // (cfg.block_size // layout.cp), cfg, layout, element, hw, precision)
     sequence_split = tp if args.sequence_parallel else 1
     hidden_rows = tokens * cfg.hidden / tp if not cfg.n_experts else 0  # the MoE's: moe_forward_seconds
     rest = element * (tokens * ELEMENTWISE_D * d / sequence_split + ELEMENTWISE_HIDDEN[cfg.mlp] * hidden_rows)
-    return seconds + rest / hw.memory_bandwidth
+    return seconds + memory_seconds(rest, hw)
 
 
 def moe_forward_seconds(
@@ -147,14 +184,17 @@ def moe_forward_seconds(
     seconds = matmul_seconds(tokens, d, cfg.n_experts, element, hw, precision)
     grouped_flops = 2 * rows * d * hidden
     grouped_bytes = element * (rows * d + local_experts * d * hidden + rows * hidden)
-    seconds += matrices * op_seconds(grouped_flops, grouped_bytes, hw, precision)
+    grouped = OpCall(
+        "_grouped_mm", "gemm", DTYPE_OF[precision], (rows, d, hidden), grouped_flops, grouped_bytes
+    )
+    seconds += matrices * priced(grouped, hw)
     shared = cfg.n_shared_experts * hidden
     if shared:
         seconds += matrices * matmul_seconds(tokens, d, shared, element, hw, precision)
     rest = element * (
         ELEMENTWISE_HIDDEN[cfg.mlp] * (rows * hidden + tokens * shared) + ELEMENTWISE_MOE_D * rows * d
     )
-    return seconds + rest / hw.memory_bandwidth
+    return seconds + memory_seconds(rest, hw)
 
 
 def ends_forward_seconds(
@@ -163,11 +203,11 @@ def ends_forward_seconds(
     """The embedding (a gather: memory-bound) on the first stage; the head and the loss on the last."""
     cfg, precision = work.model, "bf16" if work.mixed_precision == "bf16" else "fp32"
     element = 2 if precision == "bf16" else 4
-    seconds = element * tokens * cfg.d_model / hw.memory_bandwidth if first else 0.0
+    seconds = memory_seconds(element * tokens * cfg.d_model, hw) if first else 0.0
     if last:
         vocab = math.ceil(cfg.vocab_size / layout.tp)
         seconds += matmul_seconds(tokens, cfg.d_model, vocab, element, hw, precision)
-        seconds += 4 * 3 * tokens * vocab / hw.memory_bandwidth  # log-softmax and its gradient, float32
+        seconds += memory_seconds(4 * 3 * tokens * vocab, hw)  # log-softmax and its gradient, float32
     return seconds
 
 
@@ -342,13 +382,19 @@ def traffic_seconds(traffic, layout: Layout, hw: Hardware, calls: dict | None = 
 
 # --------------------------------------------------------------------------------------------- the step
 EXPOSED = ("tp", "cp", "pp", "ep")  # on the critical path of every micro-batch
+# --pp_schedule -> the timeline that prices it, and its stages per rank; the zero-bubble schedules are priced as
+# the schedule they split the backward of (an upper bound: their bubble is smaller)
+TIMELINE_OF = {"gpipe": ("gpipe", 1), "1f1b": ("1f1b", 1), "interleaved_1f1b": ("interleaved_1f1b", 2),
+               "interleaved_zero_bubble": ("interleaved_1f1b", 2)}  # fmt: skip
 
 
 def predict_step(
-    reference, layout: Layout, args, work: Workload, hw: Hardware, calls: dict | None = None
+    reference, layout: Layout, args, work: Workload, hw: Hardware, calls: dict | None = None, traced=None
 ) -> dict:
     """The predicted seconds of one optimizer step, term by term (the module docstring), for the undistributed
-    GPT `reference` (its shapes; a meta-device model will do) under `layout`."""
+    GPT `reference` (its shapes; a meta-device model will do) under `layout`. With `traced` (fake ranks' results,
+    planning/fake_ranks.run_ranks: the ops each rank recorded), a stage's compute and optimizer are its recorded
+    ops priced by the hardware's op model (planning/ops.py) instead of the closed form."""
 
     per_stage = stage_theories(reference, layout, args, work)  # each pipeline stage's first rank, by theory
     m = args.pp_microbatches if layout.pp > 1 else work.micro_batches
@@ -357,22 +403,52 @@ def predict_step(
     block = block_forward_seconds(work, layout, args, hw, tokens)
     recompute = 1 if args.activation_checkpointing == "full" else 0
     shard = math.prod(getattr(layout, d) for d in layout.shard_dims)
+    recorded = {layout.coordinate(r["rank"], "pp"): r["ops"] for r in traced or []}
+    shared_core = max(1.0, layout.world_size / hw.cores) if hw.cores else 1.0  # time-sliced ranks
     stages = []
     for t in per_stage:
-        forward = t.blocks * block + ends_forward_seconds(work, layout, hw, tokens, t.first, t.last)
+        ops = recorded.get(layout.coordinate(t.rank, "pp")) if hw.ops else None
         comm = traffic_seconds(t.traffic, layout, hw, calls)
-        per_microbatch = {"compute": forward * (3 + recompute),
-                          **{dim: comm.get(dim, 0.0) / m for dim in EXPOSED}}  # fmt: skip
-        data_parallel = sum(s for dim, s in comm.items() if dim not in EXPOSED)
         held = sum(math.prod(shape) for _, shape in t.held)
-        stages.append((sum(per_microbatch.values()), per_microbatch, data_parallel, held / shard, t.rank))
-    slowest = max(stages, key=lambda s: s[0])
-    per_microbatch_s, terms, data_parallel_s, held_parameters, rank = slowest
-    pipeline_s = (m + layout.pp - 1) * per_microbatch_s
-    compute_s = m * terms["compute"]
+        if ops:  # the rank's own ops, over the step's m micro-batches, priced one after another
+            phases = {phase: hw.ops.phase_seconds(phase, ops["calls"].get(phase, []), ops["dtensor_calls"].get(phase, 0))
+                      for phase in ("forward", "backward", "step")}  # fmt: skip
+            forward_s, backward_s, optimizer = phases["forward"] / m, phases["backward"] / m, phases["step"]
+        else:
+            forward_s = t.blocks * block + ends_forward_seconds(work, layout, hw, tokens, t.first, t.last)
+            backward_s = forward_s * (2 + recompute)
+            optimizer = memory_seconds(ADAMW_BYTES_PER_PARAMETER * held / shard, hw)
+        forward_s, backward_s, optimizer = (
+            forward_s * shared_core,
+            backward_s * shared_core,
+            optimizer * shared_core,
+        )
+        exposed = {dim: comm.get(dim, 0.0) / m for dim in EXPOSED}  # per micro-batch, half in each direction
+        waits = sum(exposed[dim] for dim in EXPOSED if dim != "pp") / 2
+        stages.append({"forward": forward_s + waits, "backward": backward_s + waits, "exposed": exposed,
+                       "compute": forward_s + backward_s, "data_parallel": sum(s for dim, s in comm.items()
+                       if dim not in EXPOSED), "optimizer": optimizer, "rank": t.rank})  # fmt: skip
+    slowest = max(stages, key=lambda s: s["forward"] + s["backward"])
+    work_s = m * (slowest["forward"] + slowest["backward"])
+    sends_s = 0.0
+    if layout.pp > 1:  # the schedule's own order of forwards and backwards (planning/timeline.py)
+        schedule, v = TIMELINE_OF.get(args.pp_schedule, ("1f1b", 1))
+        if m % layout.pp:  # Megatron's interleaving goes p micro-batches at a time
+            schedule, v = "1f1b", 1
+        by_chunk = lambda key: [stages[c % layout.pp][key] / v for c in range(layout.pp * v)]  # noqa: E731
+        timeline = lambda send: step_seconds(schedule, layout.pp, m, by_chunk("forward"), by_chunk("backward"), v,  # noqa: E731
+                                             send_s=send)  # fmt: skip
+        # the sends: what they add to the step (a send the other ranks' work hides costs nothing)
+        without_sends = timeline(0.0)
+        pipeline_s = timeline(max(s["exposed"]["pp"] for s in stages) / 2)
+        bubble_s, sends_s = without_sends - work_s, pipeline_s - without_sends
+    else:
+        pipeline_s, bubble_s = work_s, 0.0
+    compute_s = m * slowest["compute"]
+    data_parallel_s, optimizer_s = slowest["data_parallel"], slowest["optimizer"]
     exposed_dp_s = max(0.0, data_parallel_s - compute_s) if hw.overlaps_communication else data_parallel_s
-    optimizer_s = ADAMW_BYTES_PER_PARAMETER * held_parameters / hw.memory_bandwidth
     step_s = pipeline_s + exposed_dp_s + optimizer_s
+    terms = slowest["exposed"]
     global_tokens = work.rows * layout.dp * work.micro_batches * work.model.block_size
     return {
         "step_s": step_s,
@@ -380,14 +456,15 @@ def predict_step(
             "compute": compute_s,
             "tp": m * terms["tp"],
             "cp": m * terms["cp"],
-            "pp_sends": m * terms["pp"],
+            "pp_sends": sends_s,
             "ep_all_to_all": m * terms["ep"],
-            "bubble": (layout.pp - 1) * per_microbatch_s,
+            "bubble": bubble_s,
             "data_parallel_exposed": exposed_dp_s,
             "data_parallel_total": data_parallel_s,
             "optimizer": optimizer_s,
         },
-        "slowest_rank": rank,
+        "slowest_rank": slowest["rank"],
+        "priced": "recorded ops" if recorded and hw.ops else "closed form",
         "tokens_per_s": global_tokens / step_s,
         "global_tokens": global_tokens,
     }

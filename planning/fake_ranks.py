@@ -35,6 +35,7 @@ from common.config import UsageError
 from common.gpt import GPT, GPTConfig, adamw, lm_loss
 from common.moe import moe_layers
 from planning.cost_model import activation_bytes, memory_estimate
+from planning.ops import OpRecorder
 from strategies.job import Instruments, local_bytes
 from strategies.layout import DIMS, Layout, Workload, chunk_rows, stream_dtype, unique_tensors
 from strategies.parallelize import parallelize, quiet
@@ -117,8 +118,9 @@ def run_rank(cfg, layout: Layout, work: Workload, rank: int) -> dict:
                 None,
                 None,
             )
-            with CollectiveCounter() as counter:
+            with OpRecorder() as ops, CollectiveCounter() as counter:
                 for action in schedule_order(cfg.pp_schedule, layout.pp, stage_index, m):
+                    ops.phase = "forward" if action == "F" else "backward"
                     if action == "F":
                         ids = torch.randint(
                             0, work.model.vocab_size, (rows, tokens), device=accelerator.device
@@ -150,8 +152,13 @@ def run_rank(cfg, layout: Layout, work: Workload, rank: int) -> dict:
                             accumulated = unsharded_gradient_bytes(job.model, job.stages)
                 # what the pieces do to the gradients after backward (the experts' over their replicas, the m
                 # micro-batches' mean, the tied gradient's all-reduce), as Job.forward_backward does
+                ops.phase = "step"
                 job.after_backward()
-            job.step(None)
+            with (
+                OpRecorder() as optimizer_ops
+            ):  # the optimizer's ops, outside the collectives counted (as before)
+                optimizer_ops.phase = "step"
+                job.step(None)
         routing = job.theory_inputs().get(
             "routing", []
         )  # what the MoE blocks sent and received: ep's theory's
@@ -174,6 +181,7 @@ def run_rank(cfg, layout: Layout, work: Workload, rank: int) -> dict:
         "in_flight": most_in_flight,
         "grads_accumulated_unsharded": accumulated or 0,
         "counted": {"calls": dict(counter.calls), "bytes": dict(counter.bytes)},
+        "ops": ops.summary(optimizer_ops),
         "sent_theory": sent_bytes(reference, layout, rank, cfg, work, routing),
         "seconds": time.perf_counter() - started,
     }

@@ -182,12 +182,15 @@ def test_the_cost_model_adds_its_terms_as_its_docstring_says():
     args = Config(pp_microbatches=4)
     predicted = predict_step(reference, layout, args, Workload(cfg, 4, 1, "bf16"), h100)
     terms = predicted["terms_s"]
-    # the pipeline: (m + p - 1) micro-batch times of the slowest stage, p - 1 of them the bubble
-    per_microbatch = terms["bubble"] / (layout.pp - 1)
-    pipeline = (4 + layout.pp - 1) * per_microbatch
-    exposed = pipeline + terms["data_parallel_exposed"] + terms["optimizer"]
-    assert predicted["step_s"] == pytest.approx(exposed)
-    assert terms["compute"] + terms["tp"] + terms["pp_sends"] == pytest.approx(4 * per_microbatch)
+    # the pipeline as its schedule runs it (planning/timeline.py): m micro-batches of the slowest stage's work
+    # and waits, and the bubble, 1F1B's p - 1 micro-batch times on stages that are alike; then what the data-
+    # parallel collectives leave exposed and the optimizer
+    work = terms["compute"] + terms["tp"] + terms["pp_sends"]
+    assert predicted["step_s"] == pytest.approx(
+        work + terms["bubble"] + terms["data_parallel_exposed"] + terms["optimizer"]
+    )
+    per_microbatch = work / 4
+    assert (layout.pp - 1) * 0.5 * per_microbatch < terms["bubble"] <= (layout.pp - 1) * per_microbatch * 1.01
 
 
 def test_model_flops_follow_palm_and_megatron():

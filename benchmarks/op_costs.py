@@ -1,0 +1,317 @@
+"""This machine's op model (planning/ops.py's OpModel), measured: the matmuls and attention kernels at the shapes the
+layouts run (as the fake ranks recorded them), an elementwise op's bandwidth by size, and what eager PyTorch and
+DTensor cost per op dispatched. Measured as the ranks run: two processes at once, one thread each, so the two
+share the cores, the caches and the memory bus as two ranks do. benchmarks/at_scale_calibration.py calls it and
+writes the result into the this_machine profile.
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+import statistics
+import time
+
+import torch
+
+from planning.ops import replay
+
+MEMORY_SIZES = [2**k for k in range(10, 27, 2)]  # elements of float32 per operand: 4 KB to 256 MB
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+
+
+def seconds_per_call(fn, budget_s: float) -> float:
+    """The median of 5 batches of calls, each at least budget_s / 5 (one call to warm up)."""
+    fn()
+    started, calls = time.perf_counter(), 0
+    while time.perf_counter() - started < budget_s / 25 or calls < 3:
+        fn()
+        calls += 1
+    per_batch = calls  # a batch: about budget_s / 25
+    samples = []
+    for _ in range(5):
+        started = time.perf_counter()
+        for _ in range(per_batch):
+            fn()
+        samples.append((time.perf_counter() - started) / per_batch)
+    return statistics.median(samples)
+
+
+def gemm_gflops(shape: tuple[int, int, int], dtype: str, budget_s: float) -> float:
+    m, k, n = shape
+    a, b = torch.randn(m, k, dtype=DTYPES[dtype]), torch.randn(k, n, dtype=DTYPES[dtype])
+    return 2 * m * k * n / seconds_per_call(lambda: torch.mm(a, b), budget_s) / 1e9
+
+
+def attention_gflops(shape: tuple, dtype: str, budget_s: float) -> float:
+    """(batch x heads, queries, keys, head width, causal, backward): the CPU flash kernel, as the ranks call it."""
+    heads, queries, keys, width, causal, backward = shape
+    q = torch.randn(1, heads, queries, width, dtype=DTYPES[dtype])
+    k, v = (torch.randn(1, heads, keys, width, dtype=DTYPES[dtype]) for _ in range(2))
+    forward = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
+    out, lse = forward(q, k, v, 0.0, bool(causal))
+    if backward:
+        grad = torch.randn_like(out)
+        run = lambda: torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(  # noqa: E731
+            grad, q, k, v, out, lse, 0.0, bool(causal)
+        )
+    else:
+        run = lambda: forward(q, k, v, 0.0, bool(causal))  # noqa: E731
+    flops = 4.0 * heads * queries * keys * width * (0.5 if causal else 1.0) * (2.5 if backward else 1.0)
+    return flops / seconds_per_call(run, budget_s) / 1e9
+
+
+def overheads_us(budget_s: float) -> dict:
+    """Per op dispatched: an elementwise op on one element under autograd (a training step's forward records
+    its graph), a view, and a DTensor op beyond the local op it runs (a 2-rank fake mesh: nothing is sent)."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Replicate, distribute_tensor
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    a, b = torch.ones(1, requires_grad=True), torch.ones(1, requires_grad=True)
+    op = seconds_per_call(lambda: a + b, budget_s)
+    view = seconds_per_call(lambda: a.view(1, 1), budget_s)
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=2)
+    try:
+        mesh = init_device_mesh("cpu", (2,))
+        da, db = (distribute_tensor(torch.ones(1), mesh, [Replicate()]).requires_grad_() for _ in range(2))
+        dtensor = seconds_per_call(lambda: da + db, budget_s) - op
+    finally:
+        dist.destroy_process_group()
+    return {"op_overhead_us": round(op * 1e6, 2), "view_overhead_us": round(view * 1e6, 2),
+            "dtensor_overhead_us": round(dtensor * 1e6, 2)}  # fmt: skip
+
+
+def memory_points(budget_s: float) -> list[dict]:
+    """An elementwise add (reads two operands, writes one) by the bytes it moves; its dispatch (the same add of
+    one element) taken out."""
+    one, out_one = torch.ones(1), torch.empty(1)
+    dispatch_s = seconds_per_call(lambda: torch.add(one, one, out=out_one), budget_s)
+    points = []
+    for size in MEMORY_SIZES:
+        a, b, out = torch.randn(size), torch.randn(size), torch.empty(size)
+        took = seconds_per_call(lambda: torch.add(a, b, out=out), budget_s)  # noqa: B023
+        moved = 3 * 4 * size
+        points.append({"bytes": moved, "gbps": round(moved / max(took - dispatch_s, 1e-9) / 1e9, 3)})
+    return points
+
+
+def measure(spec: dict, barrier=None) -> dict:
+    """One process's measurement of `spec` ({gemm: [(shape, dtype)], attention: [(shape, dtype)], budget_s}),
+    one thread; with a barrier, started together with the other process."""
+    torch.set_num_threads(1)
+    if barrier is not None:
+        barrier.wait()
+    budget = spec["budget_s"]
+    overhead = overheads_us(budget)
+    return {
+        **overhead,
+        "memory_points": memory_points(budget),
+        "gemm_points": [
+            {"shape": list(shape), "dtype": dtype, "gflops": round(gemm_gflops(shape, dtype, budget), 3)}
+            for shape, dtype in spec["gemm"]
+        ],  # fmt: skip
+        "attention_points": [
+            {"shape": list(shape), "dtype": dtype, "gflops": round(attention_gflops(shape, dtype, budget), 3)}
+            for shape, dtype in spec["attention"]
+        ],  # fmt: skip
+        "measured_ops": timed_ops(spec["replays"], budget / 10),
+        "eager_gaps": eager_gaps(spec["model_shape"], spec["rows"], budget)
+        if spec.get("model_shape")
+        else {},
+    }
+
+
+def timed_ops(replays: list, budget_s: float) -> dict:
+    """Each recorded op run again at its shapes: {repr(replay): microseconds}; an op that cannot run again on
+    fresh tensors (its values matter) is left to the model's rules."""
+    timed = {}
+    for spec in replays:
+        try:
+            timed[repr(spec)] = round(seconds_per_call(replay(spec), budget_s) * 1e6, 3)
+        except Exception:  # noqa: BLE001 - any op may refuse made-up values; the rules price it instead
+            continue
+    return timed
+
+
+def _worker(spec, barrier, queue) -> None:
+    queue.put(measure(spec, barrier))
+
+
+def measure_two_ranks(spec: dict, timeout_s: float = 600) -> dict:
+    """`measure` in two processes at once (two ranks on this machine's two cores); each figure their mean."""
+    context = multiprocessing.get_context("spawn")
+    barrier, queue = context.Barrier(2, timeout=timeout_s), context.Queue()
+    workers = [context.Process(target=_worker, args=(spec, barrier, queue)) for _ in range(2)]
+    for w in workers:
+        w.start()
+    results, deadline = [], time.monotonic() + timeout_s
+    try:
+        while len(results) < len(workers):  # a worker that died is an error at once, not a wait
+            try:
+                results.append(queue.get(timeout=1))
+            except Exception:
+                dead = [w.exitcode for w in workers if w.exitcode not in (None, 0)]
+                if dead or time.monotonic() > deadline:
+                    raise RuntimeError(
+                        f"op measurement: a worker exited with {dead} or took over {timeout_s:g} s"
+                    ) from None
+    finally:
+        for w in workers:
+            w.join(timeout=10)
+            if w.is_alive():
+                w.kill()
+    mean = lambda key: round((results[0][key] + results[1][key]) / 2, 2)  # noqa: E731
+    merged = {key: mean(key) for key in ("op_overhead_us", "view_overhead_us", "dtensor_overhead_us")}
+    merged["eager_gaps"] = {
+        k: round((v + results[1]["eager_gaps"][k]) / 2, 2) for k, v in results[0]["eager_gaps"].items()
+    }
+    both = results[0]["measured_ops"].keys() & results[1]["measured_ops"].keys()
+    merged["measured_ops"] = {k: round((results[0]["measured_ops"][k] + results[1]["measured_ops"][k]) / 2, 3)
+                              for k in sorted(both)}  # fmt: skip
+    for key, field in (("memory_points", "gbps"), ("gemm_points", "gflops"), ("attention_points", "gflops")):
+        merged[key] = [
+            {**p, field: round((p[field] + q[field]) / 2, 3)}
+            for p, q in zip(results[0][key], results[1][key], strict=False)
+        ]
+    return merged
+
+
+def shapes_of(traced_ranks: list[dict]) -> dict:
+    """The distinct matmul and attention shapes (with dtypes) the fake ranks recorded."""
+    gemm, attention, replays = set(), set(), set()
+    for rank in traced_ranks:
+        for calls in rank["ops"]["calls"].values():
+            for call, _ in calls:
+                if call.replay is not None and call.kind != "view":
+                    replays.add(call.replay)
+                if call.kind == "gemm":
+                    gemm.add((call.shape, call.dtype))
+                elif call.kind == "attention":
+                    attention.add(((*call.shape, int(call.causal), int(call.backward)), call.dtype))
+    return {"gemm": sorted(gemm), "attention": sorted(attention), "replays": sorted(replays, key=repr)}
+
+
+# ------------------------------------------------------------------------ what the ops alone do not explain
+def eager_gaps(model_shape: dict, rows: int, budget_s: float) -> dict:
+    """What a real step of one process costs beyond its ops run one by one: the GPT of `model_shape` (rows x
+    its block of tokens), its forward, backward and AdamW step timed (median of 10), its ops recorded and each
+    replayed; per op dispatched, forward and backward, what the phase took beyond them (nn.Module's calls,
+    autograd building and walking its graph, the allocator); the optimizer's step beyond its ops, per step."""
+    from common.gpt import GPT, GPTConfig, adamw, lm_loss
+    from planning.ops import OpRecorder
+
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(**model_shape))
+    optimizer = adamw(list(model.parameters()), 3e-4, 0.1)
+    ids = torch.randint(0, model_shape["vocab_size"], (rows, model_shape["block_size"]))
+
+    def step(recorder=None) -> tuple[float, float, float]:
+        started = time.perf_counter()
+        if recorder:
+            recorder.phase = "forward"
+        loss = lm_loss(model(ids), ids)
+        forward_done = time.perf_counter()
+        if recorder:
+            recorder.phase = "backward"
+        loss.backward()
+        backward_done = time.perf_counter()
+        if recorder:
+            recorder.phase = "step"
+        optimizer.step()
+        optimizer.zero_grad()
+        return forward_done - started, backward_done - forward_done, time.perf_counter() - backward_done
+
+    for _ in range(3):
+        step()
+    took = [step() for _ in range(10)]
+    with OpRecorder() as recorder:
+        step(recorder)
+    gaps = {}
+    for i, phase in enumerate(("forward", "backward", "step")):
+        measured = statistics.median(t[i] for t in took)
+        replayed, dispatched = 0.0, 0
+        for call, count in recorder.calls.get(phase, {}).items():
+            dispatched += count
+            if call.kind != "view" and call.replay is not None:
+                replayed += count * seconds_per_call(replay(call.replay), budget_s / 10)
+        gaps[phase] = (measured - replayed) / (dispatched if phase != "step" else 1)
+    return {"forward_us_per_op": round(gaps["forward"] * 1e6, 2),
+            "backward_us_per_op": round(gaps["backward"] * 1e6, 2),
+            "step_us": round(gaps["step"] * 1e6, 2)}  # fmt: skip
+
+
+COLLECTIVE_BYTES = [2**k for k in range(14, 23, 2)]  # 16 KB to 4 MB: what a layout's collectives carry here
+COMPUTE_BETWEEN = 256  # a 256-square matmul (about 0.3 ms here) three times between two collectives
+
+
+def collectives_between_compute(rank: int, world: int, init: str, queue) -> None:
+    """gloo's collectives as a training step issues them: each after some compute, the two ranks not in lockstep
+    (back to back, as a collectives benchmark times them, a 1 MB all-reduce took 0.75 ms here; after 1 ms of
+    matmuls, 2.9 ms). Per kind and size: the median time of (compute + collective) minus the compute's alone."""
+    import warnings
+
+    import torch.distributed as dist
+
+    warnings.filterwarnings("ignore", category=FutureWarning)  # all_gather_into_tensor's rename: the same op
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world)
+    a, b = torch.randn(COMPUTE_BETWEEN, COMPUTE_BETWEEN), torch.randn(COMPUTE_BETWEEN, COMPUTE_BETWEEN)
+
+    def compute():
+        for _ in range(3):
+            torch.mm(a, b)
+
+    rows = []
+    for kind in ("all_reduce", "all_gather", "reduce_scatter"):
+        for size in COLLECTIVE_BYTES:
+            whole = torch.zeros(size // 4)
+            part = torch.zeros(size // 4 // world)
+            run = {"all_reduce": lambda: dist.all_reduce(whole),  # noqa: B023
+                   "all_gather": lambda: dist.all_gather_into_tensor(whole, part),  # noqa: B023
+                   "reduce_scatter": lambda: dist.reduce_scatter_tensor(part, whole)}[kind]  # fmt: skip
+            dist.barrier()
+            both, alone = [], []
+            for _ in range(40):
+                started = time.perf_counter()
+                compute()
+                run()
+                both.append(time.perf_counter() - started)
+                started = time.perf_counter()
+                compute()
+                alone.append(time.perf_counter() - started)
+            seconds = max(statistics.median(both) - statistics.median(alone), 1e-6)
+            rows.append({"op": kind, "bytes": size, "time_us": seconds * 1e6})
+    dist.barrier()
+    dist.destroy_process_group()
+    if rank == 0:
+        queue.put(rows)
+
+
+def fit_collectives(timeout_s: float = 300, verbose: bool = False) -> dict:
+    """`collectives_between_compute` on 2 ranks, fitted per kind as latency + bytes / bandwidth."""
+    import tempfile
+
+    from benchmarks.performance import fit_alpha_beta
+
+    context = multiprocessing.get_context("spawn")
+    queue = context.Queue()
+    with tempfile.TemporaryDirectory() as folder:
+        init = f"file://{folder}/store"
+        workers = [
+            context.Process(target=collectives_between_compute, args=(r, 2, init, queue)) for r in range(2)
+        ]
+        for w in workers:
+            w.start()
+        try:
+            rows = queue.get(timeout=timeout_s)
+        finally:
+            for w in workers:
+                w.join(timeout=30)
+                if w.is_alive():
+                    w.kill()
+    fits = fit_alpha_beta(rows)
+    if verbose:
+        print(rows)
+    return {kind: {"bandwidth_gbps": round(f["bandwidth_gbps"] or 1e6, 3), "latency_us": round(f["alpha_us"])}
+            for kind, f in fits.items()}  # fmt: skip

@@ -1,0 +1,347 @@
+"""The ops a step really runs, and what each costs on a hardware profile.
+
+`OpRecorder` is a TorchDispatchMode: on a fake rank (planning/fake_ranks.py) it sees every aten op the rank's
+real step dispatches, in eager PyTorch's order and decomposition: the matmuls at the rank's own shapes (tp's
+shards, cp's chunks, pp's stage), attention's fused kernel, the norms, the casts, FSDP's copies in and out of its
+all-gather buffers, the fused AdamW. Each op is kept as an `OpCall` (its name, its tensors' shapes and dtype, its
+FLOPs and the bytes it reads and writes), counted per phase of the step (forward, backward, step). What DTensor
+dispatches (tp's and FSDP's parameters) is counted as well: each DTensor op costs its own dispatch on top of the
+local op it runs. The op DTensor runs on fake tensors to learn an output's global shape (its sharding
+propagation) is not the rank's work and is left out.
+
+`OpModel` prices an OpCall on one hardware profile (planning/hardware.yaml's `ops:`):
+  gemm       FLOPs at the throughput measured for the nearest measured shape (this machine: timed at the shapes
+             the layouts run), or at a fraction of the datasheet peak that a published measurement reached (GPUs);
+  attention  its FLOPs (causal: the half under the mask; backward 2.5x the forward, FlashAttention-2's five
+             matmuls against two) at the nearest measured shape's throughput, or a published fraction of peak;
+  memory     every other op: the bytes it reads and writes at the bandwidth measured for that many bytes;
+  dispatch   every op dispatched, and every DTensor op, costs its measured overhead (eager PyTorch on a CPU runs
+             each op where it is issued; a GPU's launches are asynchronous and hide behind its kernels: 0 there).
+"""
+
+from __future__ import annotations
+
+import bisect
+import contextlib
+import math
+from collections import Counter
+from dataclasses import dataclass
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
+
+GEMMS = ("mm", "addmm", "bmm", "baddbmm", "_grouped_mm")
+# ops that allocate or describe and move no data (an allocation's cost is its dispatch)
+ALLOCATIONS = ("empty", "empty_strided", "empty_like", "new_empty", "new_empty_strided", "lift_fresh", "detach",
+               "alias", "_local_scalar_dense", "set_", "resize_", "is_same_size", "sym_size", "sym_stride",
+               "sym_numel", "sym_storage_offset")  # fmt: skip
+# the fake rank's own stand-ins for data (a real rank's batch comes from its loader, outside the step's time)
+NOT_THE_STEP = ("randint",)
+# FlashAttention-2's backward runs five matmuls of the forward's size (Q K^T again, dV, dP, dQ, dK) against its two
+BACKWARD_ATTENTION_FACTOR = 2.5
+
+
+@dataclass(frozen=True)
+class OpCall:
+    """One op as a rank dispatches it: kind is gemm, attention, memory or view (views and allocations: no data
+    moved); `shape` what its price looks up: (m, k, n) for a matmul (a batch's multiplied in), (batch x heads,
+    queries, keys, head width) for attention."""
+
+    name: str
+    kind: str
+    dtype: str
+    shape: tuple[int, ...]
+    flops: float
+    bytes: int
+    causal: bool = False
+    backward: bool = False
+    replay: tuple | None = None  # (the op's qualified name, its arguments with each tensor as a TensorSpec)
+
+
+@dataclass(frozen=True)
+class TensorSpec:
+    shape: tuple[int, ...]
+    stride: tuple[int, ...]
+    dtype: str
+
+
+def replay_spec(func, args: tuple, kwargs: dict) -> tuple | None:
+    """What `replay` needs to run the op again on fresh tensors of the same shapes; None if an argument is not
+    plain data (a process group, a generator)."""
+
+    def spec(x):
+        if isinstance(x, torch.Tensor):
+            return TensorSpec(tuple(x.shape), tuple(x.stride()), str(x.dtype).removeprefix("torch."))
+        if isinstance(x, (list, tuple)):
+            return tuple(spec(v) for v in x)
+        if x is None or isinstance(x, (bool, int, float, str, torch.dtype, torch.device, torch.layout,
+                                       torch.memory_format)):  # fmt: skip
+            return x
+        raise TypeError(type(x))
+
+    try:
+        return (func._schema.name.removeprefix("aten::"), func._overloadname, spec(args),
+                tuple(sorted((k, spec(v)) for k, v in kwargs.items())))  # fmt: skip
+    except TypeError:
+        return None
+
+
+def replay(spec: tuple):
+    """A callable that runs the op `spec` describes on fresh tensors (floats random, integers and booleans 0: a
+    valid index, a valid target), one thread's CPU."""
+    name, overload, args, kwargs = spec
+
+    def make(x):
+        if isinstance(x, TensorSpec):
+            dtype = getattr(torch, x.dtype)
+            made = torch.empty_strided(x.shape, x.stride, dtype=dtype)
+            return made.normal_() if dtype.is_floating_point else made.zero_()
+        if isinstance(x, tuple):
+            return [make(v) for v in x]
+        return x
+
+    op = getattr(getattr(torch.ops.aten, name), overload)
+    made_args, made_kwargs = [make(a) for a in args], {k: make(v) for k, v in kwargs}
+    return lambda: op(*made_args, **made_kwargs)
+
+
+def _tensors(tree) -> list[torch.Tensor]:
+    return [t for t in tree_flatten(tree)[0] if isinstance(t, torch.Tensor)]
+
+
+def _bytes(tensors) -> int:
+    return sum(t.numel() * t.element_size() for t in tensors)
+
+
+def describe(func, args: tuple, kwargs: dict, result) -> OpCall | None:
+    """The OpCall of one dispatched op, None for what is not a rank's work (collectives: their own model; prim
+    ops: metadata)."""
+    namespace, _, name = str(func.overloadpacket).partition(".")
+    if namespace != "aten" or name in NOT_THE_STEP:
+        return None
+    inputs, outputs = _tensors((args, kwargs)), _tensors(result)
+    dtype = str((inputs or outputs or [torch.empty(0)])[0].dtype).removeprefix("torch.")
+    schema = func._schema
+    returns_alias = [r.alias_info for r in schema.returns]
+    if name in ALLOCATIONS or (
+        returns_alias and all(a is not None and not a.is_write for a in returns_alias)
+    ):
+        return OpCall(name, "view", dtype, (), 0.0, 0)
+    moved = _bytes(inputs) + _bytes(outputs)
+    if (
+        not outputs
+    ):  # an in-place op returning nothing (the fused AdamW): what it writes is its marked arguments
+        named = dict(zip((a.name for a in schema.arguments), args, strict=False)) | (kwargs or {})
+        moved += sum(_bytes(_tensors(named.get(a.name))) for a in schema.arguments
+                     if a.alias_info is not None and a.alias_info.is_write)  # fmt: skip
+    spec = replay_spec(func, args, kwargs)
+    if name in GEMMS:
+        a, b = inputs[1:3] if name in ("addmm", "baddbmm") else inputs[:2]
+        batch = a.shape[0] if a.dim() == 3 and b.dim() == 3 else 1
+        m, k = a.shape[-2], a.shape[-1]
+        n = b.shape[-1]
+        return OpCall(name, "gemm", dtype, (batch * m, k, n), 2.0 * batch * m * k * n, moved, replay=spec)
+    if "scaled_dot_product" in name:
+        named = dict(zip((a.name for a in schema.arguments), args, strict=False)) | (kwargs or {})
+        q, k = named["query"], named["key"]
+        causal, backward = bool(named.get("is_causal", False)), name.endswith("_backward")
+        heads, queries, keys, width = q.shape[0] * q.shape[1], q.shape[2], k.shape[2], q.shape[3]
+        flops = 4.0 * heads * queries * keys * width * (0.5 if causal else 1.0)
+        flops *= BACKWARD_ATTENTION_FACTOR if backward else 1.0
+        return OpCall(
+            name, "attention", dtype, (heads, queries, keys, width), flops, moved, causal, backward, spec
+        )
+    return OpCall(name, "memory", dtype, (), 0.0, moved, replay=spec)
+
+
+class OpRecorder(TorchDispatchMode):
+    """`with OpRecorder() as ops:` ... then `ops.calls[phase]` (a Counter of OpCall) and `ops.dtensor_calls[phase]`;
+    set `ops.phase` as the step moves on (forward, backward, step)."""
+
+    def __init__(self):
+        super().__init__()
+        self.phase = "forward"
+        self.calls: dict[str, Counter] = {}
+        self.dtensor_calls: Counter = Counter()
+        self._propagating = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        from torch._subclasses.fake_tensor import FakeTensor
+
+        kwargs = kwargs or {}
+        if any(
+            t not in (torch.Tensor, FakeTensor) for t in types
+        ):  # a DTensor op: it runs local ops, seen next
+            if not self._propagating:
+                self.dtensor_calls[self.phase] += 1
+            return NotImplemented
+        result = func(*args, **kwargs)
+        if not self._propagating:
+            call = describe(func, args, kwargs, result)
+            if call is not None:
+                self.calls.setdefault(self.phase, Counter())[call] += 1
+        return result
+
+    @contextlib.contextmanager
+    def _quiet_during_sharding_propagation(self):
+        """DTensor learns an op's output shape by running it on fake global tensors (ShardingPropagator's
+        _propagate_tensor_meta_non_cached, private): not the rank's work, so not recorded."""
+        from torch.distributed.tensor._sharding_prop import ShardingPropagator
+
+        original = ShardingPropagator._propagate_tensor_meta_non_cached
+
+        def propagate(propagator, *args, **kwargs):
+            self._propagating += 1
+            try:
+                return original(propagator, *args, **kwargs)
+            finally:
+                self._propagating -= 1
+
+        ShardingPropagator._propagate_tensor_meta_non_cached = propagate
+        try:
+            yield
+        finally:
+            ShardingPropagator._propagate_tensor_meta_non_cached = original
+
+    def __enter__(self):
+        self._stack = contextlib.ExitStack()
+        self._stack.enter_context(self._quiet_during_sharding_propagation())
+        return super().__enter__()
+
+    def __exit__(self, *exc):
+        try:
+            return super().__exit__(*exc)
+        finally:
+            self._stack.close()
+
+    def summary(self, *others: OpRecorder) -> dict:
+        """What a fake rank sends back: per phase, [(OpCall, count)], and the DTensor ops per phase; with
+        `others`' added (recorded apart)."""
+        calls, dtensor_calls = {}, Counter(self.dtensor_calls)
+        for recorder in (self, *others):
+            for phase, counted in recorder.calls.items():
+                calls.setdefault(phase, Counter()).update(counted)
+            if recorder is not self:
+                dtensor_calls.update(recorder.dtensor_calls)
+        return {"calls": {phase: list(counted.items()) for phase, counted in calls.items()},
+                "dtensor_calls": dict(dtensor_calls)}  # fmt: skip
+
+
+# ---------------------------------------------------------------------------------------------- the op model
+@dataclass(frozen=True)
+class OpModel:
+    """A hardware profile's `ops:` section (planning/hardware.yaml). Throughputs in FLOP/s, bandwidths in bytes/s.
+    gemm_points and attention_points: (shape, dtype, FLOP/s) measured; else gemm_efficiency / attention_efficiency
+    x the datasheet peak (each with its source in the profile). memory_points: (bytes moved, bytes/s) measured,
+    sorted by bytes; else memory_efficiency x the datasheet bandwidth."""
+
+    peak_flops: dict
+    memory_bandwidth: float
+    gemm_points: tuple = ()
+    attention_points: tuple = ()
+    memory_points: tuple = ()
+    gemm_efficiency: float = 1.0
+    attention_efficiency: float = 1.0
+    memory_efficiency: float = 1.0
+    op_overhead_s: float = 0.0
+    view_overhead_s: float = 0.0
+    dtensor_overhead_s: float = 0.0
+    measured_s: dict | None = (
+        None  # repr(OpCall.replay) -> seconds: the op timed at that very shape (this machine)
+    )
+    # what a step costs beyond its ops one by one (nn.Module, autograd, the allocator): per op dispatched in the
+    # forward and in the backward, and per optimizer step (measured on one process: benchmarks/op_costs.py)
+    per_op_overhead_s: dict | None = None  # phase -> seconds per op
+    step_overhead_s: float = 0.0
+
+    def precision(self, dtype: str) -> str:
+        return "bf16" if dtype in ("bfloat16", "float16") else "fp32"
+
+    def throughput(self, points: tuple, shape: tuple, dtype: str, efficiency: float) -> float:
+        """The FLOP/s of the measured point nearest `shape` in log space (same dtype), else efficiency x peak."""
+        same = [p for p in points if p[1] == dtype and len(p[0]) == len(shape)]
+        if not same:
+            return efficiency * self.peak_flops[self.precision(dtype)]
+
+        def distance(point) -> float:
+            return sum(abs(math.log(max(a, 1) / max(b, 1))) for a, b in zip(point[0], shape, strict=True))
+
+        return min(same, key=distance)[2]
+
+    def bandwidth(self, moved: int) -> float:
+        if not self.memory_points:
+            return self.memory_efficiency * self.memory_bandwidth
+        sizes = [p[0] for p in self.memory_points]
+        i = bisect.bisect_left(sizes, moved)
+        if i == 0 or i == len(sizes):
+            return self.memory_points[min(i, len(sizes) - 1)][1]
+        (s0, b0), (s1, b1) = self.memory_points[i - 1], self.memory_points[i]
+        w = math.log(moved / s0) / math.log(s1 / s0)  # interpolated in log bytes
+        return b0 + w * (b1 - b0)
+
+    def seconds(self, call: OpCall) -> float:
+        """One op: its work at the throughput it reaches, plus its dispatch."""
+        if call.kind == "view":
+            return self.view_overhead_s
+        timed = (self.measured_s or {}).get(repr(call.replay)) if call.replay else None
+        if timed is not None:  # its dispatch included
+            return timed
+        if call.kind == "gemm":
+            work = call.flops / self.throughput(
+                self.gemm_points, call.shape, call.dtype, self.gemm_efficiency
+            )
+            # a small matmul is memory-bound: never faster than its operands at the bandwidth
+            work = max(work, call.bytes / self.bandwidth(call.bytes))
+        elif call.kind == "attention":
+            key = (*call.shape, int(call.causal), int(call.backward))
+            work = call.flops / self.throughput(
+                self.attention_points, key, call.dtype, self.attention_efficiency
+            )
+        else:
+            work = call.bytes / self.bandwidth(call.bytes) if call.bytes else 0.0
+        return work + self.op_overhead_s
+
+    def phase_seconds(self, phase: str, calls, dtensor_calls: int = 0) -> float:
+        """A phase's [(OpCall, count)] and DTensor ops, priced one after another (one stream: eager order), with
+        what the phase costs beyond its ops."""
+        ops = (
+            sum(count * self.seconds(call) for call, count in calls) + dtensor_calls * self.dtensor_overhead_s
+        )
+        beyond = (self.per_op_overhead_s or {}).get(phase, 0.0) * sum(count for _, count in calls)
+        return ops + beyond + (self.step_overhead_s if phase == "step" else 0.0)
+
+
+def op_model_from(profile: dict, peak_flops: dict, memory_bandwidth: float) -> OpModel:
+    """A profile's `ops:` mapping (units: GFLOP/s, GB/s, us) as an OpModel; a profile without one is the roofline
+    at the datasheet's figures."""
+    spec = profile.get("ops") or {}
+    measured = None
+    gaps = spec.get("eager_gaps") or {}
+    table = spec.get("measured_ops")
+    if table:  # {repr(replay): microseconds}, or the name of a JSON file of it beside planning/hardware.yaml
+        import json
+        from pathlib import Path
+
+        if isinstance(table, str):
+            table = json.loads((Path(__file__).parent / table).read_text())
+        measured = {key: us * 1e-6 for key, us in table.items()}
+    points = lambda key: tuple((tuple(p["shape"]), p["dtype"], p["gflops"] * 1e9) for p in spec.get(key, []))  # noqa: E731
+    return OpModel(
+        peak_flops,
+        memory_bandwidth,
+        gemm_points=points("gemm_points"),
+        attention_points=points("attention_points"),
+        memory_points=tuple(sorted((p["bytes"], p["gbps"] * 1e9) for p in spec.get("memory_points", []))),
+        gemm_efficiency=spec.get("gemm_efficiency", {}).get("value", 1.0),
+        attention_efficiency=spec.get("attention_efficiency", {}).get("value", 1.0),
+        memory_efficiency=spec.get("memory_efficiency", {}).get("value", 1.0),
+        op_overhead_s=spec.get("op_overhead_us", 0.0) * 1e-6,
+        view_overhead_s=spec.get("view_overhead_us", 0.0) * 1e-6,
+        dtensor_overhead_s=spec.get("dtensor_overhead_us", 0.0) * 1e-6,
+        measured_s=measured,
+        per_op_overhead_s={
+            phase: gaps.get(f"{phase}_us_per_op", 0.0) * 1e-6 for phase in ("forward", "backward")
+        },
+        step_overhead_s=gaps.get("step_us", 0.0) * 1e-6,
+    )

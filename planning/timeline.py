@@ -1,0 +1,117 @@
+"""A pipeline's step as its schedule runs it: each stage rank's forwards and backwards in the schedule's own order,
+each waiting for what it needs (a forward for the previous stage's output, a backward for the next stage's
+gradient), simulated event by event. The step is when the last rank finishes; the bubble what is left of it
+beyond a rank's own work. The closed forms it reproduces (tests/test_timeline.py), for p stage ranks, m
+micro-batches and a micro-batch's forward F and backward B on a rank:
+  gpipe, 1f1b         (m + p - 1) (F + B)                        (Huang et al. 2019; Narayanan et al. 2021)
+  interleaved_1f1b    (m + (p - 1) / v) (F + B), v stages a rank (Narayanan et al. 2021, section 2.2.2)
+With stages that differ (the first holds the embedding, the last the head and the loss) and sends that take
+time, it gives what no closed form does.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Action:
+    kind: str  # "F" or "B"
+    microbatch: int
+    stage: int  # the model chunk: 0 .. p v - 1
+
+
+def stage_of_rank(rank: int, chunk: int, p: int) -> int:
+    """Looped placement (Megatron's, strategies/pp.py's for interleaved_1f1b): rank r holds stages r, r + p, ..."""
+    return chunk * p + rank
+
+
+def order(schedule: str, rank: int, p: int, m: int, v: int = 1) -> list[Action]:
+    """Rank `rank`'s actions in the order its schedule runs them."""
+    if schedule == "gpipe":
+        return [Action("F", i, rank) for i in range(m)] + [Action("B", i, rank) for i in range(m)]
+    if schedule == "1f1b":
+        warmup = min(p - rank - 1, m)
+        actions = [Action("F", i, rank) for i in range(warmup)]
+        for i in range(m - warmup):
+            actions += [Action("F", warmup + i, rank), Action("B", i, rank)]
+        return actions + [Action("B", i, rank) for i in range(m - warmup, m)]
+    if schedule == "interleaved_1f1b":
+        if m % p:
+            raise ValueError(
+                f"interleaved_1f1b needs micro-batches in multiples of the stage ranks: m {m}, p {p}"
+            )
+        total = m * v
+
+        def forward(k: int) -> Action:  # micro-batches p at a time through each of the rank's chunks in turn
+            group, within = divmod(k, p * v)
+            chunk, offset = divmod(within, p)
+            return Action("F", group * p + offset, stage_of_rank(rank, chunk, p))
+
+        def backward(k: int) -> Action:  # the same, the chunks last first
+            group, within = divmod(k, p * v)
+            chunk, offset = divmod(within, p)
+            return Action("B", group * p + offset, stage_of_rank(rank, v - 1 - chunk, p))
+
+        warmup = min((p - rank - 1) * 2 + (v - 1) * p, total)  # Megatron's warm-up forwards
+        actions = [forward(k) for k in range(warmup)]
+        for k in range(total - warmup):
+            actions += [forward(warmup + k), backward(k)]
+        return actions + [backward(k) for k in range(total - warmup, total)]
+    raise ValueError(f"no timeline for --pp_schedule {schedule!r}: gpipe, 1f1b, interleaved_1f1b")
+
+
+def simulate(schedule: str, p: int, m: int, forward_s, backward_s, v: int = 1, send_s: float = 0.0) -> dict:
+    """The step's seconds: `forward_s[s]`, `backward_s[s]` one micro-batch's forward and backward on model chunk s
+    (a number: the same on every chunk), `send_s` a send between ranks. Returns step_s, each rank's busy_s,
+    and bubble_s = step_s - the busiest rank's work."""
+    stages = p * v
+    at = lambda times, s: times if isinstance(times, (int, float)) else times[s]  # noqa: E731
+    queues = [order(schedule, r, p, m, v) for r in range(p)]
+    done: dict[tuple[str, int, int], float] = {}
+    free = [0.0] * p
+    busy = [0.0] * p
+    position = [0] * p
+    while any(position[r] < len(queues[r]) for r in range(p)):
+        progressed = False
+        for r in range(p):
+            while position[r] < len(queues[r]):
+                a = queues[r][position[r]]
+                if a.kind == "F":
+                    needs = [("F", a.microbatch, a.stage - 1)] if a.stage > 0 else []
+                else:
+                    needs = [("F", a.microbatch, a.stage)]
+                    needs += [("B", a.microbatch, a.stage + 1)] if a.stage < stages - 1 else []
+                if any(n not in done for n in needs):
+                    break
+                # a neighbour's output crosses to this rank: a send (none from a chunk on the same rank)
+                ready = max([done[n] + (send_s if n[2] % p != r else 0.0) for n in needs], default=0.0)
+                took = at(forward_s if a.kind == "F" else backward_s, a.stage)
+                free[r] = max(free[r], ready) + took
+                busy[r] += took
+                done[(a.kind, a.microbatch, a.stage)] = free[r]
+                position[r] += 1
+                progressed = True
+        if not progressed:  # an order that waits on itself: a bug in `order`, never a hang
+            raise RuntimeError(f"{schedule} on p {p}, m {m}, v {v}: the schedule deadlocks")
+    step = max(free)
+    return {"step_s": step, "busy_s": busy, "bubble_s": step - max(busy)}
+
+
+def step_seconds(
+    schedule: str, p: int, m: int, forward_s, backward_s, v: int = 1, send_s: float = 0.0
+) -> float:
+    """`simulate`'s step_s, at a large m in the time of a few rounds: a schedule settles into repeating itself
+    every p micro-batches (1F1B's steady state, interleaving's rounds; with stages that differ, after a warm-up
+    of some rounds), so the step of m is that of k rounds plus what each further round adds, once two windows of
+    rounds (k, 2k) add the same. Equal to simulate's (tests/test_timeline.py)."""
+    at = lambda rounds: simulate(schedule, p, rounds * p, forward_s, backward_s, v, send_s)["step_s"]  # noqa: E731
+    k = 16
+    while m % p == 0 and 2 * k + 1 < m // p:
+        a, b, c, d = at(k), at(k + 1), at(2 * k), at(2 * k + 1)
+        if (
+            abs((b - a) - (d - c)) <= 1e-9 * d and abs((c - a) - k * (b - a)) <= 1e-9 * d
+        ):  # periodic from k on
+            return d + (m // p - 2 * k - 1) * (d - c)
+        k *= 2
+    return simulate(schedule, p, m, forward_s, backward_s, v, send_s)["step_s"]

@@ -1,0 +1,191 @@
+"""The ops a step runs (planning/ops.py's OpRecorder) and what each costs (its OpModel): hand-computed cases, and
+the recorder on a real fake rank against the GPT's own matmul count."""
+
+from __future__ import annotations
+
+import contextlib
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+import yaml
+from torch._subclasses.fake_tensor import FakeTensorMode
+
+from common.gpt import GPT, GPTConfig
+from experiments.at_scale import Config
+from planning.cost_model import PROFILES, hardware_names, load_hardware, predict_step
+from planning.fake_ranks import playing, run_rank
+from planning.ops import OpCall, OpModel, OpRecorder, replay
+from strategies.layout import Layout, Workload
+
+
+def recorded(fn, fake: bool = True) -> dict:
+    with FakeTensorMode(allow_non_fake_inputs=True) if fake else contextlib.nullcontext():
+        with OpRecorder() as ops:
+            fn(ops)
+    return ops.calls
+
+
+def of_kind(calls, kind: str) -> list[tuple[OpCall, int]]:
+    return [(c, n) for c, n in calls.items() if c.kind == kind]
+
+
+def test_a_matmul_and_its_backward_are_recorded_with_their_flops_per_phase():
+    def step(ops):
+        x, w = torch.randn(6, 5), torch.randn(5, 3, requires_grad=True)
+        y = (x @ w).sum()
+        ops.phase = "backward"
+        y.backward()
+
+    calls = recorded(step)
+    (forward, _), *rest = of_kind(calls["forward"], "gemm")
+    assert not rest and forward.shape == (6, 5, 3) and forward.flops == 2 * 6 * 5 * 3
+    assert forward.bytes == 4 * (6 * 5 + 5 * 3 + 6 * 3)  # its operands read, its output written
+    (backward, _), *rest = of_kind(
+        calls["backward"], "gemm"
+    )  # the weight's gradient: x^T (5 x 6) @ dy (6 x 3)
+    assert not rest and backward.shape == (5, 6, 3) and backward.flops == 2 * 5 * 6 * 3
+
+
+def test_a_batched_and_a_biased_matmul_count_every_product():
+    def step(ops):
+        torch.bmm(torch.randn(4, 6, 5), torch.randn(4, 5, 3))
+        torch.addmm(torch.randn(3), torch.randn(6, 5), torch.randn(5, 3))
+
+    gemms = {c.name: c for c, _ in of_kind(recorded(step)["forward"], "gemm")}
+    assert gemms["bmm"].shape == (24, 5, 3) and gemms["bmm"].flops == 2 * 4 * 6 * 5 * 3
+    assert gemms["addmm"].shape == (6, 5, 3) and gemms["addmm"].flops == 2 * 6 * 5 * 3
+
+
+def test_attention_counts_the_causal_half_and_a_backward_of_five_matmuls():
+    q, k, v = (torch.randn(2, 4, 16, 8, requires_grad=True) for _ in range(3))  # batch 2, 4 heads, 16 tokens
+
+    def step(ops):
+        out = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+        ops.phase = "backward"
+        out.sum().backward()
+
+    calls = recorded(step, fake=False)
+    (forward, _), *_ = of_kind(calls["forward"], "attention")
+    (backward, _), *_ = of_kind(calls["backward"], "attention")
+    full = 4 * (2 * 4) * 16 * 16 * 8  # QK^T and AV, 2 FLOPs a multiply-add, every query against every key
+    assert forward.causal and forward.flops == full / 2 and forward.shape == (8, 16, 16, 8)
+    assert backward.backward and backward.flops == 2.5 * full / 2
+
+
+def test_views_move_nothing_and_an_in_place_op_that_returns_nothing_counts_what_it_writes():
+    params, grads, m, v = ([torch.randn(10)] for _ in range(4))
+    steps = [torch.tensor(1.0)]
+
+    def step(ops):
+        torch.randn(4, 6).t()
+        torch._fused_adamw_(params, grads, m, v, [], steps, lr=0.1, beta1=0.9, beta2=0.99, weight_decay=0.0,
+                            eps=1e-8, amsgrad=False, maximize=False)  # fmt: skip
+
+    calls = recorded(step, fake=False)["forward"]
+    (view, _), *_ = of_kind(calls, "view")
+    assert view.name == "t" and view.bytes == 0
+    (adamw, _), *_ = [(c, n) for c, n in calls.items() if c.name == "_fused_adamw_"]
+    # reads the parameters, gradients, both moments and the step (4 x 40 + 4 bytes); writes what its schema
+    # marks written: parameters, gradients (a scaler may unscale them), both moments (4 x 40)
+    assert adamw.bytes == 4 * 40 + 4 + 4 * 40
+
+
+def test_a_dtensor_op_is_counted_and_its_shape_propagation_is_not_the_ranks_work():
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+
+    with playing(0, 2):
+        mesh = init_device_mesh("cpu", (2,))
+        with FakeTensorMode(allow_non_fake_inputs=True):
+            w = distribute_tensor(
+                torch.randn(8, 16), mesh, [Shard(0)]
+            )  # a column-parallel weight: 4 rows here
+            x = distribute_tensor(torch.randn(6, 16), mesh, [Replicate()])
+            with OpRecorder() as ops:
+                torch.nn.functional.linear(x, w)
+    gemms = of_kind(ops.calls["forward"], "gemm")
+    # the local matmul alone (6 x 16 by 16 x 4), once: not DTensor's run of it on the global shapes (16 x 8)
+    assert [(c.shape, n) for c, n in gemms] == [((6, 16, 4), 1)]
+    assert ops.dtensor_calls["forward"] >= 2  # the transpose and the matmul, at least
+
+
+def test_a_recorded_op_runs_again_at_its_shapes_with_valid_indices():
+    def step(ops):
+        weight = torch.randn(10, 4)
+        torch.nn.functional.embedding(torch.tensor([[1, 9], [3, 0]]), weight)
+
+    calls = recorded(step)["forward"]
+    (embedding, _), *_ = [(c, n) for c, n in calls.items() if c.name == "embedding"]
+    out = replay(embedding.replay)()
+    assert out.shape == (2, 2, 4)  # index 0 of a made-up weight: a valid lookup
+
+
+def test_the_op_model_prices_by_nearest_measured_shape_by_bandwidth_and_by_table():
+    gemm = OpCall("mm", "gemm", "float32", (1000, 100, 100), 2e7, 4 * (1000 * 100 * 2 + 100 * 100))
+    points = (((1024, 128, 128), "float32", 50e9), ((4096, 4096, 4096), "float32", 100e9))
+    model = OpModel({"fp32": 200e9, "bf16": 400e9}, 1e12, gemm_points=points, op_overhead_s=2e-6)
+    assert model.seconds(gemm) == pytest.approx(2e7 / 50e9 + 2e-6)  # the nearer point's 50 GFLOP/s
+    by_peak = OpModel({"fp32": 200e9, "bf16": 400e9}, 1e12, gemm_efficiency=0.8)
+    assert by_peak.seconds(gemm) == pytest.approx(2e7 / (0.8 * 200e9))
+    # a memory-bound op between two measured sizes: the bandwidth interpolated in log bytes
+    copy = OpCall("add", "memory", "float32", (), 0.0, 10_000)
+    curve = OpModel({"fp32": 1.0}, 1.0, memory_points=((1_000, 10e9), (100_000, 30e9)))
+    assert curve.seconds(copy) == pytest.approx(10_000 / 20e9)
+    timed = OpModel({"fp32": 1.0}, 1.0, measured_s={repr(("add", "Tensor", (), ())): 7e-6})
+    assert (
+        timed.seconds(OpCall("add", "memory", "float32", (), 0.0, 10, replay=("add", "Tensor", (), ())))
+        == 7e-6
+    )
+    # a phase: its ops, each DTensor op's dispatch, what the phase costs beyond its ops; the step's own overhead
+    phased = OpModel({"fp32": 1.0}, 1.0, view_overhead_s=1e-6, dtensor_overhead_s=5e-6,
+                     per_op_overhead_s={"forward": 3e-6}, step_overhead_s=1e-4)  # fmt: skip
+    view = OpCall("t", "view", "float32", (), 0.0, 0)
+    assert phased.phase_seconds("forward", [(view, 10)], dtensor_calls=2) == pytest.approx(
+        10e-6 + 10e-6 + 30e-6
+    )
+    assert phased.phase_seconds("step", [(view, 1)]) == pytest.approx(1e-6 + 1e-4)
+
+
+def test_a_fake_rank_records_the_matmuls_its_layout_leaves_it():
+    """One forward's matmul FLOPs on a fake rank: each block's q, k, v, output (4 d^2) and MLP (8 d^2) per token,
+    and the head (d V); under tp 2 each rank multiplies half of every one of them."""
+    cfg = Config(model="custom", n_layer=2, d_model=64, n_head=4, vocab_size=512, block_size=32, world_size=2)
+    model = GPTConfig(n_layer=2, d_model=64, n_head=4, vocab_size=512, block_size=32)
+    work, tokens, d = Workload(model, 4), 4 * 32, 64
+    whole = 2 * tokens * (2 * 12 * d * d + d * 512)
+    for layout, share in ((Layout(dp_replicate=2), 1), (Layout(tp=2), 2)):
+        ops = run_rank(cfg, layout, work, 0)["ops"]
+        forward = sum(c.flops * n for c, n in ops["calls"]["forward"] if c.kind == "gemm")
+        assert forward == whole / share, layout
+        assert {"forward", "backward", "step"} <= set(ops["calls"])
+        assert (ops["dtensor_calls"].get("forward", 0) > 0) == (layout.tp > 1)
+    assert not dist.is_initialized()
+
+
+def test_a_prediction_from_recorded_ops_is_their_priced_sum():
+    cfg = Config(model="custom", n_layer=2, d_model=64, n_head=4, vocab_size=512, block_size=32, world_size=2)
+    model = GPTConfig(n_layer=2, d_model=64, n_head=4, vocab_size=512, block_size=32)
+    work, layout = Workload(model, 4), Layout(dp_replicate=2)
+    traced = [run_rank(cfg, layout, work, 0)]
+    hw = load_hardware("this_machine")
+    with torch.device("meta"):
+        reference = GPT(model)
+    predicted = predict_step(reference, layout, cfg, work, hw, traced=traced)
+    ops = traced[0]["ops"]
+    phase = lambda name: hw.ops.phase_seconds(name, ops["calls"][name], ops["dtensor_calls"].get(name, 0))  # noqa: E731
+    assert predicted["priced"] == "recorded ops"
+    assert predicted["terms_s"]["compute"] == pytest.approx(phase("forward") + phase("backward"))
+    assert predicted["terms_s"]["optimizer"] == pytest.approx(phase("step"))
+
+
+def test_every_op_model_figure_of_a_profile_names_its_source():
+    profiles = yaml.safe_load(Path(PROFILES).read_text())
+    for name in hardware_names():
+        for key, figure in (profiles[name].get("ops") or {}).items():
+            if key.endswith("_efficiency"):
+                assert figure["source"].strip() and 0 < figure["value"] <= 1, (name, key)
+        table = (profiles[name].get("ops") or {}).get("measured_ops")
+        if isinstance(table, str):
+            assert (Path(PROFILES).parent / table).exists(), (name, table)

@@ -1,0 +1,67 @@
+"""The pipeline timeline (planning/timeline.py) on hand-drawn schedules, against their closed-form steps."""
+
+from __future__ import annotations
+
+import pytest
+
+from planning.timeline import Action, order, simulate, step_seconds
+
+
+@pytest.mark.parametrize("p, m", [(2, 4), (4, 8), (8, 8), (4, 16)])
+def test_gpipe_and_1f1b_take_m_plus_p_minus_1_microbatch_times(p, m):
+    for schedule in ("gpipe", "1f1b"):
+        result = simulate(schedule, p, m, forward_s=1.0, backward_s=2.0)
+        assert result["step_s"] == pytest.approx((m + p - 1) * 3.0), schedule
+        assert result["bubble_s"] == pytest.approx((p - 1) * 3.0), schedule
+
+
+@pytest.mark.parametrize("p, m, v", [(2, 4, 2), (4, 8, 2), (4, 8, 4), (8, 16, 2)])
+def test_interleaving_v_stages_a_rank_divides_the_bubble_by_v(p, m, v):
+    # each chunk does 1/v of the rank's work: Narayanan et al. 2021's (m + (p - 1) / v) (F + B)
+    result = simulate("interleaved_1f1b", p, m, forward_s=1.0 / v, backward_s=2.0 / v, v=v)
+    assert result["step_s"] == pytest.approx((m + (p - 1) / v) * 3.0)
+    assert result["bubble_s"] == pytest.approx((p - 1) / v * 3.0)
+
+
+def test_1f1b_runs_each_stages_warm_up_then_alternates():
+    # stage 0 of 3 with 4 micro-batches: 2 warm-up forwards, then one forward one backward, then the rest
+    kinds = "".join(a.kind for a in order("1f1b", 0, 3, 4))
+    assert kinds == "FF" + "FB" * 2 + "BB"
+    assert order("1f1b", 2, 3, 2) == [
+        Action("F", 0, 2),
+        Action("B", 0, 2),
+        Action("F", 1, 2),
+        Action("B", 1, 2),
+    ]
+
+
+def test_a_slow_last_stage_and_slow_sends_lengthen_the_step_beyond_the_closed_form():
+    p, m = 4, 8
+    even = simulate("1f1b", p, m, 1.0, 2.0)["step_s"]
+    # the last stage also runs the head and the loss: the pipeline waits for it on every micro-batch
+    heavy_last = simulate("1f1b", p, m, [1.0, 1.0, 1.0, 1.5], [2.0, 2.0, 2.0, 3.0])["step_s"]
+    assert heavy_last >= (m + p - 1) * 3.0 + m * 1.5 - 1e-9
+    # a send of 0.25 s each way between neighbours: 2 (p - 1) sends on the critical path at least
+    assert simulate("1f1b", p, m, 1.0, 2.0, send_s=0.25)["step_s"] >= even + 2 * (p - 1) * 0.25
+
+
+def test_an_interleaved_step_needs_whole_rounds_of_microbatches():
+    with pytest.raises(ValueError, match="multiples of the stage ranks"):
+        simulate("interleaved_1f1b", 4, 6, 1.0, 2.0, v=2)
+    with pytest.raises(ValueError, match="no timeline"):
+        simulate("dualpipe", 4, 8, 1.0, 2.0)
+
+
+def test_a_long_step_is_priced_from_its_repeating_rounds_exactly():
+    import random
+
+    random.seed(0)
+    for schedule, v in (("1f1b", 1), ("gpipe", 1), ("interleaved_1f1b", 2)):
+        for p, m in ((2, 512), (4, 256), (8, 320)):
+            forward = [random.uniform(0.5, 1.5) for _ in range(p * v)]  # stages that differ
+            backward = [2 * f * random.uniform(0.8, 1.2) for f in forward]
+            for send in (0.0, 0.3):
+                exact = simulate(schedule, p, m, forward, backward, v, send)["step_s"]
+                assert step_seconds(schedule, p, m, forward, backward, v, send) == pytest.approx(
+                    exact, rel=1e-9
+                )
