@@ -436,12 +436,14 @@ def predict_step(
         if m % layout.pp:  # Megatron's interleaving goes p micro-batches at a time
             schedule, v = "1f1b", 1
         by_chunk = lambda key: [stages[c % layout.pp][key] / v for c in range(layout.pp * v)]  # noqa: E731
-        timeline = lambda send: step_seconds(schedule, layout.pp, m, by_chunk("forward"), by_chunk("backward"), v,  # noqa: E731
-                                             send_s=send)  # fmt: skip
-        # the sends: what they add to the step (a send the other ranks' work hides costs nothing)
-        without_sends = timeline(0.0)
-        pipeline_s = timeline(max(s["exposed"]["pp"] for s in stages) / 2)
-        bubble_s, sends_s = without_sends - work_s, pipeline_s - without_sends
+        send_s = max(s["exposed"]["pp"] for s in stages) / 2
+        pipeline_s = step_seconds(
+            schedule, layout.pp, m, by_chunk("forward"), by_chunk("backward"), v, send_s
+        )
+        # the sends on the critical path: each hop between chunks (p v - 1 of them) once forward (the first
+        # micro-batch) and once back (the last); the bubble what is left (a send other work hides costs nothing)
+        sends_s = 2 * (layout.pp * v - 1) * send_s
+        bubble_s = pipeline_s - work_s - sends_s
     else:
         pipeline_s, bubble_s = work_s, 0.0
     compute_s = m * slowest["compute"]

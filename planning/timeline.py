@@ -66,31 +66,40 @@ def simulate(schedule: str, p: int, m: int, forward_s, backward_s, v: int = 1, s
     (a number: the same on every chunk), `send_s` a send between ranks. Returns step_s, each rank's busy_s,
     and bubble_s = step_s - the busiest rank's work."""
     stages = p * v
-    at = lambda times, s: times if isinstance(times, (int, float)) else times[s]  # noqa: E731
-    queues = [order(schedule, r, p, m, v) for r in range(p)]
-    done: dict[tuple[str, int, int], float] = {}
-    free = [0.0] * p
-    busy = [0.0] * p
-    position = [0] * p
-    while any(position[r] < len(queues[r]) for r in range(p)):
+    per_chunk = lambda times: [times] * stages if isinstance(times, (int, float)) else list(times)  # noqa: E731
+    took_of = {"F": per_chunk(forward_s), "B": per_chunk(backward_s)}
+    # each action as (its slot, the slots it waits for, its seconds); a slot = (micro-batch, chunk, F or B)
+    slot = lambda kind, microbatch, stage: (microbatch * stages + stage) * 2 + (kind == "B")  # noqa: E731
+    queues = []
+    for r in range(p):
+        queue = []
+        for a in order(schedule, r, p, m, v):
+            if a.kind == "F":
+                needs = [slot("F", a.microbatch, a.stage - 1)] if a.stage > 0 else []
+            else:
+                needs = [slot("F", a.microbatch, a.stage)]
+                needs += [slot("B", a.microbatch, a.stage + 1)] if a.stage < stages - 1 else []
+            # a neighbour's output crosses to this rank: a send (none from a chunk on the same rank)
+            sends = [send_s if (n // 2) % stages % p != r else 0.0 for n in needs]
+            queue.append((slot(a.kind, a.microbatch, a.stage), needs, sends, took_of[a.kind][a.stage]))
+        queues.append(queue)
+    done: list[float | None] = [None] * (m * stages * 2)
+    free, busy, position = [0.0] * p, [0.0] * p, [0] * p
+    remaining = sum(len(q) for q in queues)
+    while remaining:
         progressed = False
         for r in range(p):
-            while position[r] < len(queues[r]):
-                a = queues[r][position[r]]
-                if a.kind == "F":
-                    needs = [("F", a.microbatch, a.stage - 1)] if a.stage > 0 else []
-                else:
-                    needs = [("F", a.microbatch, a.stage)]
-                    needs += [("B", a.microbatch, a.stage + 1)] if a.stage < stages - 1 else []
-                if any(n not in done for n in needs):
+            queue = queues[r]
+            while position[r] < len(queue):
+                here, needs, sends, took = queue[position[r]]
+                if any(done[n] is None for n in needs):
                     break
-                # a neighbour's output crosses to this rank: a send (none from a chunk on the same rank)
-                ready = max([done[n] + (send_s if n[2] % p != r else 0.0) for n in needs], default=0.0)
-                took = at(forward_s if a.kind == "F" else backward_s, a.stage)
-                free[r] = max(free[r], ready) + took
+                ready = max([done[n] + sent for n, sent in zip(needs, sends, strict=True)], default=0.0)
+                free[r] = (free[r] if free[r] > ready else ready) + took
                 busy[r] += took
-                done[(a.kind, a.microbatch, a.stage)] = free[r]
+                done[here] = free[r]
                 position[r] += 1
+                remaining -= 1
                 progressed = True
         if not progressed:  # an order that waits on itself: a bug in `order`, never a hang
             raise RuntimeError(f"{schedule} on p {p}, m {m}, v {v}: the schedule deadlocks")
@@ -104,9 +113,9 @@ def step_seconds(
     """`simulate`'s step_s, at a large m in the time of a few rounds: a schedule settles into repeating itself
     every p micro-batches (1F1B's steady state, interleaving's rounds; with stages that differ, after a warm-up
     of some rounds), so the step of m is that of k rounds plus what each further round adds, once two windows of
-    rounds (k, 2k) add the same. Equal to simulate's (tests/test_timeline.py)."""
+    rounds (k to k + 1, k + 1 to 2k + 1) add the same per round. Equal to simulate's (tests/test_timeline.py)."""
     at = lambda rounds: simulate(schedule, p, rounds * p, forward_s, backward_s, v, send_s)["step_s"]  # noqa: E731
-    k = 16
+    k = 4
     while m % p == 0 and 2 * k + 1 < m // p:
         a, b, c, d = at(k), at(k + 1), at(2 * k), at(2 * k + 1)
         if (
