@@ -1,31 +1,34 @@
-"""A step-time predictor for any layout on any hardware profile (planning/hardware.yaml): a roofline per op and an
-alpha-beta time per collective, put together under overlap assumptions written out below. It is a PREDICTION,
-labelled as one wherever it is shown, and set beside published runs (docs/at_scale.md) and beside the runs
-this machine really measures (benchmarks/at_scale_calibration.py).
+"""A step-time predictor for any layout on any hardware profile (planning/hardware.yaml): each op priced by the
+profile's op model (planning/ops.py), an alpha-beta time per collective, the pipeline as its schedule runs it
+(planning/timeline.py), put together under overlap assumptions written out below. It is a PREDICTION, labelled
+as one wherever it is shown, and set beside published runs (docs/at_scale.md) and beside the runs this machine
+really measures (benchmarks/at_scale_calibration.py).
 
-Per micro-batch, on each pipeline stage (the slowest sets the pace):
-  compute      every op of the stage's blocks (and the embedding, the head and the loss on the end stages),
-               each max(FLOPs / peak, bytes / memory bandwidth): the matmuls (their FLOPs 2 m k n; bytes: the
-               operands and the output), attention's two matmuls (causal: half of 4 T^2 d per sequence, as a
-               flash kernel skips the masked half), and the memory-bound rest (norms, residual adds, the MLP's
-               activation, rope) as so many reads and writes of the activations. Backward: twice the forward
-               (weights' and inputs' gradients); full activation checkpointing runs the forward again.
-  exposed      tensor parallelism's, context parallelism's and the pipeline's sends, and expert parallelism's
-               all-to-alls: on the critical path (Megatron's TP waits for each all-reduce; our CP gathers K and
-               V before attention; a MoE block waits for its tokens). A mixture of experts is priced on a uniform
-               routing (strategies/ep.uniform_routing), its FLOPs the active parameters'.
+Per micro-batch, on each pipeline stage:
+  compute      the ops a fake rank recorded (predict_step's `traced`), each priced by the op model; or, for the
+               thousands of layouts a planner weighs, the same op model over a closed-form list: every op of the
+               stage's blocks (and the embedding, the head and the loss on the end stages): the matmuls (2 m k n
+               FLOPs; bytes: the operands and the output), attention's two matmuls (causal: half of 4 T^2 d per
+               sequence, as a flash kernel skips the masked half), and the memory-bound rest (norms, residual
+               adds, the MLP's activation, rope) as so many reads and writes of the activations. Backward: twice
+               the forward (weights' and inputs' gradients); full activation checkpointing runs the forward again.
+  exposed      tensor parallelism's, context parallelism's and expert parallelism's collectives wait in every
+               micro-batch (Megatron's TP waits for each all-reduce; our CP gathers K and V before attention; a MoE
+               block waits for its tokens). A mixture of experts is priced on a uniform routing
+               (strategies/ep.uniform_routing), its FLOPs the active parameters'.
 Per step:
-  pipeline     (m + p - 1) micro-batch times of the slowest stage (GPipe and 1F1B: p - 1 of them the bubble;
-               Narayanan et al. 2021), m micro-batches when p = 1;
+  pipeline     the stages' forwards and backwards in the schedule's order, each waiting for its neighbour's
+               output and the send (planning/timeline.py: GPipe, 1F1B, interleaved 1F1B), m micro-batches when
+               p = 1; the bubble what it adds to the slowest stage's own work;
   data-parallel  FSDP's all-gathers and reduce-scatters and the replicas' all-reduces, overlapped with the
                step's compute where the hardware overlaps (NCCL streams): only what exceeds the compute is
                exposed; on hardware that does not (gloo on CPU), all of it;
   optimizer    AdamW, memory-bound: each parameter held reads its value, gradient and two moments and writes
-               three of them back (28 bytes per float32 parameter).
+               three of them back (28 bytes per float32 parameter); or its recorded ops.
 Each collective: latency x its ring steps + bytes x the nccl-tests bus factor / the link's bandwidth, over the
 link its group spans: ranks are numbered tp fastest (strategies/layout.py), a node holds gpus_per_node
 consecutive ranks, so a group whose ranks fit in one node uses the intra-node link. A profile measured on its
-own collectives (this_machine: gloo's alpha-beta fit per kind on 2 ranks) uses its fit per call instead.
+own collectives (this_machine: gloo's alpha-beta fit per kind on 2 ranks, after compute) uses its fit per call.
 """
 
 from __future__ import annotations
@@ -290,10 +293,16 @@ def moe_activation_bytes(
     return routed + shared + expert_casts, 1 + ((per_hidden // 2) if cfg.n_shared_experts else 0)
 
 
-def in_flight(schedule: str, pp_size: int, stage: int, m: int) -> int:
-    """Micro-batches whose activations a stage holds at once: 1F1B's p - s on stage s (at most m), GPipe's m."""
+def in_flight(schedule: str, pp_size: int, stage: int, m: int) -> float:
+    """Micro-batches whose activations a stage rank holds at once, in units of a whole micro-batch through all its
+    blocks: 1F1B's p - s on stage s (at most m), GPipe's m; interleaved over v = 2 chunks, Megatron's warm-up of
+    2 (p - s - 1) + (v - 1) p chunk forwards and the one that starts the steady state, each chunk 1/v of the
+    rank's blocks (planning/timeline.order)."""
     if pp_size == 1:
         return 1
+    if schedule in ("interleaved_1f1b", "interleaved_zero_bubble"):
+        v = 2
+        return min(2 * (pp_size - stage - 1) + (v - 1) * pp_size + 1, m * v) / v
     return m if schedule == "gpipe" else min(pp_size - stage, m)
 
 

@@ -3,6 +3,7 @@ do not; nothing-fits in words; unknown shapes and profiles in one line."""
 
 from __future__ import annotations
 
+import json
 import math
 
 import pytest
@@ -60,6 +61,7 @@ def test_nothing_fits_is_said_in_words(capsys):
             "--dp_shard 16 x --tp 8 = 128 GPU(s), but --gpus 512",
         ),
         (["--gpus", "8", "--tp", "-2"], "--tp must be >= 0, got -2"),
+        (["--pp_schedule", "pipedream"], "argument --pp_schedule: invalid choice: 'pipedream'"),
     ],
 )
 def test_unknown_input_is_one_line_and_exit_2(args, message, capsys):
@@ -79,8 +81,6 @@ def test_divisors_are_every_divisor_in_order_at_any_size():
 def test_a_given_layout_is_priced_even_when_it_does_not_fit_and_json_lists_the_degrees(capsys):
     """--tp --pp --dp_shard ...: that one layout, priced and printed; one that does not fit says so (exit 1).
     --json: the layouts fastest first, each with its degrees by name."""
-    import json
-
     assert main(["--model", "llama3_8b", "--gpus", "8", "--dp_shard", "8"]) == 1
     out = capsys.readouterr().out
     assert "llama3_8b on 8 x h100_sxm, dp_shard 8: peak" in out and "does NOT fit: rank 0 (stage 0)" in out
@@ -95,4 +95,47 @@ def test_a_given_layout_is_priced_even_when_it_does_not_fit_and_json_lists_the_d
     )
     assert all(set(row["layout"]) == {"dp_replicate", "dp_shard", "tp", "pp", "cp", "ep"} for row in layouts)
     assert all(math.prod(row["layout"].values()) == 16 for row in layouts)
-    assert {"tflops_per_gpu", "mfu", "step_s", "peak_gib"} <= set(layouts[0])
+    assert {"tflops_per_gpu", "mfu", "step_s", "peak_gib", "pp_schedule", "sequence_parallel"} <= set(
+        layouts[0]
+    )
+    # no layout that fits above what an H100 reaches: matmuls at 80.1% of peak (MAMF), attention and memory-bound
+    # ops slower
+    assert max(row["mfu"] for row in layouts if row["fits"]) <= 0.60
+
+
+def test_an_interleaved_schedule_halves_the_bubble_and_a_refused_flag_is_one_line(capsys):
+    base = ["--model", "llama3_405b", "--gpus", "16384", "--pp", "16", "--dp_shard", "128", "--tp", "8"]
+    import torch
+
+    from common.gpt import GPT
+    from planning.cost_model import load_hardware, predict_step
+    from planning.published import MODELS
+    from strategies.layout import Layout, Workload
+    from tools.plan import Candidate
+
+    cfg = MODELS["llama3_405b"].shape
+    with torch.device("meta"):
+        reference = GPT(cfg)
+    layout, work, bubble = Layout(pp=16, dp_shard=128, tp=8), Workload(cfg, 16, 1, "bf16"), {}
+    for schedule in ("1f1b", "interleaved_1f1b"):
+        flags = Candidate(pp=16, dp_shard=128, tp=8, pp_microbatches=16, pp_schedule=schedule)
+        terms = predict_step(reference, layout, flags, work, load_hardware("h100_sxm"))["terms_s"]
+        work_s = terms["compute"] + terms["tp"]  # the 16 micro-batches' own work on the slowest stage
+        bubble[schedule] = (terms["bubble"] / work_s, (terms["bubble"] + terms["pp_sends"]) / work_s)
+        main([*base, "--pp_schedule", schedule, "--json"])
+        (row,) = json.loads(capsys.readouterr().out)
+        assert row["pp_schedule"] == schedule
+    # 16 micro-batches on 16 stages: 1F1B's bubble 15 micro-batch times (15/16 of the work); two stages a rank, 7.5,
+    # but twice the sends (each chunk's output crosses to the next rank: 31 hops each way, not 15)
+    assert bubble["1f1b"][0] == pytest.approx(15 / 16, rel=0.1)
+    assert bubble["interleaved_1f1b"][1] < 0.65 * bubble["1f1b"][1]
+    main([*base, "--pp_schedule", "interleaved_1f1b"])
+    out = capsys.readouterr().out
+    assert (
+        "ceiling: h100_sxm's matmuls reach 80.1% of its bf16 peak" in out
+        and "--pp_schedule interleaved_1f1b" in out
+    )
+    from common.config import UsageError  # run_cli prints it as one line, exit 2
+
+    with pytest.raises(UsageError, match="--sequence_parallel with --pp or --cp: not built"):
+        main([*base, "--sequence_parallel"])  # under a pipeline: the strategies' refusal

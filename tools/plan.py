@@ -50,6 +50,8 @@ from planning.cost_model import (
 from planning.published import MODELS, model_named
 from strategies.args import ParallelArgs
 from strategies.layout import DIMS, Layout, Workload
+from strategies.pp import SCHEDULES
+from strategies.shard import RESHARD
 
 
 @dataclass
@@ -71,6 +73,13 @@ class PlanArgs:
     activation_checkpointing: str = flag(
         "none", "with a given layout: none or full", choices=("none", "full")
     )
+    pp_schedule: str = flag("1f1b", "with a given layout's --pp: the schedule priced (gpipe, 1f1b, interleaved_1f1b: "
+                            "two stages a rank; the zero-bubble ones priced as the schedule they split)",
+                            choices=tuple(SCHEDULES))  # fmt: skip
+    sequence_parallel: bool = flag(False, "with a given layout's --tp: Megatron's sequence parallelism (enumerated: "
+                                   "wherever the strategies run it)")  # fmt: skip
+    reshard_after_forward: str = flag("default", "with a given layout's --dp_shard: as train_gpt's (default: ZeRO-3; "
+                                      "under --pp never, as Llama 3 ran)", choices=RESHARD)  # fmt: skip
     json: bool = flag(False, "print the layouts as JSON, fastest first: layout (its degrees by name), "
                       "tflops_per_gpu, mfu, step_s, peak_gib, fits")  # fmt: skip
 
@@ -130,28 +139,53 @@ def candidates(cfg: GPTConfig, gpus: int, gpus_per_node: int, global_batch: int)
                 # a mixture of experts: ep of the data-parallel ranks split the experts (each a divisor of both)
                 for ep in (d for d in divisors(dp) if cfg.n_experts % d == 0) if cfg.n_experts else (1,):
                     rest = dp // ep
-                    for data_parallel in ("dp_shard", "dp_replicate")[: 2 if rest > 1 else 1]:
-                        for checkpointing in ("none", "full"):
-                            degrees = {"tp": tp, "pp": pp, "cp": cp, data_parallel: rest, "ep": ep}
-                            yield degrees, checkpointing
+                    # the pipeline's schedule: 1F1B, and interleaved (two stages a rank: half the bubble)
+                    # where each rank's micro-batches come p at a time
+                    rows = global_batch // dp
+                    interleaved = pp > 1 and 2 * pp <= cfg.n_layer and rows % pp == 0
+                    for schedule in ("1f1b", "interleaved_1f1b")[: 2 if interleaved else 1]:
+                        for data_parallel in ("dp_shard", "dp_replicate")[: 2 if rest > 1 else 1]:
+                            for checkpointing in ("none", "full"):
+                                degrees = {"tp": tp, "pp": pp, "cp": cp, data_parallel: rest, "ep": ep}
+                                yield degrees, checkpointing, schedule
 
 
-def describe(degrees: dict, checkpointing: str) -> str:
+def describe(
+    degrees: dict, checkpointing: str, schedule: str = "1f1b", sequence_parallel: bool = False
+) -> str:
     on = [f"{d} {degrees[d]}" for d in DIMS if degrees.get(d, 1) > 1]
-    return (" x ".join(on) or "one GPU") + (", full checkpointing" if checkpointing == "full" else "")
+    text = " x ".join(on) or "one GPU"
+    text += " (sp)" if sequence_parallel else ""
+    text += f", {schedule}" if degrees.get("pp", 1) > 1 and schedule != "1f1b" else ""
+    return text + (", full checkpointing" if checkpointing == "full" else "")
 
 
-def evaluate(reference, cfg: GPTConfig, degrees: dict, checkpointing: str, args: PlanArgs, hardware) -> dict:
-    """A candidate's refusal, or its memory per stage and its predicted step."""
+def evaluate(
+    reference,
+    cfg: GPTConfig,
+    degrees: dict,
+    checkpointing: str,
+    args: PlanArgs,
+    hardware,
+    schedule: str = "1f1b",
+    sequence_parallel: bool | None = None,
+    reshard_after_forward: str = "default",
+    price_all: bool = True,
+) -> dict:
+    """A candidate's refusal, or its memory per stage and its predicted step. Sequence parallelism (None: wherever
+    the strategies run it: tp without pp, cp, experts or full checkpointing)."""
     layout = Layout(**{d: degrees.get(d, 1) for d in DIMS})
     rows = args.global_batch // layout.dp
-    sequence_parallel = (
-        layout.tp > 1 and layout.pp == layout.cp == 1 and checkpointing != "full" and not cfg.n_experts
-    )
+    if sequence_parallel is None:
+        sequence_parallel = (
+            layout.tp > 1 and layout.pp == layout.cp == 1 and checkpointing != "full" and not cfg.n_experts
+        )
     flags = Candidate(**{d: getattr(layout, d) for d in DIMS}, activation_checkpointing=checkpointing,
-                      pp_microbatches=rows, sequence_parallel=sequence_parallel)  # fmt: skip
+                      pp_microbatches=rows, sequence_parallel=sequence_parallel, pp_schedule=schedule,
+                      reshard_after_forward=reshard_after_forward)  # fmt: skip
     work = Workload(cfg, rows, 1, args.mixed_precision)
-    row = {"layout": describe(degrees, checkpointing), "degrees": degrees, "checkpointing": checkpointing}
+    row = {"layout": describe(degrees, checkpointing, schedule, sequence_parallel), "degrees": degrees,
+           "checkpointing": checkpointing, "pp_schedule": schedule}  # fmt: skip
     try:
         flags.refuse_layout(layout, work, 1.0)
     except UsageError as refusal:
@@ -159,6 +193,10 @@ def evaluate(reference, cfg: GPTConfig, degrees: dict, checkpointing: str, args:
     stages = [layout.rank_at(pp=s) for s in range(layout.pp)]
     memory = {rank: memory_estimate(reference, layout, flags, work, rank)["peak"] for rank in stages}
     worst = max(memory, key=memory.get)
+    fits = memory[worst] <= hardware.memory_bytes
+    if not fits and not price_all:  # listed by how far over it is: no step to predict
+        return row | {"peak_bytes": memory[worst], "worst_rank": worst, "worst_stage": layout.coordinate(worst, "pp"),
+                      "fits": False}  # fmt: skip
     predicted = predict_step(reference, layout, flags, work, hardware)
     tflops = (
         model_flops_per_token(cfg)
@@ -170,7 +208,7 @@ def evaluate(reference, cfg: GPTConfig, degrees: dict, checkpointing: str, args:
     precision = "bf16" if args.mixed_precision == "bf16" else "fp32"
     return row | {
         "peak_bytes": memory[worst], "worst_rank": worst, "worst_stage": layout.coordinate(worst, "pp"),
-        "fits": memory[worst] <= hardware.memory_bytes, "step_s": predicted["step_s"],
+        "fits": fits, "step_s": predicted["step_s"],
         "tokens_per_s": predicted["tokens_per_s"], "tflops_per_gpu": tflops,
         "mfu": tflops * 1e12 / hardware.peak_flops[precision], "microbatches": rows if layout.pp > 1 else 1,
         "sequence_parallel": flags.sequence_parallel,
@@ -180,6 +218,7 @@ def evaluate(reference, cfg: GPTConfig, degrees: dict, checkpointing: str, args:
 def as_json(row: dict) -> dict:
     """A priced layout as --json prints it."""
     return {"layout": {d: row["degrees"].get(d, 1) for d in DIMS}, "activation_checkpointing": row["checkpointing"],
+            "pp_schedule": row["pp_schedule"], "sequence_parallel": row["sequence_parallel"],
             "tflops_per_gpu": row["tflops_per_gpu"], "mfu": row["mfu"], "step_s": row["step_s"],
             "peak_gib": row["peak_bytes"] / 2**30, "fits": row["fits"]}  # fmt: skip
 
@@ -192,6 +231,7 @@ def print_given(args: PlanArgs, row: dict, hardware) -> int:
     capacity = hardware.memory_bytes / 2**30
     verdict = ("fits" if row["fits"] else f"does NOT fit: rank {row['worst_rank']} (stage {row['worst_stage']}) "
                f"needs {row['peak_bytes'] / 2**30 - capacity:,.1f} GiB more than the {capacity:.0f} GiB a GPU has")  # fmt: skip
+    print(ceiling(hardware, args.mixed_precision))
     print(f"{args.model} on {args.gpus:,} x {hardware.name}, {row['layout']}: peak {row['peak_bytes'] / 2**30:,.1f} "
           f"GiB ({verdict}); PREDICTED step {row['step_s']:.3g} s, {row['tokens_per_s']:,.0f} tokens/s, "
           f"{row['tflops_per_gpu']:.0f} TFLOP/s per GPU, MFU {row['mfu']:.0%}")  # fmt: skip
@@ -199,10 +239,21 @@ def print_given(args: PlanArgs, row: dict, hardware) -> int:
     return 0 if row["fits"] else 1
 
 
+def ceiling(hardware, mixed_precision: str) -> str:
+    """What bounds every layout's MFU on this profile: its op model's throughputs against the datasheet's peak."""
+    ops = hardware.ops
+    if ops is None or ops.gemm_points:
+        return f"{hardware.name}: ops priced as measured here (planning/hardware.yaml)"
+    return (f"ceiling: {hardware.name}'s matmuls reach {ops.gemm_efficiency:.1%} of its {mixed_precision} peak, attention "
+            f"{ops.attention_efficiency:.1%}, memory-bound ops {ops.memory_efficiency:.0%} of its bandwidth (published "
+            f"measurements: planning/hardware.yaml names each); no layout's MFU can pass {ops.gemm_efficiency:.0%}")  # fmt: skip
+
+
 def at_scale_command(args: PlanArgs, row: dict) -> str:
     degrees = " ".join(f"--{d} {n}" for d, n in row["degrees"].items() if n > 1)
     extra = " --activation_checkpointing full" if row["checkpointing"] == "full" else ""
     extra += " --sequence_parallel" if row["sequence_parallel"] else ""
+    extra += f" --pp_schedule {row['pp_schedule']}" if row["pp_schedule"] != "1f1b" else ""
     return (
         f"python experiments/at_scale.py --model {args.model} --world_size {args.gpus} {degrees}{extra} "
         f"--hardware {args.hardware}"
@@ -218,11 +269,14 @@ def plan(args: PlanArgs) -> int:
         reference = GPT(cfg)
     given = args.given()
     if given:  # the one layout asked for: priced and printed whether or not it fits
-        row = evaluate(reference, cfg, given, args.activation_checkpointing, args, hardware)
+        row = evaluate(reference, cfg, given, args.activation_checkpointing, args, hardware, args.pp_schedule,
+                       args.sequence_parallel, args.reshard_after_forward)  # fmt: skip
         require("refused" not in row, f"{row['layout']}: {row.get('refused')}")
         return print_given(args, row, hardware)
-    rows = [evaluate(reference, cfg, degrees, checkpointing, args, hardware)
-            for degrees, checkpointing in candidates(cfg, args.gpus, hardware.gpus_per_node, args.global_batch)]  # fmt: skip
+    # a layout that does not fit is priced only for --json (which lists every layout priced)
+    rows = [evaluate(reference, cfg, degrees, checkpointing, args, hardware, schedule, price_all=args.json)
+            for degrees, checkpointing, schedule in candidates(cfg, args.gpus, hardware.gpus_per_node,
+                                                                 args.global_batch)]  # fmt: skip
     if args.json:
         priced = sorted((r for r in rows if "step_s" in r), key=lambda r: r["step_s"])
         print(json.dumps([as_json(r) for r in priced], indent=1))
@@ -232,11 +286,12 @@ def plan(args: PlanArgs) -> int:
     print(f"{args.model}: {parameter_count(cfg):,} parameters, {cfg.block_size:,} tokens a sequence, "
           f"{args.global_batch:,} sequences a step, on {args.gpus:,} x {hardware.name} ({capacity:.0f} GiB each); "
           f"{len(rows)} layouts considered, {len(fitting)} fit. Memory: theory and estimate; speed: PREDICTED")  # fmt: skip
+    print(ceiling(hardware, args.mixed_precision))
     if fitting:
-        print(f"\n{'layout':<52} {'micro-batches':>13} {'peak GiB':>8} {'step s':>8} {'tokens/s':>12} {'TFLOP/s':>8} "
+        print(f"\n{'layout':<62} {'micro-batches':>13} {'peak GiB':>8} {'step s':>8} {'tokens/s':>12} {'TFLOP/s':>8} "
               f"{'MFU':>5}")  # fmt: skip
         for r in fitting[: args.top]:
-            print(f"{r['layout']:<52} {r['microbatches']:>13} {r['peak_bytes'] / 2**30:>8.1f} {r['step_s']:>8.3g} "
+            print(f"{r['layout']:<62} {r['microbatches']:>13} {r['peak_bytes'] / 2**30:>8.1f} {r['step_s']:>8.3g} "
                   f"{r['tokens_per_s']:>12,.0f} {r['tflops_per_gpu']:>8.0f} {r['mfu']:>5.0%}")  # fmt: skip
         print(f"\ncheck the first at the real size: {at_scale_command(args, fitting[0])}")
     too_big = sorted((r for r in rows if "fits" in r and not r["fits"]), key=lambda r: r["peak_bytes"])
