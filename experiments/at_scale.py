@@ -62,7 +62,7 @@ from planning.cost_model import (
     model_flops_per_token,
     predict_step,
 )
-from planning.fake_ranks import meta_gpt, ranks_that_differ, run_ranks
+from planning.fake_ranks import every_stage, meta_gpt, ranks_that_differ, run_ranks
 from planning.published import MODELS, PUBLISHED_RUNS, model_named
 from strategies.args import ParallelArgs
 from strategies.layout import DIMS, Layout, Workload
@@ -218,7 +218,9 @@ def report(
                       f"{gb(a2a)} GiB a rank per step (counted = theory); the prediction assumes it too")  # fmt: skip
         session.metrics.update(all_to_all_bytes_per_rank=a2a)
     calls = results[0]["counted"]["calls"]
-    prediction = predict_step(reference, layout, cfg, work, hardware, calls)
+    # each stage's recorded ops, priced by the hardware's op model (planning/ops.py)
+    traced = every_stage(reference, layout, cfg, work, results)
+    prediction = predict_step(reference, layout, cfg, work, hardware, calls, traced)
     flops = (
         model_flops_per_token(work.model) * prediction["global_tokens"]
     )  # model FLOPs: no recompute counted
@@ -226,7 +228,8 @@ def report(
     precision = "bf16" if cfg.mixed_precision == "bf16" else "fp32"
     mfu = tflops * 1e12 / hardware.peak_flops[precision]
     terms = ", ".join(f"{k} {v:.3g}" for k, v in prediction["terms_s"].items() if v)
-    session.print(f"PREDICTED on {hardware.name} ({precision}): step {prediction['step_s']:.3g} s ({terms} s), "
+    session.print(f"PREDICTED on {hardware.name} ({precision}, priced from {prediction['priced']}): "
+                  f"step {prediction['step_s']:.3g} s ({terms} s), "
                   f"{prediction['tokens_per_s']:,.0f} tokens/s, {tflops:.0f} TFLOP/s per GPU, MFU {mfu:.0%}")  # fmt: skip
     published = [p for p in PUBLISHED_RUNS if p.model == cfg.model and p.world_size == layout.world_size and
                  {d: n for d, n in layout.degrees().items() if n > 1} == p.degrees]  # fmt: skip

@@ -48,12 +48,30 @@ def ranks_that_differ(reference, layout: Layout, args, work: Workload) -> list[i
     split leaves it less)."""
     seen, ranks = set(), []
     for rank in [*(layout.rank_at(pp=stage) for stage in range(layout.pp)), layout.world_size - 1]:
-        theory = (str(held_bytes(reference, layout, rank, args, work)),
-                  str(sent_bytes(reference, layout, rank, args, work)["by_kind"]))  # fmt: skip
+        theory = theory_key(reference, layout, args, work, rank)
         if theory not in seen:
             seen.add(theory)
             ranks.append(rank)
     return ranks
+
+
+def theory_key(reference, layout: Layout, args, work: Workload, rank: int) -> tuple:
+    """What a rank holds and sends, by theory: two ranks alike in it run the same step."""
+    return (str(held_bytes(reference, layout, rank, args, work)),
+            str(sent_bytes(reference, layout, rank, args, work)["by_kind"]))  # fmt: skip
+
+
+def every_stage(reference, layout: Layout, args, work: Workload, results: list[dict]) -> list[dict]:
+    """The results as predict_step's `traced` wants them, one a pipeline stage: a stage not run is one run with
+    the same theory (ranks_that_differ ran one of each)."""
+    by_theory = {theory_key(reference, layout, args, work, r["rank"]): r for r in results}
+    staged = []
+    for stage in range(layout.pp):
+        rank = layout.rank_at(pp=stage)
+        like = by_theory.get(theory_key(reference, layout, args, work, rank))
+        if like is not None:
+            staged.append({**like, "rank": rank})
+    return staged
 
 
 @contextlib.contextmanager

@@ -22,7 +22,7 @@ from planning.cost_model import (
     model_flops_per_token,
     predict_step,
 )
-from planning.fake_ranks import ranks_that_differ, schedule_order
+from planning.fake_ranks import every_stage, ranks_that_differ, schedule_order
 from planning.published import MODELS, PUBLISHED_RUNS, model_named
 from strategies.layout import Layout, Workload
 
@@ -166,6 +166,18 @@ def test_the_ranks_that_differ_are_one_per_theory():
     # the smallest piece of every uneven split (dp_shard 3 splits 64 rows 22, 22, 20)
     layout = Layout(pp=3, dp_shard=3)
     assert ranks_that_differ(reference, layout, args, work) == [0, 3, 6, 8]
+
+
+def test_every_stage_is_priced_by_a_rank_run_with_its_theory():
+    cfg = GPTConfig(vocab_size=512, block_size=64, n_layer=8, n_head=4, d_model=64)
+    with torch.device("meta"):
+        reference = GPT(cfg)
+    args, work, layout = Config(pp_microbatches=4), Workload(cfg, 4), Layout(pp=4, dp_shard=2)
+    ran = ranks_that_differ(reference, layout, args, work)
+    assert ran == [0, 2, 6]  # the first stage, a middle one (the other middle one is alike), the last
+    staged = every_stage(reference, layout, args, work, [{"rank": r, "ops": f"ops of {r}"} for r in ran])
+    assert [(s["rank"], s["ops"]) for s in staged] == [(0, "ops of 0"), (2, "ops of 2"), (4, "ops of 2"),
+                                                       (6, "ops of 6")]  # fmt: skip
 
 
 def test_the_cost_model_adds_its_terms_as_its_docstring_says():
