@@ -131,6 +131,18 @@ class Config(RunArgs, ModelFlags, ParallelArgs):
         return [int(r) for r in self.ranks.replace(" ", "").split(",") if r] if self.ranks.strip() else []
 
 
+def ops_totals(ops: dict) -> dict:
+    """A rank's recorded ops (planning/ops.py) as phase -> kind -> {calls, flops, bytes}."""
+    totals: dict = {}
+    for phase, calls in ops["calls"].items():
+        for call, count in calls:
+            kind = totals.setdefault(phase, {}).setdefault(call.kind, {"calls": 0, "flops": 0.0, "bytes": 0})
+            kind["calls"] += count
+            kind["flops"] += count * call.flops
+            kind["bytes"] += count * call.bytes
+    return totals | {"dtensor_calls": ops["dtensor_calls"]}
+
+
 def peak_bytes(r: dict) -> int:
     """The bytes that coexist at the first backward: parameters (at rest and gathered), AdamW's state, the
     activations in flight, and the gradients: FSDP's unsharded sums under a pipeline, else the step's."""
@@ -210,8 +222,11 @@ def report(
                       f"{gb(r['activations_per_microbatch']):>10} {estimate(r['activations_estimate']):>10} "
                       f"{r['in_flight']:>9} {gb(peak):>9} {estimate(r['peak_estimate']):>10}  "
                       f"{'yes' if peak <= capacity else 'NO'} ({gb(capacity)} GiB)")  # fmt: skip
+    # each rank's ops as their totals by phase and kind (the list itself: thousands of ops)
+    summaries = [{**{k: v for k, v in r.items() if k != "ops"}, "ops": ops_totals(r["ops"])} for r in results]
     session.metrics.update(model=cfg.model, parameters=parameter_count(work.model), layout=layout.degrees(),
-                           ranks=results, memory=rows, hardware=hardware.name, fits=all(row["fits"] for row in rows))  # fmt: skip
+                           ranks=summaries, memory=rows, hardware=hardware.name,
+                           fits=all(row["fits"] for row in rows))  # fmt: skip
     if work.model.n_experts:  # its routing, and so its all-to-alls and its experts' rows, assumed
         a2a = max(r["counted"]["bytes"].get("all_to_all", 0) for r in results)
         session.print(f"a mixture of experts, routing assumed uniform (fake tensors hold none): all-to-all "
@@ -231,14 +246,24 @@ def report(
     session.print(f"PREDICTED on {hardware.name} ({precision}, priced from {prediction['priced']}): "
                   f"step {prediction['step_s']:.3g} s ({terms} s), "
                   f"{prediction['tokens_per_s']:,.0f} tokens/s, {tflops:.0f} TFLOP/s per GPU, MFU {mfu:.0%}")  # fmt: skip
+    # the same step with the closed form's ops: each block's matmuls and attention, its norms and activations as
+    # so many reads and writes (fused kernels, as the published systems run them; our eager norms are not fused)
+    closed = predict_step(reference, layout, cfg, work, hardware, calls)
+    closed_tflops = flops / closed["step_s"] / layout.world_size / 1e12
+    session.print(f"PREDICTED from the closed form (fused norms): step {closed['step_s']:.3g} s, {closed_tflops:.0f} "
+                  f"TFLOP/s per GPU")  # fmt: skip
     published = [p for p in PUBLISHED_RUNS if p.model == cfg.model and p.world_size == layout.world_size and
                  {d: n for d, n in layout.degrees().items() if n > 1} == p.degrees]  # fmt: skip
     for p in published:  # in the paper's own count of FLOPs
         theirs = model_flops_per_token(work.model, p.recompute_counted) * prediction["global_tokens"]
-        ours = theirs / prediction["step_s"] / layout.world_size / 1e12
+        ours, fused = (
+            theirs / s / layout.world_size / 1e12 for s in (prediction["step_s"], closed["step_s"])
+        )
         session.print(f"PUBLISHED ({p.source}): {p.tflops_per_gpu:.0f} TFLOP/s per GPU, MFU {p.mfu:.0%}; predicted in "
-                      f"its count {ours:.0f} TFLOP/s: predicted / published {ours / p.tflops_per_gpu:.2f}")  # fmt: skip
+                      f"its count {ours:.0f} TFLOP/s from the recorded ops ({ours / p.tflops_per_gpu:.2f} of it), "
+                      f"{fused:.0f} from the closed form ({fused / p.tflops_per_gpu:.2f})")  # fmt: skip
     session.metrics.update(prediction=prediction | {"tflops_per_gpu": tflops, "mfu": mfu},
+                           prediction_closed_form=closed | {"tflops_per_gpu": closed_tflops},
                            published=[p.__dict__ for p in published])  # fmt: skip
 
 
