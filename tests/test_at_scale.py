@@ -59,7 +59,11 @@ def test_a_thousand_ranks_on_a_laptop(tmp_path, capsys):
         # pipeline's sends are by theory: the fake process group counts no point-to-point)
         assert r["held"] == r["theory"] and r["held"]["params"] > 0
         assert set(r["counted"]["bytes"]) == {"all_gather", "reduce_scatter", "all_reduce"}
-    assert "PREDICTED on h100_sxm (bf16)" in finished.stdout
+        # the ops it ran, recorded (planning/ops.py): its matmuls in every phase of its step, DTensor's under tp
+        assert r["ops"]["forward"]["gemm"]["flops"] > 0 and r["ops"]["backward"]["gemm"]["flops"] > 0
+        assert r["ops"]["dtensor_calls"]["forward"] > 0
+    assert "PREDICTED on h100_sxm (bf16, priced from recorded ops)" in finished.stdout
+    assert "PREDICTED from the closed form (fused norms)" in finished.stdout
 
 
 @pytest.mark.launch
