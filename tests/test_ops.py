@@ -20,6 +20,18 @@ from planning.ops import OpCall, OpModel, OpRecorder, replay
 from strategies.layout import Layout, Workload
 
 
+def fake_rank(cfg, layout: Layout, work: Workload, rank: int) -> dict:
+    """planning/fake_ranks.run_rank in this process, which it leaves as a new process would find it: its Accelerator
+    reset (a forked launch later in this worker inherited it and ran both ranks as rank 0: measured)."""
+    from accelerate.state import AcceleratorState
+
+    AcceleratorState._reset_state(True)
+    try:
+        return run_rank(cfg, layout, work, rank)
+    finally:
+        AcceleratorState._reset_state(True)
+
+
 def recorded(fn, fake: bool = True) -> dict:
     with FakeTensorMode(allow_non_fake_inputs=True) if fake else contextlib.nullcontext():
         with OpRecorder() as ops:
@@ -156,7 +168,7 @@ def test_a_fake_rank_records_the_matmuls_its_layout_leaves_it():
     work, tokens, d = Workload(model, 4), 4 * 32, 64
     whole = 2 * tokens * (2 * 12 * d * d + d * 512)
     for layout, share in ((Layout(dp_replicate=2), 1), (Layout(tp=2), 2)):
-        ops = run_rank(cfg, layout, work, 0)["ops"]
+        ops = fake_rank(cfg, layout, work, 0)["ops"]
         forward = sum(c.flops * n for c, n in ops["calls"]["forward"] if c.kind == "gemm")
         assert forward == whole / share, layout
         assert {"forward", "backward", "step"} <= set(ops["calls"])
@@ -168,7 +180,7 @@ def test_a_prediction_from_recorded_ops_is_their_priced_sum():
     cfg = Config(model="custom", n_layer=2, d_model=64, n_head=4, vocab_size=512, block_size=32, world_size=2)
     model = GPTConfig(n_layer=2, d_model=64, n_head=4, vocab_size=512, block_size=32)
     work, layout = Workload(model, 4), Layout(dp_replicate=2)
-    traced = [run_rank(cfg, layout, work, 0)]
+    traced = [fake_rank(cfg, layout, work, 0)]
     hw = load_hardware("this_machine")
     with torch.device("meta"):
         reference = GPT(model)
