@@ -28,7 +28,6 @@ import json
 import os
 import sys
 import time
-from pathlib import Path
 from types import SimpleNamespace
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -86,7 +85,7 @@ def trace(summary: dict) -> list[dict]:
     return run_ranks(cfg, layout, work, sorted({layout.rank_at(pp=s) for s in range(layout.pp)}), False)
 
 
-def measure_profile(folder: Path, traced: list[dict], work: Workload, args) -> tuple[dict, dict]:
+def measure_profile(traced: list[dict], work: Workload, args) -> tuple[dict, dict]:
     """this_machine's profile, measured now (the module docstring, step 2), and its table of timed ops."""
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # what each rank gets
@@ -134,11 +133,8 @@ def predicted_ms(summary: dict, traced: list[dict], hardware) -> dict:
 def runs_of(strategies: list[str], with_layouts_of_4: bool) -> list:
     runs = [compare_strategies.Run(name, ["--strategy", name], PRESETS[name].ranks, PRESETS[name].launch_config)
             for name in strategies]  # fmt: skip
-    for degrees in LAYOUTS_OF_4 if with_layouts_of_4 else ():
-        layout = Layout(**degrees)
-        flags = [item for dim, n in degrees.items() for item in (f"--{dim}", str(n))]
-        runs.append(compare_strategies.Run(layout.describe().split(" (")[0], flags, layout.world_size, ""))
-    return runs
+    return runs + [compare_strategies.layout_run(Layout(**degrees), degrees)
+                   for degrees in (LAYOUTS_OF_4 if with_layouts_of_4 else ())]  # fmt: skip
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -175,7 +171,7 @@ def main(argv: list[str] | None = None) -> int:
     traced = [trace(summary) for _, summary in finished]
     print("measuring this machine: its matmul peak, gloo, the recorded ops ...", flush=True)
     work = load_run(finished[0][1])[2] if finished else Workload(GPTConfig(), 1, 1, "no")
-    profile, measured_ops = measure_profile(folder, [r for ranks in traced for r in ranks], work, args)
+    profile, measured_ops = measure_profile([r for ranks in traced for r in ranks], work, args)
     (folder / "this_machine.yaml").write_text(yaml.safe_dump({"this_machine": profile}, sort_keys=False))
     (folder / "this_machine_ops.json").write_text(json.dumps(measured_ops, indent=0))
     hardware = hardware_from(

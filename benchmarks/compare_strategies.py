@@ -80,8 +80,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
             layout = Layout(**degrees)
         except (TypeError, ValueError):
             parser.error(f"--layouts: {text!r} is not degrees like dp_shard=2:tp=2 (of {', '.join(DIMS)})")
-        flags = [item for dim, n in degrees.items() for item in (f"--{dim}", str(n))]
-        args.runs.append(Run(layout.describe().split(" (")[0], flags, layout.world_size, ""))
+        args.runs.append(layout_run(layout, degrees))
     if not args.runs:
         parser.error("nothing to run: --strategies and --layouts are both empty")
     if args.max_steps < 0:
@@ -100,6 +99,12 @@ class Run:
     flags: list
     ranks: int
     launch_config: str
+
+
+def layout_run(layout: Layout, degrees: dict) -> Run:
+    """A row of a layout given by its degrees: train_gpt's degree flags, on its world size."""
+    flags = [item for dim, n in degrees.items() for item in (f"--{dim}", str(n))]
+    return Run(layout.describe().split(" (")[0], flags, layout.world_size, "")
 
 
 def launch_command(run: Run, run_dir: Path, args: argparse.Namespace) -> list[str]:

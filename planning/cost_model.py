@@ -44,6 +44,7 @@ from common.moe import active_parameter_count
 from planning.ops import OpCall, OpModel, op_model_from
 from planning.timeline import step_seconds
 from strategies.layout import DIMS, Layout, Workload, stream_dtype
+from strategies.pp import SCHEDULES
 from strategies.theory import gathered_bytes, held_bytes, stage_theories, theory_of
 
 PROFILES = Path(__file__).with_name("hardware.yaml")
@@ -75,11 +76,9 @@ class Hardware:
     intra_node: Link
     inter_node: Link
     overlaps_communication: bool
+    ops: OpModel  # what an op costs (planning/ops.py); a profile without `ops:`: the roofline at its datasheet's
     fitted: dict | None = (
         None  # kind -> Link measured for a whole call (this_machine): latency + bytes / bandwidth
-    )
-    ops: OpModel | None = (
-        None  # what a recorded op costs (planning/ops.py); None: the roofline at the datasheet's
     )
     cores: int | None = None  # a CPU's: ranks beyond it share a core, their compute slowed by ranks / cores
 
@@ -99,8 +98,8 @@ def hardware_from(name: str, p: dict) -> Hardware:
     fitted = {kind: link(spec) for kind, spec in p["fitted"].items()} if p.get("fitted") else None
     peak, bandwidth = {k: v * 1e12 for k, v in p["peak_tflops"].items()}, p["memory_bandwidth_gbps"] * 1e9
     return Hardware(name, p["description"], peak, p["memory_gb"] * 2**30, bandwidth, p["gpus_per_node"],
-                    link(p["intra_node"]), link(p["inter_node"]), p["overlaps_communication"], fitted,
-                    op_model_from(p, peak, bandwidth), p.get("cores"))  # fmt: skip
+                    link(p["intra_node"]), link(p["inter_node"]), p["overlaps_communication"],
+                    op_model_from(p, peak, bandwidth), fitted, p.get("cores"))  # fmt: skip
 
 
 def hardware_names() -> list[str]:
@@ -113,21 +112,9 @@ def hardware_names() -> list[str]:
 DTYPE_OF = {"bf16": "bfloat16", "fp32": "float32"}
 
 
-def op_seconds(flops: float, bytes_moved: float, hw: Hardware, precision: str) -> float:
-    """The roofline: an op takes the longer of its FLOPs at peak and its bytes at the memory bandwidth."""
-    return max(flops / hw.peak_flops[precision], bytes_moved / hw.memory_bandwidth)
-
-
-def priced(call: OpCall, hw: Hardware) -> float:
-    """An op's seconds on `hw`: its op model's (planning/ops.py), or the roofline at the datasheet's figures."""
-    if hw.ops is None:
-        return op_seconds(call.flops, call.bytes, hw, "bf16" if call.dtype == "bfloat16" else "fp32")
-    return hw.ops.seconds(call)
-
-
 def matmul_seconds(m: int, k: int, n: int, element: int, hw: Hardware, precision: str) -> float:
     flops, moved = 2 * m * k * n, element * (m * k + k * n + m * n)
-    return priced(OpCall("mm", "gemm", DTYPE_OF[precision], (m, k, n), flops, moved), hw)
+    return hw.ops.seconds(OpCall("mm", "gemm", DTYPE_OF[precision], (m, k, n), flops, moved))
 
 
 def attention_seconds(rows: int, cfg, layout: Layout, element: int, hw: Hardware, precision: str) -> float:
@@ -142,14 +129,12 @@ def attention_seconds(rows: int, cfg, layout: Layout, element: int, hw: Hardware
     moved = element * 4 * heads * queries * width
     call = OpCall("scaled_dot_product_attention", "attention", DTYPE_OF[precision],
                   (heads, queries, cfg.block_size, width), flops, moved, causal=True)  # fmt: skip
-    return priced(call, hw)
+    return hw.ops.seconds(call)
 
 
 def memory_seconds(bytes_moved: float, hw: Hardware) -> float:
-    """Memory-bound ops' bytes at the bandwidth the op model reaches (the datasheet's without one)."""
-    if not bytes_moved:
-        return 0.0
-    return bytes_moved / (hw.ops.bandwidth(int(bytes_moved)) if hw.ops else hw.memory_bandwidth)
+    """Memory-bound ops' bytes at the bandwidth the op model reaches."""
+    return bytes_moved / hw.ops.bandwidth(int(bytes_moved)) if bytes_moved else 0.0
 
 
 def block_forward_seconds(work: Workload, layout: Layout, args, hw: Hardware, tokens: int) -> float:
@@ -190,7 +175,7 @@ def moe_forward_seconds(
     grouped = OpCall(
         "_grouped_mm", "gemm", DTYPE_OF[precision], (rows, d, hidden), grouped_flops, grouped_bytes
     )
-    seconds += matrices * priced(grouped, hw)
+    seconds += matrices * hw.ops.seconds(grouped)
     shared = cfg.n_shared_experts * hidden
     if shared:
         seconds += matrices * matmul_seconds(tokens, d, shared, element, hw, precision)
@@ -295,13 +280,13 @@ def moe_activation_bytes(
 
 def in_flight(schedule: str, pp_size: int, stage: int, m: int) -> float:
     """Micro-batches whose activations a stage rank holds at once, in units of a whole micro-batch through all its
-    blocks: 1F1B's p - s on stage s (at most m), GPipe's m; interleaved over v = 2 chunks, Megatron's warm-up of
+    blocks: 1F1B's p - s on stage s (at most m), GPipe's m; interleaved over v chunks, Megatron's warm-up of
     2 (p - s - 1) + (v - 1) p chunk forwards and the one that starts the steady state, each chunk 1/v of the
     rank's blocks (planning/timeline.order)."""
     if pp_size == 1:
         return 1
-    if schedule in ("interleaved_1f1b", "interleaved_zero_bubble"):
-        v = 2
+    v = stages_per_rank(schedule)
+    if v > 1:
         return min(2 * (pp_size - stage - 1) + (v - 1) * pp_size + 1, m * v) / v
     return m if schedule == "gpipe" else min(pp_size - stage, m)
 
@@ -391,10 +376,16 @@ def traffic_seconds(traffic, layout: Layout, hw: Hardware, calls: dict | None = 
 
 # --------------------------------------------------------------------------------------------- the step
 EXPOSED = ("tp", "cp", "pp", "ep")  # on the critical path of every micro-batch
-# --pp_schedule -> the timeline that prices it, and its stages per rank; the zero-bubble schedules are priced as
-# the schedule they split the backward of (an upper bound: their bubble is smaller)
-TIMELINE_OF = {"gpipe": ("gpipe", 1), "1f1b": ("1f1b", 1), "interleaved_1f1b": ("interleaved_1f1b", 2),
-               "interleaved_zero_bubble": ("interleaved_1f1b", 2)}  # fmt: skip
+# --pp_schedule -> the timeline that prices it; the zero-bubble schedules are priced as the schedule they split the
+# backward of (an upper bound: their bubble is smaller); zbv and dualpipev (a "V" of stages) as 1F1B
+TIMELINE_OF = {"gpipe": "gpipe", "1f1b": "1f1b", "interleaved_1f1b": "interleaved_1f1b",
+               "interleaved_zero_bubble": "interleaved_1f1b"}  # fmt: skip
+
+
+def stages_per_rank(schedule: str) -> int:
+    """The model chunks a stage rank holds under `schedule` (strategies/pp.py's SCHEDULES) as the timeline runs
+    it: looped interleaving's, else one."""
+    return SCHEDULES[schedule][1] if TIMELINE_OF.get(schedule) == "interleaved_1f1b" else 1
 
 
 def predict_step(
@@ -416,7 +407,7 @@ def predict_step(
     shared_core = max(1.0, layout.world_size / hw.cores) if hw.cores else 1.0  # time-sliced ranks
     stages = []
     for t in per_stage:
-        ops = recorded.get(layout.coordinate(t.rank, "pp")) if hw.ops else None
+        ops = recorded.get(layout.coordinate(t.rank, "pp"))
         comm = traffic_seconds(t.traffic, layout, hw, calls)
         held = sum(math.prod(shape) for _, shape in t.held)
         if ops:  # the rank's own ops, over the step's m micro-batches, priced one after another
@@ -441,7 +432,7 @@ def predict_step(
     work_s = m * (slowest["forward"] + slowest["backward"])
     sends_s = 0.0
     if layout.pp > 1:  # the schedule's own order of forwards and backwards (planning/timeline.py)
-        schedule, v = TIMELINE_OF.get(args.pp_schedule, ("1f1b", 1))
+        schedule, v = TIMELINE_OF.get(args.pp_schedule, "1f1b"), stages_per_rank(args.pp_schedule)
         if m % layout.pp:  # Megatron's interleaving goes p micro-batches at a time
             schedule, v = "1f1b", 1
         by_chunk = lambda key: [stages[c % layout.pp][key] / v for c in range(layout.pp * v)]  # noqa: E731
@@ -475,7 +466,7 @@ def predict_step(
             "optimizer": optimizer_s,
         },
         "slowest_rank": slowest["rank"],
-        "priced": "recorded ops" if recorded and hw.ops else "closed form",
+        "priced": "recorded ops" if recorded else "closed form",
         "tokens_per_s": global_tokens / step_s,
         "global_tokens": global_tokens,
     }

@@ -136,46 +136,45 @@ def run_rank(cfg, layout: Layout, work: Workload, rank: int) -> dict:
                 None,
                 None,
             )
-            with OpRecorder() as ops, CollectiveCounter() as counter:
-                for action in schedule_order(cfg.pp_schedule, layout.pp, stage_index, m):
-                    ops.phase = "forward" if action == "F" else "backward"
-                    if action == "F":
-                        ids = torch.randint(
-                            0, work.model.vocab_size, (rows, tokens), device=accelerator.device
-                        )
-                        x, y = job.split_batch(ids, ids)
-                        if not first:  # the previous stage's output, as the schedule hands it over
-                            x = torch.empty(*x.shape, work.model.d_model, dtype=stream_dtype(layout, work),
-                                            requires_grad=True)  # fmt: skip
-                        with SavedActivations() as saved, accelerator.autocast():
-                            out = stage(x)
-                            out = lm_loss(out, y) / m if last else out
-                        in_flight.append(out)
-                        most_in_flight = max(most_in_flight, len(in_flight))
-                        kept.append(saved.bytes)
-                        live += saved.bytes
-                        peak_live = max(peak_live, live)
-                        gathered = job.measure_window() if gathered is None else gathered
-                    else:
-                        done = len(kept) - len(in_flight)  # backwards done so far
-                        last_backward = done == m - 1
-                        if isinstance(stage, FSDPModule):  # as the schedule tells FSDP (and replicate)
-                            stage.set_is_last_backward(last_backward)
-                            stage.set_reshard_after_backward(last_backward or layout.pp == 1)
-                            stage.set_requires_gradient_sync(last_backward)
-                        out = in_flight.pop(0)
-                        out.backward() if last else out.backward(torch.empty_like(out))
-                        live -= kept[done]
-                        if accumulated is None and not last_backward:  # FSDP's unsharded sums, until the last
-                            accumulated = unsharded_gradient_bytes(job.model, job.stages)
-                # what the pieces do to the gradients after backward (the experts' over their replicas, the m
-                # micro-batches' mean, the tied gradient's all-reduce), as Job.forward_backward does
-                ops.phase = "step"
-                job.after_backward()
-            with (
-                OpRecorder() as optimizer_ops
-            ):  # the optimizer's ops, outside the collectives counted (as before)
-                optimizer_ops.phase = "step"
+            with OpRecorder() as ops:
+                with CollectiveCounter() as counter:  # the optimizer's step left out of the count, as before
+                    for action in schedule_order(cfg.pp_schedule, layout.pp, stage_index, m):
+                        ops.phase = "forward" if action == "F" else "backward"
+                        if action == "F":
+                            ids = torch.randint(
+                                0, work.model.vocab_size, (rows, tokens), device=accelerator.device
+                            )
+                            x, y = job.split_batch(ids, ids)
+                            if not first:  # the previous stage's output, as the schedule hands it over
+                                x = torch.empty(*x.shape, work.model.d_model, dtype=stream_dtype(layout, work),
+                                                requires_grad=True)  # fmt: skip
+                            with SavedActivations() as saved, accelerator.autocast():
+                                out = stage(x)
+                                out = lm_loss(out, y) / m if last else out
+                            in_flight.append(out)
+                            most_in_flight = max(most_in_flight, len(in_flight))
+                            kept.append(saved.bytes)
+                            live += saved.bytes
+                            peak_live = max(peak_live, live)
+                            gathered = job.measure_window() if gathered is None else gathered
+                        else:
+                            done = len(kept) - len(in_flight)  # backwards done so far
+                            last_backward = done == m - 1
+                            if isinstance(stage, FSDPModule):  # as the schedule tells FSDP (and replicate)
+                                stage.set_is_last_backward(last_backward)
+                                stage.set_reshard_after_backward(last_backward or layout.pp == 1)
+                                stage.set_requires_gradient_sync(last_backward)
+                            out = in_flight.pop(0)
+                            out.backward() if last else out.backward(torch.empty_like(out))
+                            live -= kept[done]
+                            if (
+                                accumulated is None and not last_backward
+                            ):  # FSDP's unsharded sums, until the last
+                                accumulated = unsharded_gradient_bytes(job.model, job.stages)
+                    # what the pieces do to the gradients after backward (the experts' over their replicas, the m
+                    # micro-batches' mean, the tied gradient's all-reduce), as Job.forward_backward does
+                    ops.phase = "step"
+                    job.after_backward()
                 job.step(None)
         routing = job.theory_inputs().get(
             "routing", []
@@ -199,7 +198,7 @@ def run_rank(cfg, layout: Layout, work: Workload, rank: int) -> dict:
         "in_flight": most_in_flight,
         "grads_accumulated_unsharded": accumulated or 0,
         "counted": {"calls": dict(counter.calls), "bytes": dict(counter.bytes)},
-        "ops": ops.summary(optimizer_ops),
+        "ops": ops.summary(),
         "sent_theory": sent_bytes(reference, layout, rank, cfg, work, routing),
         "seconds": time.perf_counter() - started,
     }

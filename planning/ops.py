@@ -215,17 +215,10 @@ class OpRecorder(TorchDispatchMode):
         finally:
             self._stack.close()
 
-    def summary(self, *others: OpRecorder) -> dict:
-        """What a fake rank sends back: per phase, [(OpCall, count)], and the DTensor ops per phase; with
-        `others`' added (recorded apart)."""
-        calls, dtensor_calls = {}, Counter(self.dtensor_calls)
-        for recorder in (self, *others):
-            for phase, counted in recorder.calls.items():
-                calls.setdefault(phase, Counter()).update(counted)
-            if recorder is not self:
-                dtensor_calls.update(recorder.dtensor_calls)
-        return {"calls": {phase: list(counted.items()) for phase, counted in calls.items()},
-                "dtensor_calls": dict(dtensor_calls)}  # fmt: skip
+    def summary(self) -> dict:
+        """What a fake rank sends back: per phase, [(OpCall, count)], and the DTensor ops per phase."""
+        return {"calls": {phase: list(calls.items()) for phase, calls in self.calls.items()},
+                "dtensor_calls": dict(self.dtensor_calls)}  # fmt: skip
 
 
 # ---------------------------------------------------------------------------------------------- the op model

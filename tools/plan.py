@@ -242,7 +242,7 @@ def print_given(args: PlanArgs, row: dict, hardware) -> int:
 def ceiling(hardware, mixed_precision: str) -> str:
     """What bounds every layout's MFU on this profile: its op model's throughputs against the datasheet's peak."""
     ops = hardware.ops
-    if ops is None or ops.gemm_points:
+    if ops.gemm_points:
         return f"{hardware.name}: ops priced as measured here (planning/hardware.yaml)"
     return (f"ceiling: {hardware.name}'s matmuls reach {ops.gemm_efficiency:.1%} of its {mixed_precision} peak, attention "
             f"{ops.attention_efficiency:.1%}, memory-bound ops {ops.memory_efficiency:.0%} of its bandwidth (published "
