@@ -93,12 +93,11 @@ def measure_profile(traced: list[dict], work: Workload, args) -> tuple[dict, dic
         peak = mfu.gemm_flops_per_s(2048, 2048, 2048, torch.float32, 0.5 if args.quick else 2.0)
     finally:
         torch.set_num_threads(threads)
-    fitted = op_costs.fit_collectives()
-    link = {"bandwidth_gbps": fitted["all_reduce"]["bandwidth_gbps"],
-            "latency_us": round(fitted["all_reduce"]["latency_us"] / 2)}  # fmt: skip
     spec = {**op_costs.shapes_of(traced), "budget_s": 0.05 if args.quick else 0.2,
             "model_shape": {k: getattr(work.model, k) for k in GPTConfig().__dict__}, "rows": work.rows}  # fmt: skip
-    ops = op_costs.measure_two_ranks(spec)
+    fitted, ops = op_costs.measure_this_machine(spec)
+    link = {"bandwidth_gbps": fitted["all_reduce"]["bandwidth_gbps"],
+            "latency_us": round(fitted["all_reduce"]["latency_us"] / 2)}  # fmt: skip
     measured_ops = ops.pop("measured_ops")
     profile = {
         "description": "this machine, one thread per rank, gloo over shared memory; measured by "

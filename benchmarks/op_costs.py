@@ -1,18 +1,26 @@
 """This machine's op model (planning/ops.py's OpModel), measured: the matmuls and attention kernels at the shapes the
 layouts run (as the fake ranks recorded them), an elementwise op's bandwidth by size, and what eager PyTorch and
-DTensor cost per op dispatched. Measured as the ranks run: two processes at once, one thread each, so the two
-share the cores, the caches and the memory bus as two ranks do. benchmarks/at_scale_calibration.py calls it and
-writes the result into the this_machine profile.
+DTensor cost per op dispatched, and gloo's collectives as a step issues them. Measured as the ranks run: two
+ranks under torchrun (benchmarks/workers.spawn), one thread each, so the two share the cores, the caches and the
+memory bus as two ranks of a layout do. benchmarks/at_scale_calibration.py calls `measure_this_machine` and writes
+the result into the this_machine profile.
 """
 
 from __future__ import annotations
 
-import multiprocessing
+import argparse
+import os
+import pickle
 import statistics
+import sys
+import tempfile
 import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import torch
 
+from benchmarks.workers import benchmark_parser, run_worker, scratch_folder, spawn, write_result
 from planning.ops import replay
 
 MEMORY_SIZES = [2**k for k in range(10, 27, 2)]  # elements of float32 per operand: 4 KB to 256 MB
@@ -62,22 +70,18 @@ def attention_gflops(shape: tuple, dtype: str, budget_s: float) -> float:
 
 def overheads_us(budget_s: float) -> dict:
     """Per op dispatched: an elementwise op on one element under autograd (a training step's forward records
-    its graph), a view, and a DTensor op beyond the local op it runs (a 2-rank fake mesh: nothing is sent)."""
+    its graph), a view, and a DTensor op beyond the local op it runs (replicated over the launch's ranks: nothing
+    is sent)."""
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import Replicate, distribute_tensor
-    from torch.testing._internal.distributed.fake_pg import FakeStore
 
     a, b = torch.ones(1, requires_grad=True), torch.ones(1, requires_grad=True)
     op = seconds_per_call(lambda: a + b, budget_s)
     view = seconds_per_call(lambda: a.view(1, 1), budget_s)
-    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=2)
-    try:
-        mesh = init_device_mesh("cpu", (2,))
-        da, db = (distribute_tensor(torch.ones(1), mesh, [Replicate()]).requires_grad_() for _ in range(2))
-        dtensor = seconds_per_call(lambda: da + db, budget_s) - op
-    finally:
-        dist.destroy_process_group()
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    da, db = (distribute_tensor(torch.ones(1), mesh, [Replicate()]).requires_grad_() for _ in range(2))
+    dtensor = seconds_per_call(lambda: da + db, budget_s) - op
     return {"op_overhead_us": round(op * 1e6, 2), "view_overhead_us": round(view * 1e6, 2),
             "dtensor_overhead_us": round(dtensor * 1e6, 2)}  # fmt: skip
 
@@ -96,12 +100,10 @@ def memory_points(budget_s: float) -> list[dict]:
     return points
 
 
-def measure(spec: dict, barrier=None) -> dict:
-    """One process's measurement of `spec` ({gemm: [(shape, dtype)], attention: [(shape, dtype)], budget_s}),
-    one thread; with a barrier, started together with the other process."""
+def measure(spec: dict) -> dict:
+    """One rank's measurement of `spec` ({gemm: [(shape, dtype)], attention: [(shape, dtype)], replays, budget_s,
+    model_shape, rows}), one thread."""
     torch.set_num_threads(1)
-    if barrier is not None:
-        barrier.wait()
     budget = spec["budget_s"]
     overhead = overheads_us(budget)
     return {
@@ -134,47 +136,22 @@ def timed_ops(replays: list, budget_s: float) -> dict:
     return timed
 
 
-def _worker(spec, barrier, queue) -> None:
-    queue.put(measure(spec, barrier))
-
-
-def measure_two_ranks(spec: dict, timeout_s: float = 600) -> dict:
-    """`measure` in two processes at once (two ranks on this machine's two cores); each figure their mean."""
-    context = multiprocessing.get_context("spawn")
-    barrier, queue = context.Barrier(2, timeout=timeout_s), context.Queue()
-    workers = [context.Process(target=_worker, args=(spec, barrier, queue)) for _ in range(2)]
-    for w in workers:
-        w.start()
-    results, deadline = [], time.monotonic() + timeout_s
-    try:
-        while len(results) < len(workers):  # a worker that died is an error at once, not a wait
-            try:
-                results.append(queue.get(timeout=1))
-            except Exception:
-                dead = [w.exitcode for w in workers if w.exitcode not in (None, 0)]
-                if dead or time.monotonic() > deadline:
-                    raise RuntimeError(
-                        f"op measurement: a worker exited with {dead} or took over {timeout_s:g} s"
-                    ) from None
-    finally:
-        for w in workers:
-            w.join(timeout=10)
-            if w.is_alive():
-                w.kill()
+def merged(results: list[dict]) -> dict:
+    """Two ranks' measurements as one: each figure their mean (an op either rank could not run: left out)."""
     mean = lambda key: round((results[0][key] + results[1][key]) / 2, 2)  # noqa: E731
-    merged = {key: mean(key) for key in ("op_overhead_us", "view_overhead_us", "dtensor_overhead_us")}
-    merged["eager_gaps"] = {
+    figures = {key: mean(key) for key in ("op_overhead_us", "view_overhead_us", "dtensor_overhead_us")}
+    figures["eager_gaps"] = {
         k: round((v + results[1]["eager_gaps"][k]) / 2, 2) for k, v in results[0]["eager_gaps"].items()
     }
     both = results[0]["measured_ops"].keys() & results[1]["measured_ops"].keys()
-    merged["measured_ops"] = {k: round((results[0]["measured_ops"][k] + results[1]["measured_ops"][k]) / 2, 3)
+    figures["measured_ops"] = {k: round((results[0]["measured_ops"][k] + results[1]["measured_ops"][k]) / 2, 3)
                               for k in sorted(both)}  # fmt: skip
     for key, field in (("memory_points", "gbps"), ("gemm_points", "gflops"), ("attention_points", "gflops")):
-        merged[key] = [
+        figures[key] = [
             {**p, field: round((p[field] + q[field]) / 2, 3)}
             for p, q in zip(results[0][key], results[1][key], strict=False)
         ]
-    return merged
+    return figures
 
 
 def shapes_of(traced_ranks: list[dict]) -> dict:
@@ -245,7 +222,7 @@ COLLECTIVE_BYTES = [2**k for k in range(14, 23, 2)]  # 16 KB to 4 MB: what a lay
 COMPUTE_BETWEEN = 256  # a 256-square matmul (about 0.3 ms here) three times between two collectives
 
 
-def collectives_between_compute(rank: int, world: int, init: str, queue) -> None:
+def collectives_between_compute() -> list[dict]:
     """gloo's collectives as a training step issues them: each after some compute, the two ranks not in lockstep
     (back to back, as a collectives benchmark times them, a 1 MB all-reduce took 0.75 ms here; after 1 ms of
     matmuls, 2.9 ms). Per kind and size: the median time of (compute + collective) minus the compute's alone."""
@@ -255,7 +232,7 @@ def collectives_between_compute(rank: int, world: int, init: str, queue) -> None
 
     warnings.filterwarnings("ignore", category=FutureWarning)  # all_gather_into_tensor's rename: the same op
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world)
+    world = dist.get_world_size()
     a, b = torch.randn(COMPUTE_BETWEEN, COMPUTE_BETWEEN), torch.randn(COMPUTE_BETWEEN, COMPUTE_BETWEEN)
 
     def compute():
@@ -282,36 +259,52 @@ def collectives_between_compute(rank: int, world: int, init: str, queue) -> None
                 alone.append(time.perf_counter() - started)
             seconds = max(statistics.median(both) - statistics.median(alone), 1e-6)
             rows.append({"op": kind, "bytes": size, "time_us": seconds * 1e6})
-    dist.barrier()
-    dist.destroy_process_group()
-    if rank == 0:
-        queue.put(rows)
+    return rows
 
 
-def fit_collectives(timeout_s: float = 300, verbose: bool = False) -> dict:
-    """`collectives_between_compute` on 2 ranks, fitted per kind as latency + bytes / bandwidth."""
-    import tempfile
+def worker(args):
+    """Each rank: gloo's collectives after compute, then the ops of the spec, both ranks at once; rank 0 writes
+    both ranks' figures merged."""
+    import torch.distributed as dist
 
+    from common.config import RunArgs
+    from common.runtime import make_accelerator
+
+    accelerator = make_accelerator(RunArgs(), scratch_folder(args))
+    with open(args.spec, "rb") as handle:
+        spec = pickle.load(handle)
+    collective_rows = collectives_between_compute()
+    dist.barrier()  # the two ranks measure the ops side by side
+    each = [None] * dist.get_world_size()
+    dist.all_gather_object(each, measure(spec))
+    if accelerator.is_main_process:
+        write_result(args.result, {"collective_rows": collective_rows, "ops": merged(each)})
+    return accelerator  # run_worker shuts it down
+
+
+def measure_this_machine(spec: dict, timeout_s: float = 1800) -> tuple[dict, dict]:
+    """The op model's figures and gloo's fit per kind (latency + bytes / bandwidth), measured on 2 ranks."""
     from benchmarks.performance import fit_alpha_beta
 
-    context = multiprocessing.get_context("spawn")
-    queue = context.Queue()
     with tempfile.TemporaryDirectory() as folder:
-        init = f"file://{folder}/store"
-        workers = [
-            context.Process(target=collectives_between_compute, args=(r, 2, init, queue)) for r in range(2)
-        ]
-        for w in workers:
-            w.start()
-        try:
-            rows = queue.get(timeout=timeout_s)
-        finally:
-            for w in workers:
-                w.join(timeout=30)
-                if w.is_alive():
-                    w.kill()
-    fits = fit_alpha_beta(rows)
-    if verbose:
-        print(rows)
-    return {kind: {"bandwidth_gbps": round(f["bandwidth_gbps"] or 1e6, 3), "latency_us": round(f["alpha_us"])}
-            for kind, f in fits.items()}  # fmt: skip
+        path = os.path.join(folder, "spec.pickle")  # OpCall replays hold dtypes and TensorSpecs: not JSON
+        with open(path, "wb") as handle:
+            pickle.dump(spec, handle)
+        result = spawn("op_costs.py", 2, ["--spec", path], timeout_s)
+    fits = fit_alpha_beta(result["collective_rows"])
+    fitted = {kind: {"bandwidth_gbps": round(f["bandwidth_gbps"] or 1e6, 3), "latency_us": round(f["alpha_us"])}
+              for kind, f in fits.items()}  # fmt: skip
+    return fitted, result["ops"]
+
+
+def main() -> None:
+    parser = benchmark_parser(__doc__, has_workers=True)
+    parser.add_argument("--spec", default="", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if not args.worker:
+        parser.error("run by benchmarks/at_scale_calibration.py (its ops to time come from the fake ranks)")
+    run_worker(worker, args)
+
+
+if __name__ == "__main__":
+    main()
