@@ -2,12 +2,15 @@
 the ops each layout's ranks run (fake ranks: the real code on fake tensors), time those ops here, predict each
 step from its recorded ops and its collectives, compare.
 
-    python -m benchmarks.at_scale_calibration                # the profile, 9 layouts, the op model: ~10 min
+    python -m benchmarks.at_scale_calibration                # 9 layouts x 3 rounds, the op model: ~12 min
     python -m benchmarks.at_scale_calibration --quick        # a tiny GPT, 12 steps: checks the figures are made
 
 1. Each layout's run: train_gpt through `accelerate launch`, one thread per rank: ddp, zero2, fsdp, tp, pp, cp on
    2 ranks, dp_shard x tp, tp x pp, pp x dp_shard on 4; its median step (forward + backward + optimizer) and the
-   collectives it counted (calls per kind).
+   collectives it counted (calls per kind). The layouts run round-robin, --rounds times (3): this VM's speed drifts
+   (the same one-process step took 7.6 ms of forward in one run and 15 ms in the next, minutes apart; a layout's
+   step 17-39 % apart between two calibrations, measured), so each layout's step is the median of its rounds,
+   and the table shows their range.
 2. The profile, measured after the runs, nothing else running: one thread's matmul peak and copy bandwidth;
    gloo's collectives on 2 ranks as a step issues them (each after some compute: back to back they are up to 4x
    faster here), fitted per kind as latency + bytes / bandwidth; and the op model (benchmarks/op_costs.py): every
@@ -26,6 +29,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import statistics
 import sys
 import time
 from types import SimpleNamespace
@@ -147,6 +151,9 @@ def main(argv: list[str] | None = None) -> int:
         "--output_dir", default="runs/at_scale_calibration", help="a new dated folder is made in it"
     )
     parser.add_argument("--timeout_s", type=float, default=1200, help="per run")
+    parser.add_argument("--rounds", type=int, default=3,
+                        help="runs of each layout, round-robin (this VM's speed drifts by tens of percent within "
+                             "minutes: the median is compared and the spread shown)")  # fmt: skip
     args = parser.parse_args(argv)
     strategies = [s for s in args.strategies.split(",") if s]
     unknown = [s for s in strategies if s not in PRESETS]
@@ -158,14 +165,23 @@ def main(argv: list[str] | None = None) -> int:
     run_args = SimpleNamespace(
         quick=args.quick, max_steps=args.max_steps, profile_steps=0, timeout_s=args.timeout_s
     )
-    finished, rows = [], []
-    for run in runs_of(strategies, not args.no_layouts_of_4):
-        print(f"{run.label} on {run.ranks} ranks ...", flush=True)
-        summary = compare_strategies.run_strategy(run, folder / run.label.replace(" ", "_"), run_args)
-        if "error" in summary:
-            rows.append({"layout": run.label, "error": summary["error"]})
-        else:
-            finished.append((run, summary))
+    if args.rounds < 1:
+        parser.error(f"--rounds {args.rounds}: at least 1")
+    runs, finished, rows = runs_of(strategies, not args.no_layouts_of_4), [], []
+    steps_s: dict[str, list[float]] = {run.label: [] for run in runs}  # each round's median step
+    for round_ in range(args.rounds):
+        for run in runs:
+            if round_ and not steps_s[run.label]:
+                continue  # it failed in the first round
+            print(f"round {round_ + 1}/{args.rounds}: {run.label} on {run.ranks} ranks ...", flush=True)
+            name = run.label.replace(" ", "_") + (f"_round{round_ + 1}" if round_ else "")
+            summary = compare_strategies.run_strategy(run, folder / name, run_args)
+            if "error" in summary:
+                rows.append({"layout": run.label, "error": summary["error"]})
+                continue
+            steps_s[run.label].append(sum(summary["metrics"]["step_time_ms"].values()) / 1000)
+            if not round_:
+                finished.append((run, summary))
     print("recording each layout's ops on fake ranks ...", flush=True)
     traced = [trace(summary) for _, summary in finished]
     print("measuring this machine: its matmul peak, gloo, the recorded ops ...", flush=True)
@@ -177,12 +193,13 @@ def main(argv: list[str] | None = None) -> int:
         "this_machine", {**profile, "ops": {**profile["ops"], "measured_ops": measured_ops}}
     )
     for (run, summary), ranks in zip(finished, traced, strict=False):
-        measured = sum(summary["metrics"]["step_time_ms"].values())
+        measured = statistics.median(steps_s[run.label])
         predicted = predicted_ms(summary, ranks, hardware)
         layout = Layout(**summary["metrics"]["layout"])
         rows.append({"layout": run.label, "described": layout.describe(), "ranks": layout.world_size,
-                     "measured_step_s": measured / 1000, "predicted_step_s": predicted["step_ms"] / 1000,
-                     "ratio": predicted["step_ms"] / measured, "terms_ms": predicted["terms_ms"]})  # fmt: skip
+                     "measured_step_s": measured, "measured_rounds_s": steps_s[run.label],
+                     "predicted_step_s": predicted["step_ms"] / 1000,
+                     "ratio": predicted["step_ms"] / 1000 / measured, "terms_ms": predicted["terms_ms"]})  # fmt: skip
     command = "python -m benchmarks.at_scale_calibration " + " ".join(
         argv if argv is not None else sys.argv[1:]
     )
@@ -201,11 +218,13 @@ def markdown(rows: list[dict], profile: dict, command: str) -> str:
         "",
         f"this_machine: matmul peak {profile['peak_tflops']['fp32'] * 1000:.1f} GFLOP/s (one thread, float32), "
         f"copy {profile['memory_bandwidth_gbps']} GB/s; gloo on 2 ranks after compute: {fitted}; per op "
-        f"dispatched {ops['op_overhead_us']} us, a DTensor op {ops['dtensor_overhead_us']} us more; a step beyond "
+        f"dispatched {ops['op_overhead_us']} us, a DTensor op {ops['dtensor_overhead_us']} us more, a redistribute "
+        f"{ops.get('redistribute_overhead_us', 0)} us beyond its collective; a step beyond "
         f"its ops: {gaps['forward_us_per_op']} us an op forward, {gaps['backward_us_per_op']} backward, "
         f"{gaps['step_us']} us an optimizer step",
         "",
-        "| layout | ranks | measured step ms | PREDICTED step ms | predicted / measured | predicted terms, ms |",
+        "| layout | ranks | measured step ms (median of rounds; range) | PREDICTED step ms | predicted / measured "
+        "| predicted terms, ms |",
         "|---|---|---|---|---|---|",
     ]
     for r in rows:
@@ -215,7 +234,9 @@ def markdown(rows: list[dict], profile: dict, command: str) -> str:
         terms = ", ".join(
             f"{k} {v:.1f}" for k, v in r["terms_ms"].items() if v >= 0.05 and k != "data_parallel_total"
         )
-        lines.append(f"| {r['layout']} | {r['ranks']} | {1000 * r['measured_step_s']:.1f} | "
+        spread = r.get("measured_rounds_s") or [r["measured_step_s"]]
+        lines.append(f"| {r['layout']} | {r['ranks']} | {1000 * r['measured_step_s']:.1f} "
+                     f"({1000 * min(spread):.0f}-{1000 * max(spread):.0f}) | "
                      f"{1000 * r['predicted_step_s']:.1f} | {r['ratio']:.2f} | {terms} |")  # fmt: skip
     ratios = [r["ratio"] for r in rows if "ratio" in r]
     if ratios:

@@ -102,12 +102,14 @@ def memory_points(budget_s: float) -> list[dict]:
 
 def measure(spec: dict) -> dict:
     """One rank's measurement of `spec` ({gemm: [(shape, dtype)], attention: [(shape, dtype)], replays, budget_s,
-    model_shape, rows}), one thread."""
+    model_shape, rows}), one thread. What a step costs beyond its ops is measured last, its ops priced by the
+    table just timed (the prediction's own prices), the ranks starting together (as a layout's ranks run)."""
+    import torch.distributed as dist
+
     torch.set_num_threads(1)
     budget = spec["budget_s"]
-    overhead = overheads_us(budget)
-    return {
-        **overhead,
+    figures = {
+        **overheads_us(budget),
         "memory_points": memory_points(budget),
         "gemm_points": [
             {"shape": list(shape), "dtype": dtype, "gflops": round(gemm_gflops(shape, dtype, budget), 3)}
@@ -118,10 +120,29 @@ def measure(spec: dict) -> dict:
             for shape, dtype in spec["attention"]
         ],  # fmt: skip
         "measured_ops": timed_ops(spec["replays"], budget / 10),
-        "eager_gaps": eager_gaps(spec["model_shape"], spec["rows"], budget)
-        if spec.get("model_shape")
-        else {},
+        "eager_gaps": {},
     }
+    if spec.get("model_shape"):
+        timed = {key: us * 1e-6 for key, us in figures["measured_ops"].items()}
+        dist.barrier()
+        figures["eager_gaps"] = eager_gaps(spec["model_shape"], spec["rows"], budget, timed)
+        dist.barrier()
+        figures["redistribute_overhead_us"] = redistribute_overhead_us(budget, figures, timed)
+    return figures
+
+
+def replayed_seconds(calls: dict, timed: dict, budget_s: float) -> float:
+    """A recorded phase's ops ({OpCall: count}) at the seconds the op model prices them: the timed table's, an op
+    not in it timed now; views and allocations at nothing (what they cost is in the gap being measured)."""
+    total = 0.0
+    for call, count in calls.items():
+        if call.kind == "view" or call.replay is None:
+            continue
+        key = repr(call.replay)
+        if key not in timed:
+            timed[key] = seconds_per_call(replay(call.replay), budget_s / 10)
+        total += count * timed[key]
+    return total
 
 
 def timed_ops(replays: list, budget_s: float) -> dict:
@@ -139,7 +160,8 @@ def timed_ops(replays: list, budget_s: float) -> dict:
 def merged(results: list[dict]) -> dict:
     """Two ranks' measurements as one: each figure their mean (an op either rank could not run: left out)."""
     mean = lambda key: round((results[0][key] + results[1][key]) / 2, 2)  # noqa: E731
-    figures = {key: mean(key) for key in ("op_overhead_us", "view_overhead_us", "dtensor_overhead_us")}
+    figures = {key: mean(key) for key in ("op_overhead_us", "view_overhead_us", "dtensor_overhead_us",
+                                          "redistribute_overhead_us") if key in results[0]}  # fmt: skip
     figures["eager_gaps"] = {
         k: round((v + results[1]["eager_gaps"][k]) / 2, 2) for k, v in results[0]["eager_gaps"].items()
     }
@@ -170,11 +192,13 @@ def shapes_of(traced_ranks: list[dict]) -> dict:
 
 
 # ------------------------------------------------------------------------ what the ops alone do not explain
-def eager_gaps(model_shape: dict, rows: int, budget_s: float) -> dict:
+def eager_gaps(model_shape: dict, rows: int, budget_s: float, timed: dict) -> dict:
     """What a real step of one process costs beyond its ops run one by one: the GPT of `model_shape` (rows x
-    its block of tokens), its forward, backward and AdamW step timed (median of 10), its ops recorded and each
-    replayed; per op dispatched, forward and backward, what the phase took beyond them (nn.Module's calls,
-    autograd building and walking its graph, the allocator); the optimizer's step beyond its ops, per step."""
+    its block of tokens), its forward, backward and AdamW step timed (median of 20), its ops recorded and priced
+    as the op model prices them (`timed`: the table of timed ops, seconds); per op dispatched, forward and
+    backward, what the phase took beyond them (nn.Module's calls, autograd building and walking its graph, the
+    allocator, and whatever the table's ops, timed one at a time, miss of a whole step's); the optimizer's step
+    beyond its ops, per step."""
     from common.gpt import GPT, GPTConfig, adamw, lm_loss
     from planning.ops import OpRecorder
 
@@ -201,21 +225,75 @@ def eager_gaps(model_shape: dict, rows: int, budget_s: float) -> dict:
 
     for _ in range(3):
         step()
-    took = [step() for _ in range(10)]
+    took = [step() for _ in range(20)]
     with OpRecorder() as recorder:
         step(recorder)
     gaps = {}
     for i, phase in enumerate(("forward", "backward", "step")):
         measured = statistics.median(t[i] for t in took)
-        replayed, dispatched = 0.0, 0
-        for call, count in recorder.calls.get(phase, {}).items():
-            dispatched += count
-            if call.kind != "view" and call.replay is not None:
-                replayed += count * seconds_per_call(replay(call.replay), budget_s / 10)
-        gaps[phase] = (measured - replayed) / (dispatched if phase != "step" else 1)
+        calls = recorder.calls.get(phase, {})
+        dispatched = sum(calls.values())
+        gaps[phase] = (measured - replayed_seconds(calls, timed, budget_s)) / (
+            dispatched if phase != "step" else 1
+        )
     return {"forward_us_per_op": round(gaps["forward"] * 1e6, 2),
             "backward_us_per_op": round(gaps["backward"] * 1e6, 2),
             "step_us": round(gaps["step"] * 1e6, 2)}  # fmt: skip
+
+
+def redistribute_overhead_us(budget_s: float, figures: dict, timed: dict) -> float:
+    """What one DTensor redistribute costs beyond the collective it sends (tp's gathers and reductions: Python
+    that plans the change of placements, the functional collective and its wait): tensor parallelism's MLP
+    (column-wise, then row-wise, as strategies/tp.py shards a block) on a fake process group over the launch's
+    ranks, where every collective returns at once; its forward and backward timed (median of 20), less its local
+    ops replayed, each op's eager gap and each DTensor op's overhead; the rest per redistribute."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+    from torch.testing._internal.distributed.fake_pg import FakeStore  # noqa: F401 - registers the "fake" backend
+
+    from planning.ops import OpRecorder
+
+    group = dist.new_group(ranks=list(range(dist.get_world_size())), backend="fake")
+    torch.manual_seed(0)
+    width = 128
+    mlp = torch.nn.Sequential(
+        torch.nn.Linear(width, 4 * width), torch.nn.GELU(), torch.nn.Linear(4 * width, width)
+    )
+    parallelize_module(
+        mlp, DeviceMesh.from_group(group, "cpu"), {"0": ColwiseParallel(), "2": RowwiseParallel()}
+    )
+    x = torch.randn(256, width)
+
+    def step(recorder=None):
+        out = mlp(x).sum()
+        if recorder:
+            recorder.phase = "backward"
+        out.backward()
+
+    # the fake group's collectives leave their outputs as they found them (uninitialised memory): its denormal
+    # floats slowed one rank's ops ten-fold (measured), so they are flushed to zero while this is timed
+    torch.set_flush_denormal(True)
+    try:
+        for _ in range(3):
+            step()
+        took = []
+        for _ in range(20):
+            started = time.perf_counter()
+            step()
+            took.append(time.perf_counter() - started)
+    finally:
+        torch.set_flush_denormal(False)
+    with OpRecorder() as recorder:
+        step(recorder)
+    explained = sum(  # as the op model prices a phase: its ops, each op's eager gap, each DTensor op
+        replayed_seconds(calls, timed, budget_s)
+        + sum(calls.values()) * figures["eager_gaps"][f"{phase}_us_per_op"] * 1e-6
+        for phase, calls in recorder.calls.items()
+    )
+    explained += sum(recorder.dtensor_calls.values()) * figures["dtensor_overhead_us"] * 1e-6
+    redistributes = sum(recorder.redistributes.values())
+    return round(max(statistics.median(took) - explained, 0.0) / redistributes * 1e6, 2)
 
 
 COLLECTIVE_BYTES = [2**k for k in range(14, 23, 2)]  # 16 KB to 4 MB: what a layout's collectives carry here

@@ -140,7 +140,7 @@ def ops_totals(ops: dict) -> dict:
             kind["calls"] += count
             kind["flops"] += count * call.flops
             kind["bytes"] += count * call.bytes
-    return totals | {"dtensor_calls": ops["dtensor_calls"]}
+    return totals | {"dtensor_calls": ops["dtensor_calls"], "redistributes": ops["redistributes"]}
 
 
 def peak_bytes(r: dict) -> int:

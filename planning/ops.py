@@ -95,8 +95,11 @@ def replay(spec: tuple):
     def make(x):
         if isinstance(x, TensorSpec):
             dtype = getattr(torch, x.dtype)
-            made = torch.empty_strided(x.shape, x.stride, dtype=dtype)
-            return made.normal_() if dtype.is_floating_point else made.zero_()
+            # the storage its strides reach, filled, then viewed (an expanded tensor's elements share memory)
+            size = 1 + sum((n - 1) * s for n, s in zip(x.shape, x.stride, strict=True)) if all(x.shape) else 0
+            storage = torch.empty(size, dtype=dtype)
+            storage = storage.normal_() if dtype.is_floating_point else storage.zero_()
+            return storage.as_strided(x.shape, x.stride)
         if isinstance(x, tuple):
             return [make(v) for v in x]
         return x
@@ -164,6 +167,7 @@ class OpRecorder(TorchDispatchMode):
         self.phase = "forward"
         self.calls: dict[str, Counter] = {}
         self.dtensor_calls: Counter = Counter()
+        self.redistributes: Counter = Counter()
         self._propagating = 0
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
@@ -204,9 +208,33 @@ class OpRecorder(TorchDispatchMode):
         finally:
             ShardingPropagator._propagate_tensor_meta_non_cached = original
 
+    @contextlib.contextmanager
+    def _counting_redistributes(self):
+        """Each change of a DTensor's placements (tp's gathers and splits, FSDP's none) runs DTensor's
+        redistribute_local_tensor: Python that plans the change on top of the collective it may send (private;
+        imported by name in three modules, so patched in each)."""
+        from torch.distributed.tensor import _api, _dispatch, _redistribute
+
+        modules = [m for m in (_redistribute, _api, _dispatch) if hasattr(m, "redistribute_local_tensor")]
+        original = _redistribute.redistribute_local_tensor
+
+        def redistribute(*args, **kwargs):
+            if not self._propagating:
+                self.redistributes[self.phase] += 1
+            return original(*args, **kwargs)
+
+        for module in modules:
+            module.redistribute_local_tensor = redistribute
+        try:
+            yield
+        finally:
+            for module in modules:
+                module.redistribute_local_tensor = original
+
     def __enter__(self):
         self._stack = contextlib.ExitStack()
         self._stack.enter_context(self._quiet_during_sharding_propagation())
+        self._stack.enter_context(self._counting_redistributes())
         return super().__enter__()
 
     def __exit__(self, *exc):
@@ -218,7 +246,7 @@ class OpRecorder(TorchDispatchMode):
     def summary(self) -> dict:
         """What a fake rank sends back: per phase, [(OpCall, count)], and the DTensor ops per phase."""
         return {"calls": {phase: list(calls.items()) for phase, calls in self.calls.items()},
-                "dtensor_calls": dict(self.dtensor_calls)}  # fmt: skip
+                "dtensor_calls": dict(self.dtensor_calls), "redistributes": dict(self.redistributes)}  # fmt: skip
 
 
 # ---------------------------------------------------------------------------------------------- the op model
@@ -240,6 +268,7 @@ class OpModel:
     op_overhead_s: float = 0.0
     view_overhead_s: float = 0.0
     dtensor_overhead_s: float = 0.0
+    redistribute_overhead_s: float = 0.0  # a change of a DTensor's placements, beyond the collective it sends
     measured_s: dict | None = (
         None  # repr(OpCall.replay) -> seconds: the op timed at that very shape (this machine)
     )
@@ -295,11 +324,13 @@ class OpModel:
             work = call.bytes / self.bandwidth(call.bytes) if call.bytes else 0.0
         return work + self.op_overhead_s
 
-    def phase_seconds(self, phase: str, calls, dtensor_calls: int = 0) -> float:
-        """A phase's [(OpCall, count)] and DTensor ops, priced one after another (one stream: eager order), with
-        what the phase costs beyond its ops."""
+    def phase_seconds(self, phase: str, calls, dtensor_calls: int = 0, redistributes: int = 0) -> float:
+        """A phase's [(OpCall, count)], DTensor ops and redistributes, priced one after another (one stream:
+        eager order), with what the phase costs beyond its ops."""
         ops = (
-            sum(count * self.seconds(call) for call, count in calls) + dtensor_calls * self.dtensor_overhead_s
+            sum(count * self.seconds(call) for call, count in calls)
+            + dtensor_calls * self.dtensor_overhead_s
+            + redistributes * self.redistribute_overhead_s
         )
         beyond = (self.per_op_overhead_s or {}).get(phase, 0.0) * sum(count for _, count in calls)
         return ops + beyond + (self.step_overhead_s if phase == "step" else 0.0)
@@ -332,6 +363,7 @@ def op_model_from(profile: dict, peak_flops: dict, memory_bandwidth: float) -> O
         op_overhead_s=spec.get("op_overhead_us", 0.0) * 1e-6,
         view_overhead_s=spec.get("view_overhead_us", 0.0) * 1e-6,
         dtensor_overhead_s=spec.get("dtensor_overhead_us", 0.0) * 1e-6,
+        redistribute_overhead_s=spec.get("redistribute_overhead_us", 0.0) * 1e-6,
         measured_s=measured,
         per_op_overhead_s={
             phase: gaps.get(f"{phase}_us_per_op", 0.0) * 1e-6 for phase in ("forward", "backward")

@@ -152,10 +152,13 @@ def test_the_op_model_prices_by_nearest_measured_shape_by_bandwidth_and_by_table
     )
     # a phase: its ops, each DTensor op's dispatch, what the phase costs beyond its ops; the step's own overhead
     phased = OpModel({"fp32": 1.0}, 1.0, view_overhead_s=1e-6, dtensor_overhead_s=5e-6,
-                     per_op_overhead_s={"forward": 3e-6}, step_overhead_s=1e-4)  # fmt: skip
+                     redistribute_overhead_s=4e-4, per_op_overhead_s={"forward": 3e-6}, step_overhead_s=1e-4)  # fmt: skip
     view = OpCall("t", "view", "float32", (), 0.0, 0)
     assert phased.phase_seconds("forward", [(view, 10)], dtensor_calls=2) == pytest.approx(
         10e-6 + 10e-6 + 30e-6
+    )
+    assert phased.phase_seconds("forward", [(view, 10)], dtensor_calls=2, redistributes=3) == pytest.approx(
+        10e-6 + 10e-6 + 30e-6 + 3 * 4e-4
     )
     assert phased.phase_seconds("step", [(view, 1)]) == pytest.approx(1e-6 + 1e-4)
 
@@ -173,6 +176,9 @@ def test_a_fake_rank_records_the_matmuls_its_layout_leaves_it():
         assert forward == whole / share, layout
         assert {"forward", "backward", "step"} <= set(ops["calls"])
         assert (ops["dtensor_calls"].get("forward", 0) > 0) == (layout.tp > 1)
+        # tp's all-reduces are DTensor redistributes (Partial -> Replicate), once forward and once back a block
+        assert (ops["redistributes"].get("forward", 0) >= model.n_layer) == (layout.tp > 1)
+        assert (ops["redistributes"].get("backward", 0) >= model.n_layer) == (layout.tp > 1)
     assert not dist.is_initialized()
 
 
@@ -186,7 +192,8 @@ def test_a_prediction_from_recorded_ops_is_their_priced_sum():
         reference = GPT(model)
     predicted = predict_step(reference, layout, cfg, work, hw, traced=traced)
     ops = traced[0]["ops"]
-    phase = lambda name: hw.ops.phase_seconds(name, ops["calls"][name], ops["dtensor_calls"].get(name, 0))  # noqa: E731
+    phase = lambda name: hw.ops.phase_seconds(name, ops["calls"][name], ops["dtensor_calls"].get(name, 0),  # noqa: E731
+                                              ops["redistributes"].get(name, 0))  # fmt: skip
     assert predicted["priced"] == "recorded ops"
     assert predicted["terms_s"]["compute"] == pytest.approx(phase("forward") + phase("backward"))
     assert predicted["terms_s"]["optimizer"] == pytest.approx(phase("step"))
