@@ -423,7 +423,7 @@ def predict_step(
         held = sum(math.prod(shape) for _, shape in t.held)
         if ops:  # the rank's own ops, over the step's m micro-batches, priced one after another
             phases = {phase: hw.ops.phase_seconds(phase, ops["calls"].get(phase, []), ops["dtensor_calls"].get(phase, 0),
-                                                  ops.get("redistributes", {}).get(phase, 0))
+                                                  ops["redistributes"].get(phase, 0))
                       for phase in ("forward", "backward", "step")}  # fmt: skip
             forward_s, backward_s, optimizer = phases["forward"] / m, phases["backward"] / m, phases["step"]
         else:

@@ -244,7 +244,7 @@ class OpRecorder(TorchDispatchMode):
             self._stack.close()
 
     def summary(self) -> dict:
-        """What a fake rank sends back: per phase, [(OpCall, count)], and the DTensor ops per phase."""
+        """What a fake rank sends back: per phase, [(OpCall, count)], the DTensor ops and the redistributes."""
         return {"calls": {phase: list(calls.items()) for phase, calls in self.calls.items()},
                 "dtensor_calls": dict(self.dtensor_calls), "redistributes": dict(self.redistributes)}  # fmt: skip
 
