@@ -126,7 +126,7 @@ def run_rank(cfg, layout: Layout, work: Workload, rank: int) -> dict:
         m = cfg.pp_microbatches if layout.pp > 1 else 1
         rows, tokens = work.rows // m, work.model.block_size
         with FakeTensorMode(allow_non_fake_inputs=True):
-            job.model.to_empty(device=accelerator.device)
+            made_fake(job, accelerator.device)
             in_flight, kept, live, peak_live, most_in_flight, gathered, accumulated = (
                 [],
                 [],
@@ -202,6 +202,20 @@ def run_rank(cfg, layout: Layout, work: Workload, rank: int) -> dict:
         "sent_theory": sent_bytes(reference, layout, rank, cfg, work, routing),
         "seconds": time.perf_counter() - started,
     }
+
+
+def made_fake(job, device) -> None:
+    """The job's parameters made fake tensors in place of meta ones. to_empty gives each plain parameter (not a
+    DTensor) a new Parameter: a FakeTensor cannot take a meta tensor's place inside it. The optimizer parallelize
+    built still held the meta ones and kept no state for them (measured: a tp x pp rank without data parallelism,
+    its norms and position embedding), so it is pointed at the new ones, name by name."""
+    before = dict(job.model.named_parameters(remove_duplicate=False))
+    job.model.to_empty(device=device)
+    after = dict(job.model.named_parameters(remove_duplicate=False))
+    replaced = {id(before[name]): after[name] for name in before}
+    optimizer = getattr(job.optimizer, "optimizer", job.optimizer)  # Accelerate's wrapper holds the real one
+    for group in optimizer.param_groups:
+        group["params"] = [replaced.get(id(p), p) for p in group["params"]]
 
 
 def unsharded_gradient_bytes(model, stages) -> int:
