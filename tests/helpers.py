@@ -22,10 +22,11 @@ sys.path.insert(0, str(REPO))
 from common.processes import TIMED_OUT, kill_tree, process_tree, run_process_tree  # noqa: E402  (repo on sys.path)
 
 CPU_DDP = str(REPO / "accelerate_configs" / "cpu_ddp.yaml")
-# train_gpt on a ~20k-parameter GPT, 12 steps: seconds per run. Parity over the first 6 steps.
+# train_gpt on a ~20k-parameter GPT, 12 steps: seconds per run. Parity over the first 6 steps. 2 % of pydoc topics
+# for validation (~3,000 tokens; the default 10 % made the two evaluations ~20 % of a rank's time, py-spy)
 GPT_TINY = (
     "--report_to none --max_steps 12 --parity_steps 6 --log_every 6 --d_model 32 --n_layer 2 --n_head 2 "
-    "--block_size 32 --vocab_size 512 --warmup_steps 2 --sample_tokens 5 --min_loss_drop 0.1"
+    "--block_size 32 --vocab_size 512 --val_fraction 0.02 --warmup_steps 2 --sample_tokens 5 --min_loss_drop 0.1"
 ).split()
 GPT_DISTRIBUTED_CHECKS = {
     "distributed",
@@ -187,6 +188,9 @@ def _start_fork_server() -> None:
             "torch._dynamo",
             "accelerate",
             "deepspeed",
+            "tokenizers",
+            "torch.distributed.checkpoint",  # every run's checks read its state (0.7 s a rank, py-spy)
+            "torch.distributed.checkpoint.state_dict",
             "experiments.train_gpt",
             "experiments.ddp_linear",
         ]
@@ -216,11 +220,16 @@ def launch_environment(config: str) -> dict[str, str]:
 def _rank(index: int, main, argv: list[str], codes: str, environment: dict) -> None:
     """One forked rank: the environment torchrun gives rank `index`, then main(argv); its exit code, stdout
     and stderr written where fork_launch reads them."""
+    import gc
+
     import torch
     import torch.distributed as dist
 
     from common.config import UsageError
 
+    # the ~330,000 objects the fork server imported never become garbage: out of every collection (each
+    # gc.collect() at the run's end walked them all, 0.17 s; several a rank, measured)
+    gc.freeze()
     os.environ.clear()  # the fork server's environment is the one it started with: this call's instead
     os.environ.update(environment, RANK=str(index), LOCAL_RANK=str(index))
     torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))  # torch was imported before it was set

@@ -107,7 +107,7 @@ def test_a_toy_piece_is_one_module_the_flags_refusals_theory_and_mistakes_pick_u
     run = tmp_path / "run"
     command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
                str(free_port()), TOY, "--output_dir", str(run), *GPT_TINY, "--loss_scale", "1024",
-               "--wrong_variant", "loss_scale_never_undone"]  # fmt: skip
+               "--wrong_variant", "loss_scale_never_undone", "--parity_steps", "1"]  # fmt: skip
     done = run_process_tree(command, 240, env={**env, "OMP_NUM_THREADS": "1"}, cwd=REPO)
     summary = json.loads((run / "summary.json").read_text())
     checks = summary["checks"]
@@ -116,5 +116,6 @@ def test_a_toy_piece_is_one_module_the_flags_refusals_theory_and_mistakes_pick_u
     theory = summary["metrics"]["communication"]["theory_per_rank"]
     assert all(rank["by_dimension"]["loss_scale"] == {"all_reduce": 4} for rank in theory)
     assert not checks["grad_norm_is_global"]["passed"]
-    # the norm clipping saw is the scale times the one-process norm
+    # the norm clipping saw is the scale times the one-process norm, at the first step (both from the same
+    # weights; after it the scaled norms clip differently and AdamW's moments part: 1025.15 at a later step)
     assert summary["metrics"]["grad_norm_max_rel_diff"] == pytest.approx(1023, rel=1e-3)

@@ -38,6 +38,8 @@ from helpers import (
 # 12 samples, which 1, 2 and 3 data-parallel ranks can each make
 CHECKPOINTED = [
     *GPT_TINY,
+    "--val_fraction",  # the small corpus's validation share (GPT_TINY's 2 % is for pydoc topics)
+    "0.1",
     "--per_rank_batch_size",
     "6",
     "--checkpoint_every",
