@@ -37,6 +37,10 @@ class OutputsCounted(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
+        # wait_tensor returns the collective's output it waited for, counted already; a fake tensor's is a new
+        # one (its schema declares no alias), which counted tp's every all-reduce twice at scale
+        if func is torch.ops._c10d_functional.wait_tensor.default:
+            return out
         if func in self.ops and _COUNTING.get() is self.counter:
             for tensor in out if isinstance(out, tuple) else (out,):
                 if isinstance(tensor, torch.Tensor):

@@ -214,7 +214,8 @@ def activation_bytes(work: Workload, layout: Layout, args, blocks: int, first: b
                 gathered from the other ranks (2 (c t - t) kv / n) and its chunks' outputs (t d / n)
       MLP       GELU's input and output (2 t h / n); SwiGLU's gate, up, silu and product (4 t h / n)
       autocast  the bf16 copies of each matmul's float32 input and of the block's weights (its cache)
-    Full checkpointing keeps each block's input alone; selective its input and its matmuls' outputs. The last
+    Full checkpointing keeps each block's input alone; selective its input and its matmuls', attention's and
+    tp's collectives' outputs (selective_block_bytes). The last
     stage adds its final norm, the head's input (under autocast its bf16 copy, and the bf16 copy of the head's
     weight, V d / n) and the loss's float32 logits (t V, gathered)."""
     cfg, tp = work.model, layout.tp
@@ -254,7 +255,7 @@ def activation_bytes(work: Workload, layout: Layout, args, blocks: int, first: b
     per_block = {
         "none": 2 * norm + attention + mlp + casts,
         "full": t * d / s * stream_e,
-        "selective": t * d / s * stream_e + (4 * t * d / tp + (mlp / e / 2)) * e + heads / tp * t * 4 + casts,
+        "selective": selective_block_bytes(cfg, layout, args, t, e, stream_e, mlp),
     }[args.activation_checkpointing]
     ends = 0.0
     if last:  # the final norm, the head's input and the loss's float32 logits
@@ -264,6 +265,29 @@ def activation_bytes(work: Workload, layout: Layout, args, blocks: int, first: b
         head_weight = cfg.vocab_size * d / tp * 2 if autocast else 0.0
         ends = norm_kept + head_input + head_weight + t * cfg.vocab_size * 4
     return blocks * per_block + ends
+
+
+def selective_block_bytes(cfg, layout: Layout, args, t: float, e: int, stream_e: int, mlp: float) -> float:
+    """A block's bytes kept under selective checkpointing (strategies/activation_checkpointing.py): its input,
+    and the output of every op the policy saves, whether backward reads it or not, in the matmuls' dtype e (bf16
+    under autocast, where nothing else is kept: the casts are recomputed):
+      q, k, v (k and v kv_heads wide) and attention's output with its log-sum-exp (float32);
+      fc_in's (SwiGLU: the gate's and up's);
+      o_proj's and fc_out's, which under tp are each rank's full-width partial sums (t d) and the all-reduce's
+      result (t d) again, or under sequence parallelism the reduce-scatter's (t d / n); and then the two
+      all-gathers of the norms' outputs (t d, the residual stream's dtype).
+    A MoE MLP: half of what it keeps without checkpointing (not measured)."""
+    tp, d, heads = layout.tp, cfg.d_model, cfg.n_head
+    sp = args.sequence_parallel and tp > 1
+    kv_width = cfg.kv_heads * (d // heads)
+    row_parallel = t * d * e + ((t * d / tp if sp else t * d) * e if tp > 1 else 0)
+    kept = t * d / (tp if sp else 1) * stream_e  # the block's input
+    kept += (d + 2 * kv_width) * t / tp * e + t * d / tp * e + heads / tp * t * 4 + row_parallel
+    if cfg.n_experts:
+        kept += mlp / 2
+    else:
+        kept += (2 if cfg.mlp == "swiglu" else 1) * t * cfg.hidden / tp * e + row_parallel
+    return kept + (2 * t * d * stream_e if sp else 0)
 
 
 def moe_activation_bytes(

@@ -21,31 +21,33 @@ if os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1") != "1":
 # The files that take longest, longest first (measured durations, this machine). xdist hands each worker a
 # whole file at a time in collection order (--no-loadscope-reorder in pyproject.toml): a long file handed
 # out last would run alone at the end while the other worker idles. The others keep their order.
-LONGEST_FIRST = (  # measured 2026-12-05 18:10 UTC (pytest --durations=0: each file's tests' seconds summed)
-    "test_deepspeed.py",  # 96 s
-    "test_train_gpt_layouts.py",  # 94 s
-    "test_resume.py",  # 71 s
-    "test_moe.py",  # 69 s
-    "test_train_gpt_checkpoints.py",  # 62 s
-    "test_tools_sweep.py",  # 61 s
-    "test_benchmarks.py",  # one test of ~55 s: never last
-    "test_reliability.py",
-    "test_performance.py",  # one test of ~44 s
-    "test_checkpoint_integrity.py",
-    "test_train_gpt_pipeline.py",
+LONGEST_FIRST = (  # measured 2026-12-06 02:46 UTC (pytest --durations=0: each file's tests' seconds summed)
+    "test_resume.py",  # 84 s
+    "test_deepspeed.py",  # 80 s
+    "test_benchmarks.py",  # one test of ~70 s: never last
+    "test_tools_sweep.py",  # 70 s
+    "test_reliability.py",  # 69 s
+    "test_train_gpt_layouts.py",  # 62 s
+    "test_at_scale.py",  # 61 s
+    "test_performance.py",  # one test of ~59 s
+    "test_train_gpt_checkpoints.py",
     "test_ddp_linear.py",
+    "test_checkpoint_integrity.py",
+    "test_moe.py",
     "test_fault_tolerance.py",
-    "test_at_scale.py",
-    "test_train_gpt.py",
     "test_train_gpt_tensor_parallel.py",
+    "test_train_gpt.py",
+    "test_train_gpt_pipeline.py",
     "test_manual_data_parallel.py",
     "test_pipeline_parallel.py",
-    "test_loss_normalization.py",
-    "test_activation_checkpointing.py",
-    "test_train_gpt_context_parallel.py",
     "test_model_parallel.py",
+    "test_loss_normalization.py",
     "test_one_module.py",
     "test_collectives_bench.py",
+    "test_collectives.py",
+    "test_plan.py",
+    "test_activation_checkpointing.py",
+    "test_train_gpt_context_parallel.py",
 )
 
 
