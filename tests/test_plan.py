@@ -80,7 +80,8 @@ def test_divisors_are_every_divisor_in_order_at_any_size():
 
 def test_a_given_layout_is_priced_even_when_it_does_not_fit_and_json_lists_the_degrees(capsys):
     """--tp --pp --dp_shard ...: that one layout, priced and printed; one that does not fit says so (exit 1).
-    --json: the layouts fastest first, each with its degrees by name."""
+    --json: the layouts that fit, fastest first, each with its degrees by name (as the table: the priced ones that
+    do not fit read up to 74 % MFU on llama3_70b, needing 1,265 GiB)."""
     assert main(["--model", "llama3_8b", "--gpus", "8", "--dp_shard", "8"]) == 1
     out = capsys.readouterr().out
     assert "llama3_8b on 8 x h100_sxm, dp_shard 8: peak" in out and "does NOT fit: rank 0 (stage 0)" in out
@@ -88,11 +89,8 @@ def test_a_given_layout_is_priced_even_when_it_does_not_fit_and_json_lists_the_d
     assert main(["--model", "llama3_8b", "--gpus", "8", "--json", "--top", "50"]) == 0
     layouts = json.loads(capsys.readouterr().out)
     steps = [row["step_s"] for row in layouts]
-    assert (
-        steps == sorted(steps)
-        and any(row["fits"] for row in layouts)
-        and not all(row["fits"] for row in layouts)
-    )
+    assert steps == sorted(steps) and len(layouts) > 1 and all(row["fits"] for row in layouts)
+    assert all(row["peak_gib"] <= 80 for row in layouts)
     assert all(set(row["layout"]) == {"dp_replicate", "dp_shard", "tp", "pp", "cp", "ep"} for row in layouts)
     assert all(math.prod(row["layout"].values()) == 8 for row in layouts)
     assert {"tflops_per_gpu", "mfu", "step_s", "peak_gib", "pp_schedule", "sequence_parallel"} <= set(

@@ -4,11 +4,12 @@
     python -m tools.plan --model llama3_405b --gpus 16384 --hardware h100_sxm --top 5
     python -m tools.plan --model gpt3_175b --gpus 1024 --hardware a100_80gb --block_size 4096
     python -m tools.plan --model llama3_70b --gpus 512 --tp 8 --pp 4 --dp_shard 16   # this one layout, priced
-    python -m tools.plan --model olmoe_1b_7b --gpus 64 --json                          # every layout, as JSON
+    python -m tools.plan --model olmoe_1b_7b --gpus 64 --json                          # the fitting ones, as JSON
 
 A layout given by its degrees (--dp_replicate --dp_shard --tp --pp --cp --ep, the rest 1) is priced alone and
-printed whether or not it fits (exit 1 if not, said in words). --json prints the priced layouts fastest first,
-each with its degrees by name, tflops_per_gpu, mfu, step_s, peak_gib and fits.
+printed whether or not it fits (exit 1 if not, said in words). --json prints the layouts that fit, fastest first
+(those the table lists; a given layout whether or not it fits), each with its degrees by name, tflops_per_gpu,
+mfu, step_s, peak_gib and fits.
 
 Every layout of the degrees whose product is --gpus (tp within a node and dividing the heads, pp at most the
 blocks, cp for sequences of 32K tokens and more, for a mixture of experts ep dividing the experts, the
@@ -80,8 +81,8 @@ class PlanArgs:
                                    "wherever the strategies run it)")  # fmt: skip
     reshard_after_forward: str = flag("default", "with a given layout's --dp_shard: as train_gpt's (default: ZeRO-3; "
                                       "under --pp never, as Llama 3 ran)", choices=RESHARD)  # fmt: skip
-    json: bool = flag(False, "print the layouts as JSON, fastest first: layout (its degrees by name), "
-                      "tflops_per_gpu, mfu, step_s, peak_gib, fits")  # fmt: skip
+    json: bool = flag(False, "print the layouts that fit (a given layout: whether or not it fits) as JSON, fastest "
+                      "first: layout (its degrees by name), tflops_per_gpu, mfu, step_s, peak_gib, fits")  # fmt: skip
 
     def given(self) -> dict | None:
         """The degrees of the one layout asked for, or None (enumerate)."""
@@ -273,15 +274,18 @@ def plan(args: PlanArgs) -> int:
                        args.sequence_parallel, args.reshard_after_forward)  # fmt: skip
         require("refused" not in row, f"{row['layout']}: {row.get('refused')}")
         return print_given(args, row, hardware)
-    # a layout that does not fit is priced only for --json (which lists every layout priced)
-    rows = [evaluate(reference, cfg, degrees, checkpointing, args, hardware, schedule, price_all=args.json)
+    # a layout that does not fit is not priced: listed by how far over it is
+    rows = [evaluate(reference, cfg, degrees, checkpointing, args, hardware, schedule, price_all=False)
             for degrees, checkpointing, schedule in candidates(cfg, args.gpus, hardware.gpus_per_node,
                                                                  args.global_batch)]  # fmt: skip
-    if args.json:
-        priced = sorted((r for r in rows if "step_s" in r), key=lambda r: r["step_s"])
-        print(json.dumps([as_json(r) for r in priced], indent=1))
-        return 0 if any(r["fits"] for r in priced) else 1
     fitting = sorted((r for r in rows if r.get("fits")), key=lambda r: -r["tokens_per_s"])
+    if args.json:  # only what fits: a layout that needs more memory than a GPU has is no plan (and priced, some
+        # of them read 70 % MFU and more: nothing the hardware runs)
+        print(json.dumps([as_json(r) for r in fitting], indent=1))
+        if not fitting:
+            print(f"nothing fits: {args.model} on {args.gpus:,} x {hardware.name} (without --json: the nearest to "
+                  "fitting, and why)", file=sys.stderr)  # fmt: skip
+        return 0 if fitting else 1
     capacity = hardware.memory_bytes / 2**30
     print(f"{args.model}: {parameter_count(cfg):,} parameters, {cfg.block_size:,} tokens a sequence, "
           f"{args.global_batch:,} sequences a step, on {args.gpus:,} x {hardware.name} ({capacity:.0f} GiB each); "
