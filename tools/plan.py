@@ -279,8 +279,9 @@ def plan(args: PlanArgs) -> int:
             for degrees, checkpointing, schedule in candidates(cfg, args.gpus, hardware.gpus_per_node,
                                                                  args.global_batch)]  # fmt: skip
     fitting = sorted((r for r in rows if r.get("fits")), key=lambda r: -r["tokens_per_s"])
-    if args.json:  # only what fits: a layout that needs more memory than a GPU has is no plan (and priced, some
-        # of them read 70 % MFU and more: nothing the hardware runs)
+    # --json: only what fits. A layout that needs more memory than a GPU has is no plan (and priced, some of them
+    # read 70 % MFU and more: nothing the hardware runs)
+    if args.json:
         print(json.dumps([as_json(r) for r in fitting], indent=1))
         if not fitting:
             print(f"nothing fits: {args.model} on {args.gpus:,} x {hardware.name} (without --json: the nearest to "
