@@ -207,11 +207,13 @@ def activation_bytes(work: Workload, layout: Layout, args, blocks: int, first: b
     activations' element size (bf16: 2), the stream's element float32 under autocast, bf16 under FSDP's policy:
       norms     each its input (t d / s) and statistics, and its output (t d: the matmuls' input, gathered under
                 sequence parallelism; not under autocast, where the matmul keeps its bf16 copy instead); RMSNorm
-                also x / rms (t d / s; with its float32 upcast under bf16)
-      attention q, k, v (k and v repeated for grouped-query attention) and its output (4 t d / n; one more
-                copy with rope or grouped heads), its log-sum-exp (heads / n x t, float32); no t^2 term: the
-                fused kernel keeps no attention matrix; under context parallelism (c ranks) also the K and V
-                gathered from the other ranks (2 (c t - t) kv / n) and its chunks' outputs (t d / n)
+                its input in float32 (a bf16 stream's upcast) and x / rms, float32 too (8 t d / s)
+      attention q, k, v (k and v repeated for grouped-query attention) and its output (4 t d / n; with rope one
+                more copy, o_proj's input, and rope's cos and sin tables, float32: 8 T head_dim for a sequence
+                of T positions on the rank), its log-sum-exp (heads / n x t, float32); no t^2 term: the
+                fused kernel keeps no attention matrix; under context parallelism (c ranks) q, the whole
+                sequence's K and V gathered and repeated for the query heads (2 c t d / n), its output and
+                o_proj's copy of it
       MLP       GELU's input and output (2 t h / n); SwiGLU's gate, up, silu and product (4 t h / n)
       autocast  the bf16 copies of each matmul's float32 input and of the block's weights (its cache)
     Full checkpointing keeps each block's input alone; selective its input and its matmuls', attention's and
@@ -227,18 +229,21 @@ def activation_bytes(work: Workload, layout: Layout, args, blocks: int, first: b
     e, stream_e = (2 if bf16 else 4), stream_dtype(layout, work).itemsize
     d, h, heads = cfg.d_model, cfg.hidden, cfg.n_head
     stats = (1 if cfg.norm == "rmsnorm" else 2) * 4 * t / s
-    # RMSNorm keeps x / rms too, in float32 when the stream is bf16 (it computes in float32: its upcast as well)
-    rms = (t * d / s * (8 if stream_e == 2 else 4)) if cfg.norm == "rmsnorm" else 0
-    # a norm keeps its input and statistics; its output is the next matmul's saved input, which under autocast
-    # keeps its bf16 copy instead (casts, below: measured, a block's activations 20 % over this estimate with it)
-    norm_kept = t * d / s * stream_e + rms + stats
+    # a norm keeps its input and statistics; RMSNorm computes in float32 and keeps its input as float32 (under a
+    # bf16 stream its upcast, not the bf16 input: measured) and x / rms; its output is the next matmul's saved
+    # input, which under autocast keeps its bf16 copy instead (casts, below: measured, a block's activations 20 %
+    # over this estimate with it)
+    norm_kept = t * d / s * (8 if cfg.norm == "rmsnorm" else stream_e) + stats
     norm = norm_kept + (0 if autocast else t * d * stream_e)
-    extra_copy = cfg.positions == "rope" or cfg.kv_heads != cfg.n_head
-    attention = (4 + extra_copy) * t * d / tp * e + heads / tp * t * 4
-    # under cp each block keeps the whole sequence's K and V it gathered, and its chunks' own outputs
-    if layout.cp > 1:
-        kv_width = cfg.kv_heads * (d // heads)
-        attention += 2 * (t * layout.cp - t) * kv_width / tp * e + t * d / tp * e
+    # rope: q and k turned are contiguous by head, so attention's output is too and o_proj's input is a copy of it;
+    # each turn keeps its cos and sin (float32, a sequence's positions x head_dim / 2). Grouped K and V repeated
+    # for the query heads are what attention keeps (q, k, v: t d / n each)
+    rope = cfg.positions == "rope"
+    # under cp (c ranks) attention keeps the whole sequence's K and V, gathered and repeated for the query heads
+    # (2 c t d / n), q, its output and o_proj's copy of it, whatever the positions (measured)
+    kept_by_attention = 4 + rope if layout.cp == 1 else 3 + 2 * layout.cp
+    attention = kept_by_attention * t * d / tp * e + heads / tp * t * 4
+    attention += rope * 2 * 2 * cfg.block_size // layout.cp * (d // heads) // 2 * 4
     mlp = (4 if cfg.mlp == "swiglu" else 2) * t * h / tp * e
     mlp_input_casts = 2 if cfg.mlp == "swiglu" else 1
     if cfg.n_experts:
