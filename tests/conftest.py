@@ -11,11 +11,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import os  # noqa: E402
 
-import torch  # noqa: E402
-
 if os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1") != "1":
     # several workers on this machine's cores: one torch thread each, as Accelerate gives each rank of a
-    # CPU launch, instead of every worker taking every core (oversubscribed GEMMs slow down many-fold)
+    # CPU launch, instead of every worker taking every core (oversubscribed GEMMs slow down many-fold). Only in
+    # a worker: xdist's controller, which imports this file too, needs no torch (2 s before any worker starts)
+    import torch
+
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // int(os.environ["PYTEST_XDIST_WORKER_COUNT"])))
 
 # The files that take longest, longest first (measured durations, this machine). xdist hands each worker a

@@ -247,6 +247,7 @@ def test_the_activation_estimate_is_exact_for_gpt2_in_float32():
     assert estimate == 4 * block
 
 
+@pytest.mark.launch  # 8 ranks' worth of workers: 7 s, a quarter of the fast tier's budget
 def test_the_activation_estimate_counts_the_keys_and_values_context_parallelism_gathers(tmp_path, capsys):
     """Under cp each block keeps the whole sequence's K and V it gathered, repeated for the query heads (the
     estimate had no term for them: -27 % at cp 8 on Llama 3 405B). A Llama-shaped model under FSDP's bf16: RMSNorm
