@@ -18,7 +18,8 @@ Per micro-batch, on each pipeline stage:
                (strategies/ep.uniform_routing), its FLOPs the active parameters'.
 Per step:
   pipeline     the stages' forwards and backwards in the schedule's order, each waiting for its neighbour's
-               output and the send (planning/timeline.py: GPipe, 1F1B, interleaved 1F1B), m micro-batches when
+               output and the send (planning/timeline.py: GPipe, 1F1B, interleaved 1F1B, and zbv and interleaved
+               zero-bubble in torch's own order, a backward split into its input's and its weights' halves), m micro-batches when
                p = 1; the bubble what it adds to the slowest stage's own work;
   data-parallel  FSDP's all-gathers and reduce-scatters and the replicas' all-reduces, overlapped with the
                step's compute where the hardware overlaps (NCCL streams): only what exceeds the compute is
@@ -42,7 +43,7 @@ from common.config import require
 from common.gpt import GPTConfig, parameter_count
 from common.moe import active_parameter_count
 from planning.ops import OpCall, OpModel, op_model_from
-from planning.timeline import step_seconds
+from planning.timeline import rank_of_stage, step_seconds
 from strategies.layout import DIMS, Layout, Workload, stream_dtype
 from strategies.pp import SCHEDULES
 from strategies.theory import gathered_bytes, held_bytes, stage_theories, theory_of
@@ -416,16 +417,17 @@ def traffic_seconds(traffic, layout: Layout, hw: Hardware, calls: dict | None = 
 
 # --------------------------------------------------------------------------------------------- the step
 EXPOSED = ("tp", "cp", "pp", "ep")  # on the critical path of every micro-batch
-# --pp_schedule -> the timeline that prices it; the zero-bubble schedules are priced as the schedule they split the
-# backward of (an upper bound: their bubble is smaller); zbv and dualpipev (a "V" of stages) as 1F1B
+# --pp_schedule -> the timeline that prices it: the zero-bubble schedules in torch's own order, their backward
+# split in two (planning/timeline.py); dualpipev (its forwards and backwards of two micro-batches overlapped) as
+# 1F1B, an upper bound
 TIMELINE_OF = {"gpipe": "gpipe", "1f1b": "1f1b", "interleaved_1f1b": "interleaved_1f1b",
-               "interleaved_zero_bubble": "interleaved_1f1b"}  # fmt: skip
+               "interleaved_zero_bubble": "interleaved_zero_bubble", "zbv": "zbv"}  # fmt: skip
 
 
 def stages_per_rank(schedule: str) -> int:
     """The model chunks a stage rank holds under `schedule` (strategies/pp.py's SCHEDULES) as the timeline runs
-    it: looped interleaving's, else one."""
-    return SCHEDULES[schedule][1] if TIMELINE_OF.get(schedule) == "interleaved_1f1b" else 1
+    it: interleaving's and the zero-bubble schedules', else one."""
+    return SCHEDULES[schedule][1] if TIMELINE_OF.get(schedule, "1f1b") != "1f1b" else 1
 
 
 def predict_step(
@@ -474,12 +476,17 @@ def predict_step(
     sends_s = 0.0
     if layout.pp > 1:  # the schedule's own order of forwards and backwards (planning/timeline.py)
         schedule, v = TIMELINE_OF.get(args.pp_schedule, "1f1b"), stages_per_rank(args.pp_schedule)
-        if m % layout.pp:  # Megatron's interleaving goes p micro-batches at a time
+        if (
+            m % layout.pp and schedule == "interleaved_1f1b"
+        ):  # Megatron's interleaving goes p micro-batches at a time
             schedule, v = "1f1b", 1
-        by_chunk = lambda key: [stages[c % layout.pp][key] / v for c in range(layout.pp * v)]  # noqa: E731
+        by_chunk = lambda key: [stages[rank_of_stage(c, layout.pp, schedule)][key] / v  # noqa: E731
+                                for c in range(layout.pp * v)]  # fmt: skip
         send_s = max(s["exposed"]["pp"] for s in stages) / 2
+        # a split backward's weight half: a third of it when the backward runs the forward again first
+        weight_share = 1 / 3 if args.activation_checkpointing == "full" else 1 / 2
         pipeline_s = step_seconds(
-            schedule, layout.pp, m, by_chunk("forward"), by_chunk("backward"), v, send_s
+            schedule, layout.pp, m, by_chunk("forward"), by_chunk("backward"), v, send_s, weight_share
         )
         # the sends on the critical path: each hop between chunks (p v - 1 of them) once forward (the first
         # micro-batch) and once back (the last); the bubble what is left (a send other work hides costs nothing)

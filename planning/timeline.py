@@ -5,6 +5,10 @@ beyond a rank's own work. The closed forms it reproduces (tests/test_timeline.py
 micro-batches and a micro-batch's forward F and backward B on a rank:
   gpipe, 1f1b         (m + p - 1) (F + B)                        (Huang et al. 2019; Narayanan et al. 2021)
   interleaved_1f1b    (m + (p - 1) / v) (F + B), v stages a rank (Narayanan et al. 2021, section 2.2.2)
+The zero-bubble schedules split each backward into the input's gradient (I, which the previous stage waits for)
+and the weights' (W, which nothing waits for, so it fills the bubble; Qi et al. 2024): their order is torch's own
+(torch.distributed.pipelining's ScheduleZBVZeroBubble and ScheduleInterleavedZeroBubble compute it for every rank
+as plain lists; read here without a stage), zbv on a "V" of stages (rank r holds stages r and 2p - 1 - r).
 With stages that differ (the first holds the embedding, the last the head and the loss) and sends that take
 time, it gives what no closed form does.
 """
@@ -16,14 +20,44 @@ from dataclasses import dataclass
 
 @dataclass(frozen=True)
 class Action:
-    kind: str  # "F" or "B"
+    kind: str  # "F", "B"; split: "I" (the input's gradient) and "W" (the weights')
     microbatch: int
     stage: int  # the model chunk: 0 .. p v - 1
+
+
+SPLIT = ("zbv", "interleaved_zero_bubble")  # the schedules that run a backward as I then W
 
 
 def stage_of_rank(rank: int, chunk: int, p: int) -> int:
     """Looped placement (Megatron's, strategies/pp.py's for interleaved_1f1b): rank r holds stages r, r + p, ..."""
     return chunk * p + rank
+
+
+def rank_of_stage(stage: int, p: int, schedule: str) -> int:
+    """The rank that runs `stage`: zbv's "V" (stages r and 2p - 1 - r on rank r), else looped."""
+    if schedule == "zbv" and stage >= p:
+        return 2 * p - 1 - stage
+    return stage % p
+
+
+def torch_order(schedule: str, p: int, m: int) -> dict[int, list[Action]]:
+    """Every rank's actions as torch's zero-bubble schedule orders them (2 stages a rank), its idle slots left out:
+    the schedule object made without its stages, given what its order reads (its __init__ needs real stages)."""
+    from torch.distributed.pipelining import schedules
+
+    cls = {
+        "zbv": schedules.ScheduleZBVZeroBubble,
+        "interleaved_zero_bubble": schedules.ScheduleInterleavedZeroBubble,
+    }
+    made = object.__new__(cls[schedule])
+    made.pp_group_size, made._n_microbatches, made.n_local_stages, made.num_stages = p, m, 2, 2 * p
+    made.microbatches_per_round = m // max(1, m // p)  # as ScheduleInterleavedZeroBubble.__init__ sets it
+    kind = schedules._ComputationType
+    kinds = {kind.FORWARD: "F", kind.BACKWARD_INPUT: "I", kind.BACKWARD_WEIGHT: "W", kind.FULL_BACKWARD: "B"}
+    return {rank: [Action(kinds[a.computation_type], a.microbatch_index, a.stage_index)
+                   for a in made._calculate_single_rank_operations(rank)
+                   if a is not None and a.microbatch_index < m]  # (zbv orders 2p - 1 of them at least)
+            for rank in range(p)}  # fmt: skip
 
 
 def order(schedule: str, rank: int, p: int, m: int, v: int = 1) -> list[Action]:
@@ -58,32 +92,53 @@ def order(schedule: str, rank: int, p: int, m: int, v: int = 1) -> list[Action]:
         for k in range(total - warmup):
             actions += [forward(warmup + k), backward(k)]
         return actions + [backward(k) for k in range(total - warmup, total)]
-    raise ValueError(f"no timeline for --pp_schedule {schedule!r}: gpipe, 1f1b, interleaved_1f1b")
+    if schedule in SPLIT:
+        return torch_order(schedule, p, m)[rank]
+    raise ValueError(
+        f"no timeline for --pp_schedule {schedule!r}: gpipe, 1f1b, interleaved_1f1b, zbv, interleaved_zero_bubble"
+    )
 
 
-def simulate(schedule: str, p: int, m: int, forward_s, backward_s, v: int = 1, send_s: float = 0.0) -> dict:
+def simulate(
+    schedule: str,
+    p: int,
+    m: int,
+    forward_s,
+    backward_s,
+    v: int = 1,
+    send_s: float = 0.0,
+    weight_share: float = 0.5,
+) -> dict:
     """The step's seconds: `forward_s[s]`, `backward_s[s]` one micro-batch's forward and backward on model chunk s
-    (a number: the same on every chunk), `send_s` a send between ranks. Returns step_s, each rank's busy_s,
-    and bubble_s = step_s - the busiest rank's work."""
+    (a number: the same on every chunk), `send_s` a send between ranks. A split backward (SPLIT) runs
+    `weight_share` of it as W: each matmul's backward is two matmuls of its size, one for its input's gradient
+    and one for its weight's, so about half (attention's and the norms' backwards go with the input's: W is
+    at most half, and half is what it can hide at most). Returns step_s, each rank's busy_s, and bubble_s =
+    step_s - the busiest rank's work."""
     stages = p * v
     per_chunk = lambda times: [times] * stages if isinstance(times, (int, float)) else list(times)  # noqa: E731
-    took_of = {"F": per_chunk(forward_s), "B": per_chunk(backward_s)}
-    # each action as (its slot, the slots it waits for, its seconds); a slot = (micro-batch, chunk, F or B)
-    slot = lambda kind, microbatch, stage: (microbatch * stages + stage) * 2 + (kind == "B")  # noqa: E731
+    backward = per_chunk(backward_s)
+    took_of = {"F": per_chunk(forward_s), "B": backward, "W": [b * weight_share for b in backward],
+               "I": [b * (1 - weight_share) for b in backward]}  # fmt: skip
+    gradient = "I" if schedule in SPLIT else "B"  # what the stage before waits for
+    # each action as (its slot, the slots it waits for, its seconds); a slot = (micro-batch, chunk, kind)
+    slot = lambda kind, microbatch, stage: (microbatch * stages + stage) * 4 + "FBIW".index(kind)  # noqa: E731
     queues = []
     for r in range(p):
         queue = []
         for a in order(schedule, r, p, m, v):
             if a.kind == "F":
                 needs = [slot("F", a.microbatch, a.stage - 1)] if a.stage > 0 else []
+            elif a.kind == "W":
+                needs = [slot("I", a.microbatch, a.stage)]
             else:
                 needs = [slot("F", a.microbatch, a.stage)]
-                needs += [slot("B", a.microbatch, a.stage + 1)] if a.stage < stages - 1 else []
+                needs += [slot(gradient, a.microbatch, a.stage + 1)] if a.stage < stages - 1 else []
             # a neighbour's output crosses to this rank: a send (none from a chunk on the same rank)
-            sends = [send_s if (n // 2) % stages % p != r else 0.0 for n in needs]
+            sends = [send_s if rank_of_stage(n // 4 % stages, p, schedule) != r else 0.0 for n in needs]
             queue.append((slot(a.kind, a.microbatch, a.stage), needs, sends, took_of[a.kind][a.stage]))
         queues.append(queue)
-    done: list[float | None] = [None] * (m * stages * 2)
+    done: list[float | None] = [None] * (m * stages * 4)
     free, busy, position = [0.0] * p, [0.0] * p, [0] * p
     remaining = sum(len(q) for q in queues)
     while remaining:
@@ -108,13 +163,23 @@ def simulate(schedule: str, p: int, m: int, forward_s, backward_s, v: int = 1, s
 
 
 def step_seconds(
-    schedule: str, p: int, m: int, forward_s, backward_s, v: int = 1, send_s: float = 0.0
+    schedule: str,
+    p: int,
+    m: int,
+    forward_s,
+    backward_s,
+    v: int = 1,
+    send_s: float = 0.0,
+    weight_share: float = 0.5,
 ) -> float:
     """`simulate`'s step_s, at a large m in the time of a few rounds: a schedule settles into repeating itself
     every p micro-batches (1F1B's steady state, interleaving's rounds; with stages that differ, after a warm-up
     of some rounds), so the step of m is that of k rounds plus what each further round adds, once two windows of
     rounds (k to k + 1, k + 1 to 2k + 1) add the same per round. Equal to simulate's (tests/test_timeline.py)."""
-    at = lambda rounds: simulate(schedule, p, rounds * p, forward_s, backward_s, v, send_s)["step_s"]  # noqa: E731
+
+    def at(rounds: int) -> float:
+        return simulate(schedule, p, rounds * p, forward_s, backward_s, v, send_s, weight_share)["step_s"]
+
     k = 4
     while m % p == 0 and 2 * (2 * k + 1) <= m // p:  # past half of m the whole simulation costs no more
         a, b, c, d = at(k), at(k + 1), at(2 * k), at(2 * k + 1)
@@ -123,4 +188,4 @@ def step_seconds(
         ):  # periodic from k on
             return d + (m // p - 2 * k - 1) * (d - c)
         k *= 2
-    return simulate(schedule, p, m, forward_s, backward_s, v, send_s)["step_s"]
+    return simulate(schedule, p, m, forward_s, backward_s, v, send_s, weight_share)["step_s"]

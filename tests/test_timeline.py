@@ -23,6 +23,21 @@ def test_interleaving_v_stages_a_rank_divides_the_bubble_by_v(p, m, v):
     assert result["bubble_s"] == pytest.approx((p - 1) / v * 3.0)
 
 
+@pytest.mark.parametrize("p, m", [(2, 4), (4, 8), (4, 12), (8, 16)])
+@pytest.mark.parametrize("schedule", ["zbv", "interleaved_zero_bubble"])
+def test_the_zero_bubble_schedules_leave_a_third_of_1f1bs_bubble(schedule, p, m):
+    """torch's own order (2 stages a rank), each backward split into the input's gradient I and the weights' W:
+    with F = I = W a chunk, ZB-H1's step m v (F + I + W) + (p - 1) F (Qi et al. 2024: a third of 1F1B's
+    (p - 1)(F + B) bubble), the weights' gradients filling the rest."""
+    result = simulate(schedule, p, m, forward_s=1.0, backward_s=2.0, v=2)
+    assert result["step_s"] == pytest.approx(m * 2 * 3.0 + (p - 1) * 1.0)
+    assert result["bubble_s"] == pytest.approx((p - 1) * 1.0)
+    ranks = {a.stage for a in order(schedule, 0, p, m, 2)}  # zbv: a "V" (0 and 2p - 1); else looped (0 and p)
+    assert ranks == ({0, 2 * p - 1} if schedule == "zbv" else {0, p})
+    kinds = [a.kind for a in order(schedule, p - 1, p, m, 2)]
+    assert kinds.count("F") == kinds.count("I") == kinds.count("W") == 2 * m and "B" not in kinds
+
+
 def test_1f1b_runs_each_stages_warm_up_then_alternates():
     # stage 0 of 3 with 4 micro-batches: 2 warm-up forwards, then one forward one backward, then the rest
     kinds = "".join(a.kind for a in order("1f1b", 0, 3, 4))
@@ -56,7 +71,7 @@ def test_a_long_step_is_priced_from_its_repeating_rounds_exactly():
     import random
 
     random.seed(0)
-    for schedule, v in (("1f1b", 1), ("gpipe", 1), ("interleaved_1f1b", 2)):
+    for schedule, v in (("1f1b", 1), ("gpipe", 1), ("interleaved_1f1b", 2), ("zbv", 2)):
         for p, m in ((2, 96), (4, 96), (8, 160)):  # past 18 p: priced from its rounds
             forward = [random.uniform(0.5, 1.5) for _ in range(p * v)]  # stages that differ
             backward = [2 * f * random.uniform(0.8, 1.2) for f in forward]

@@ -75,7 +75,8 @@ class PlanArgs:
         "none", "with a given layout: none or full", choices=("none", "full")
     )
     pp_schedule: str = flag("1f1b", "with a given layout's --pp: the schedule priced (gpipe, 1f1b, interleaved_1f1b: "
-                            "two stages a rank; the zero-bubble ones priced as the schedule they split)",
+                            "two stages a rank; zbv and interleaved_zero_bubble in torch's own order, their "
+                            "backward split in input and weight halves; dualpipev as 1f1b)",
                             choices=tuple(SCHEDULES))  # fmt: skip
     sequence_parallel: bool = flag(False, "with a given layout's --tp: Megatron's sequence parallelism (enumerated: "
                                    "wherever the strategies run it)")  # fmt: skip
