@@ -476,9 +476,8 @@ def predict_step(
     sends_s = 0.0
     if layout.pp > 1:  # the schedule's own order of forwards and backwards (planning/timeline.py)
         schedule, v = TIMELINE_OF.get(args.pp_schedule, "1f1b"), stages_per_rank(args.pp_schedule)
-        if (
-            m % layout.pp and schedule == "interleaved_1f1b"
-        ):  # Megatron's interleaving goes p micro-batches at a time
+        # Megatron's interleaving goes p micro-batches at a time
+        if m % layout.pp and schedule == "interleaved_1f1b":
             schedule, v = "1f1b", 1
         by_chunk = lambda key: [stages[rank_of_stage(c, layout.pp, schedule)][key] / v  # noqa: E731
                                 for c in range(layout.pp * v)]  # fmt: skip
