@@ -99,6 +99,11 @@ def test_a_given_layout_is_priced_even_when_it_does_not_fit_and_json_lists_the_d
     # no layout that fits above what an H100 reaches: matmuls at 80.1% of peak (MAMF), attention and memory-bound
     # ops slower
     assert max(row["mfu"] for row in layouts if row["fits"]) <= 0.60
+    # nothing fits (8B's model states alone are 120 GiB on one GPU): an empty list for the program reading it, the
+    # reason on stderr, exit 1
+    assert main(["--model", "llama3_8b", "--gpus", "1", "--json"]) == 1
+    captured = capsys.readouterr()
+    assert json.loads(captured.out) == [] and "nothing fits: llama3_8b on 1 x h100_sxm" in captured.err
 
 
 def test_an_interleaved_schedule_halves_the_bubble_and_a_refused_flag_is_one_line(capsys):
