@@ -72,7 +72,8 @@ def test_a_long_step_is_priced_from_its_repeating_rounds_exactly():
 
     random.seed(0)
     for schedule, v in (("1f1b", 1), ("gpipe", 1), ("interleaved_1f1b", 2), ("zbv", 2)):
-        for p, m in ((2, 96), (4, 96), (8, 160)):  # past 18 p: priced from its rounds
+        # past 18 p: priced from its rounds (zbv on one size: its simulation is the slowest, 1.5 s for three)
+        for p, m in ((2, 96), (4, 96), (8, 160)) if schedule != "zbv" else ((4, 96),):
             forward = [random.uniform(0.5, 1.5) for _ in range(p * v)]  # stages that differ
             backward = [2 * f * random.uniform(0.8, 1.2) for f in forward]
             for send in (0.0, 0.3):
