@@ -244,7 +244,7 @@ def activation_bytes(work: Workload, layout: Layout, args, blocks: int, first: b
     # (2 c t d / n), q, its output and o_proj's copy of it, whatever the positions (measured)
     kept_by_attention = 4 + rope if layout.cp == 1 else 3 + 2 * layout.cp
     attention = kept_by_attention * t * d / tp * e + heads / tp * t * 4
-    attention += rope * 2 * 2 * cfg.block_size // layout.cp * (d // heads) // 2 * 4
+    attention += rope * 4 * (cfg.block_size // layout.cp) * (d // heads // 2) * 4  # cos, sin for q and for k
     mlp = (4 if cfg.mlp == "swiglu" else 2) * t * h / tp * e
     mlp_input_casts = 2 if cfg.mlp == "swiglu" else 1
     if cfg.n_experts:

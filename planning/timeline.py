@@ -40,9 +40,10 @@ def rank_of_stage(stage: int, p: int, schedule: str) -> int:
     return stage % p
 
 
-def torch_order(schedule: str, p: int, m: int) -> dict[int, list[Action]]:
-    """Every rank's actions as torch's zero-bubble schedule orders them (2 stages a rank), its idle slots left out:
-    the schedule object made without its stages, given what its order reads (its __init__ needs real stages)."""
+def torch_order(schedule: str, rank: int, p: int, m: int) -> list[Action]:
+    """Rank `rank`'s actions as torch's zero-bubble schedule orders them (2 stages a rank), its idle slots left
+    out: the schedule object made without its stages, given what its order reads (its __init__ needs real
+    stages)."""
     from torch.distributed.pipelining import schedules
 
     cls = {
@@ -54,10 +55,9 @@ def torch_order(schedule: str, p: int, m: int) -> dict[int, list[Action]]:
     made.microbatches_per_round = m // max(1, m // p)  # as ScheduleInterleavedZeroBubble.__init__ sets it
     kind = schedules._ComputationType
     kinds = {kind.FORWARD: "F", kind.BACKWARD_INPUT: "I", kind.BACKWARD_WEIGHT: "W", kind.FULL_BACKWARD: "B"}
-    return {rank: [Action(kinds[a.computation_type], a.microbatch_index, a.stage_index)
-                   for a in made._calculate_single_rank_operations(rank)
-                   if a is not None and a.microbatch_index < m]  # (zbv orders 2p - 1 of them at least)
-            for rank in range(p)}  # fmt: skip
+    return [Action(kinds[a.computation_type], a.microbatch_index, a.stage_index)
+            for a in made._calculate_single_rank_operations(rank)
+            if a is not None and a.microbatch_index < m]  # (zbv orders 2p - 1 of them at least)  # fmt: skip
 
 
 def order(schedule: str, rank: int, p: int, m: int, v: int = 1) -> list[Action]:
@@ -93,7 +93,7 @@ def order(schedule: str, rank: int, p: int, m: int, v: int = 1) -> list[Action]:
             actions += [forward(warmup + k), backward(k)]
         return actions + [backward(k) for k in range(total - warmup, total)]
     if schedule in SPLIT:
-        return torch_order(schedule, p, m)[rank]
+        return torch_order(schedule, rank, p, m)
     raise ValueError(
         f"no timeline for --pp_schedule {schedule!r}: gpipe, 1f1b, interleaved_1f1b, zbv, interleaved_zero_bubble"
     )
