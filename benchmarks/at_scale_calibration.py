@@ -11,11 +11,14 @@ step from its recorded ops and its collectives, compare.
    (the same one-process step took 7.6 ms of forward in one run and 15 ms in the next, minutes apart; a layout's
    step 17-39 % apart between two calibrations, measured), so each layout's step is the median of its rounds,
    and the table shows their range.
-2. The profile, measured after the runs, nothing else running: one thread's matmul peak and copy bandwidth;
+2. The profile, measured after each round's runs, nothing else running, each figure the median of the rounds'
+   (a figure measured once moved by up to 2x between measurements minutes apart: tp's redistribute 207-470 us,
+   gloo's all-reduce latency 894-1,628 us): one thread's matmul peak and copy bandwidth;
    gloo's collectives on 2 ranks as a step issues them (each after some compute: back to back they are up to 4x
-   faster here), fitted per kind as latency + bytes / bandwidth; and the op model (benchmarks/op_costs.py): every
-   op the layouts' fake ranks recorded, timed at its own shapes in two processes at once (two ranks on two
-   cores), and what a one-process step costs beyond its ops (per op, forward and backward; per optimizer step).
+   faster here), their mean time fitted per kind as latency + bytes / bandwidth; and the op model
+   (benchmarks/op_costs.py): every op the layouts' fake ranks recorded, timed at its own shapes in two processes
+   at once (two ranks on two cores), what a one-process step costs beyond its ops (per op, forward and backward;
+   per optimizer step), a DTensor op's and a redistribute's Python, FSDP's hooks per unshard and reduce-scatter.
 3. The prediction of each step: predict_step on the run's layout, workload and flags, its recorded ops priced by
    the op model, its counted collectives by the fit; a layout of more ranks than cores has its compute slowed
    by ranks / cores (two ranks share a core). Nothing of a run's measured time enters its prediction.
@@ -120,6 +123,21 @@ def measure_profile(traced: list[dict], work: Workload, args) -> tuple[dict, dic
     return profile, measured_ops
 
 
+def median_of(measured: list):
+    """Several rounds' measurements of one profile (or op table) as one: each number their median (a number
+    every round measured alike, a shape or a size, as it is); lists of points matched by position."""
+    first = measured[0]
+    if isinstance(first, dict):
+        return {
+            key: median_of([m[key] for m in measured]) for key in first if all(key in m for m in measured)
+        }
+    if isinstance(first, list) and first and isinstance(first[0], dict):
+        return [median_of([m[i] for m in measured]) for i in range(min(len(m) for m in measured))]
+    if isinstance(first, (int, float)) and not isinstance(first, bool) and any(m != first for m in measured):
+        return round(statistics.median(measured), 5)
+    return first
+
+
 def predicted_ms(summary: dict, traced: list[dict], hardware) -> dict:
     """The predictor's step for a finished train_gpt run: its recorded ops and its counted calls."""
     cfg, layout, work = load_run(summary)
@@ -169,6 +187,7 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"--rounds {args.rounds}: at least 1")
     runs, finished, rows = runs_of(strategies, not args.no_layouts_of_4), [], []
     steps_s: dict[str, list[float]] = {run.label: [] for run in runs}  # each round's median step
+    traced, profiles = [], []
     for round_ in range(args.rounds):
         for run in runs:
             if round_ and not steps_s[run.label]:
@@ -182,11 +201,15 @@ def main(argv: list[str] | None = None) -> int:
             steps_s[run.label].append(sum(summary["metrics"]["step_time_ms"].values()) / 1000)
             if not round_:
                 finished.append((run, summary))
-    print("recording each layout's ops on fake ranks ...", flush=True)
-    traced = [trace(summary) for _, summary in finished]
-    print("measuring this machine: its matmul peak, gloo, the recorded ops ...", flush=True)
-    work = load_run(finished[0][1])[2] if finished else Workload(GPTConfig(), 1, 1, "no")
-    profile, measured_ops = measure_profile([r for ranks in traced for r in ranks], work, args)
+        if not round_:
+            print("recording each layout's ops on fake ranks ...", flush=True)
+            traced = [trace(summary) for _, summary in finished]
+            work = load_run(finished[0][1])[2] if finished else Workload(GPTConfig(), 1, 1, "no")
+        print(f"round {round_ + 1}/{args.rounds}: measuring this machine: its matmul peak, gloo, the recorded ops ...",
+              flush=True)  # fmt: skip
+        profiles.append(measure_profile([r for ranks in traced for r in ranks], work, args))
+    profile, measured_ops = median_of([p for p, _ in profiles]), median_of([ops for _, ops in profiles])
+    profile["description"] += f"; each figure the median of {len(profiles)} rounds"
     (folder / "this_machine.yaml").write_text(yaml.safe_dump({"this_machine": profile}, sort_keys=False))
     (folder / "this_machine_ops.json").write_text(json.dumps(measured_ops, indent=0))
     hardware = hardware_from(
@@ -219,7 +242,8 @@ def markdown(rows: list[dict], profile: dict, command: str) -> str:
         f"this_machine: matmul peak {profile['peak_tflops']['fp32'] * 1000:.1f} GFLOP/s (one thread, float32), "
         f"copy {profile['memory_bandwidth_gbps']} GB/s; gloo on 2 ranks after compute: {fitted}; per op "
         f"dispatched {ops['op_overhead_us']} us, a DTensor op {ops['dtensor_overhead_us']} us more, a redistribute "
-        f"{ops.get('redistribute_overhead_us', 0)} us beyond its collective; a step beyond "
+        f"{ops.get('redistribute_overhead_us', 0)} us beyond its collective, FSDP's hooks "
+        f"{ops.get('fsdp_overhead_us', 0)} us an unshard or reduce-scatter; a step beyond "
         f"its ops: {gaps['forward_us_per_op']} us an op forward, {gaps['backward_us_per_op']} backward, "
         f"{gaps['step_us']} us an optimizer step",
         "",

@@ -128,6 +128,10 @@ def measure(spec: dict) -> dict:
         figures["eager_gaps"] = eager_gaps(spec["model_shape"], spec["rows"], budget, timed)
         dist.barrier()
         figures["redistribute_overhead_us"] = redistribute_overhead_us(budget, figures, timed)
+        dist.barrier()
+        figures["fsdp_overhead_us"] = fsdp_overhead_us(
+            spec["model_shape"], spec["rows"], budget, figures, timed
+        )
     return figures
 
 
@@ -161,7 +165,7 @@ def merged(results: list[dict]) -> dict:
     """Two ranks' measurements as one: each figure their mean (an op either rank could not run: left out)."""
     mean = lambda key: round((results[0][key] + results[1][key]) / 2, 2)  # noqa: E731
     figures = {key: mean(key) for key in ("op_overhead_us", "view_overhead_us", "dtensor_overhead_us",
-                                          "redistribute_overhead_us") if key in results[0]}  # fmt: skip
+                                          "redistribute_overhead_us", "fsdp_overhead_us") if key in results[0]}  # fmt: skip
     figures["eager_gaps"] = {
         k: round((v + results[1]["eager_gaps"][k]) / 2, 2) for k, v in results[0]["eager_gaps"].items()
     }
@@ -241,59 +245,118 @@ def eager_gaps(model_shape: dict, rows: int, budget_s: float, timed: dict) -> di
             "step_us": round(gaps["step"] * 1e6, 2)}  # fmt: skip
 
 
-def redistribute_overhead_us(budget_s: float, figures: dict, timed: dict) -> float:
-    """What one DTensor redistribute costs beyond the collective it sends (tp's gathers and reductions: Python
-    that plans the change of placements, the functional collective and its wait): tensor parallelism's MLP
-    (column-wise, then row-wise, as strategies/tp.py shards a block) on a fake process group over the launch's
-    ranks, where every collective returns at once; its forward and backward timed (median of 20), less its local
-    ops replayed, each op's eager gap and each DTensor op's overhead; the rest per redistribute."""
-    import torch.distributed as dist
-    from torch.distributed.device_mesh import DeviceMesh
-    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
-    from torch.testing._internal.distributed.fake_pg import FakeStore  # noqa: F401 - registers the "fake" backend
+def beyond_its_ops(step, baseline, budget_s: float, figures: dict, timed: dict):
+    """What `step` costs beyond `baseline` (the same model without the piece measured) and beyond the ops it adds:
+    each a forward and backward (`step(recorder)` sets the recorder's phase to backward between them), timed in
+    turn (median of 20 each: the VM's drift, tens of percent within a minute, falls on both alike), less the
+    difference of their ops as the op model prices them (the timed table, an op no replay can run by its bytes,
+    each op's eager gap, each DTensor op's dispatch): (those seconds, the recorder of one step)."""
+    from planning.ops import OpRecorder, op_model_from
 
-    from planning.ops import OpRecorder
+    by_bytes = op_model_from({"ops": {key: figures[key] for key in ("memory_points", "op_overhead_us")}},
+                             {"fp32": 1.0}, 1.0)  # fmt: skip
 
-    group = dist.new_group(ranks=list(range(dist.get_world_size())), backend="fake")
-    torch.manual_seed(0)
-    width = 128
-    mlp = torch.nn.Sequential(
-        torch.nn.Linear(width, 4 * width), torch.nn.GELU(), torch.nn.Linear(4 * width, width)
-    )
-    parallelize_module(
-        mlp, DeviceMesh.from_group(group, "cpu"), {"0": ColwiseParallel(), "2": RowwiseParallel()}
-    )
-    x = torch.randn(256, width)
-
-    def step(recorder=None):
-        out = mlp(x).sum()
-        if recorder:
-            recorder.phase = "backward"
-        out.backward()
+    def priced(recorder) -> float:
+        ops = sum(
+            replayed_seconds(calls, timed, budget_s)
+            + sum(count * by_bytes.seconds(call) for call, count in calls.items() if call.replay is None
+                  and call.kind != "view")
+            + sum(calls.values()) * figures["eager_gaps"][f"{phase}_us_per_op"] * 1e-6
+            for phase, calls in recorder.calls.items()
+        )  # fmt: skip
+        return ops + sum(recorder.dtensor_calls.values()) * figures["dtensor_overhead_us"] * 1e-6
 
     # the fake group's collectives leave their outputs as they found them (uninitialised memory): its denormal
     # floats slowed one rank's ops ten-fold (measured), so they are flushed to zero while this is timed
     torch.set_flush_denormal(True)
+    took: dict = {step: [], baseline: []}
     try:
-        for _ in range(3):
-            step()
-        took = []
+        for run in (step, baseline):
+            for _ in range(3):
+                run()
         for _ in range(20):
-            started = time.perf_counter()
-            step()
-            took.append(time.perf_counter() - started)
+            for run in (step, baseline):
+                started = time.perf_counter()
+                run()
+                took[run].append(time.perf_counter() - started)
     finally:
         torch.set_flush_denormal(False)
-    with OpRecorder() as recorder:
-        step(recorder)
-    explained = sum(  # as the op model prices a phase: its ops, each op's eager gap, each DTensor op
-        replayed_seconds(calls, timed, budget_s)
-        + sum(calls.values()) * figures["eager_gaps"][f"{phase}_us_per_op"] * 1e-6
-        for phase, calls in recorder.calls.items()
+    recorded = {}
+    for run in (step, baseline):
+        with OpRecorder() as recorded[run]:
+            run(recorded[run])
+    measured = statistics.median(took[step]) - statistics.median(took[baseline])
+    return max(measured - (priced(recorded[step]) - priced(recorded[baseline])), 0.0), recorded[step]
+
+
+def stepping(loss_of):
+    """A step for beyond_its_ops: `loss_of()`'s forward, then its backward (the recorder's phase set between)."""
+
+    def step(recorder=None):
+        loss = loss_of()
+        if recorder:
+            recorder.phase = "backward"
+        loss.backward()
+
+    return step
+
+
+def fake_group_mesh():
+    """A 1-D mesh over the launch's ranks on a fake process group: every collective returns at once."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.testing._internal.distributed.fake_pg import FakeStore  # noqa: F401 - registers the "fake" backend
+
+    return DeviceMesh.from_group(
+        dist.new_group(ranks=list(range(dist.get_world_size())), backend="fake"), "cpu"
     )
-    explained += sum(recorder.dtensor_calls.values()) * figures["dtensor_overhead_us"] * 1e-6
-    redistributes = sum(recorder.redistributes.values())
-    return round(max(statistics.median(took) - explained, 0.0) / redistributes * 1e6, 2)
+
+
+def redistribute_overhead_us(budget_s: float, figures: dict, timed: dict) -> float:
+    """What one DTensor redistribute costs beyond the collective it sends (tp's gathers and reductions: Python
+    that plans the change of placements, the functional collective and its wait): tensor parallelism's MLP
+    (column-wise, then row-wise, as strategies/tp.py shards a block) on a fake process group over the launch's
+    ranks, where every collective returns at once: what its forward and backward take beyond the same MLP
+    unsharded and beyond their ops (beyond_its_ops), per redistribute."""
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+    torch.manual_seed(0)
+    width = 128
+    mlp, plain = (torch.nn.Sequential(torch.nn.Linear(width, 4 * width), torch.nn.GELU(),
+                                      torch.nn.Linear(4 * width, width)) for _ in range(2))  # fmt: skip
+    parallelize_module(mlp, fake_group_mesh(), {"0": ColwiseParallel(), "2": RowwiseParallel()})
+    x = torch.randn(256, width)
+
+    left_s, recorder = beyond_its_ops(stepping(lambda: mlp(x).sum()), stepping(lambda: plain(x).sum()),
+                                      budget_s, figures, timed)  # fmt: skip
+    return round(left_s / sum(recorder.redistributes.values()) * 1e6, 2)
+
+
+def fsdp_overhead_us(model_shape: dict, rows: int, budget_s: float, figures: dict, timed: dict) -> float:
+    """What one FSDP event (an unshard, a reduce-scatter) costs beyond its ops: FSDP2's hooks, Python that plans
+    each all-gather and reduce-scatter and moves the unit between its sharded and unsharded parameters (in a
+    py-spy profile of one fsdp rank of the calibration's GPT on a fake process group, 30 % of the step). The GPT
+    of `model_shape` (rows x its block of tokens), as eager_gaps runs it, each block fully_shard-ed and the whole
+    once more as strategies/shard.py wraps it, on a fake process group over the launch's ranks: what its forward
+    and backward take beyond the same GPT unsharded and beyond their ops (beyond_its_ops: FSDP's copies priced by
+    their bytes), per event. Blocks of
+    small MLPs cost 0.5 ms an event, whether a unit held 2 or 9 parameters (one process: 6.1-7.1 against 7.3-8.3 ms
+    over 12 events); this GPT's, 0.9-1.5 ms."""
+    from torch.distributed.fsdp import fully_shard
+
+    from common.gpt import GPT, GPTConfig, lm_loss
+
+    mesh = fake_group_mesh()
+    torch.manual_seed(0)
+    model, plain = GPT(GPTConfig(**model_shape)), GPT(GPTConfig(**model_shape))
+    for block in model.blocks.values():
+        fully_shard(block, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    ids = torch.randint(0, model_shape["vocab_size"], (rows, model_shape["block_size"]))
+
+    left_s, recorder = beyond_its_ops(stepping(lambda: lm_loss(model(ids), ids)),
+                                      stepping(lambda: lm_loss(plain(ids), ids)), budget_s, figures, timed)  # fmt: skip
+    return round(left_s / sum(recorder.fsdp_events.values()) * 1e6, 2)
 
 
 COLLECTIVE_BYTES = [2**k for k in range(14, 23, 2)]  # 16 KB to 4 MB: what a layout's collectives carry here
@@ -303,7 +366,11 @@ COMPUTE_BETWEEN = 256  # a 256-square matmul (about 0.3 ms here) three times bet
 def collectives_between_compute() -> list[dict]:
     """gloo's collectives as a training step issues them: each after some compute, the two ranks not in lockstep
     (back to back, as a collectives benchmark times them, a 1 MB all-reduce took 0.75 ms here; after 1 ms of
-    matmuls, 2.9 ms). Per kind and size: the median time of (compute + collective) minus the compute's alone."""
+    matmuls, 2.9 ms). Per kind and size: the MEAN time of (compute + collective) minus the compute's alone. A
+    step's time is the sum of its collectives, so their mean is what it pays: two ranks' threads (compute and
+    gloo's) on two cores leave a long tail (a 128 KB all-reduce after 1 ms of matmuls: median 1.3 ms, mean 1.9;
+    in a tp run's profile, 95 waits: median 1.2 ms, mean 2.1). The median, used before, dropped it: tp's 19
+    all-reduces a step were priced at 9.6 ms against the 40 ms the profile shows them waiting."""
     import warnings
 
     import torch.distributed as dist
@@ -327,7 +394,7 @@ def collectives_between_compute() -> list[dict]:
                    "reduce_scatter": lambda: dist.reduce_scatter_tensor(part, whole)}[kind]  # fmt: skip
             dist.barrier()
             both, alone = [], []
-            for _ in range(40):
+            for _ in range(60):
                 started = time.perf_counter()
                 compute()
                 run()
@@ -335,7 +402,7 @@ def collectives_between_compute() -> list[dict]:
                 started = time.perf_counter()
                 compute()
                 alone.append(time.perf_counter() - started)
-            seconds = max(statistics.median(both) - statistics.median(alone), 1e-6)
+            seconds = max(statistics.mean(both) - statistics.mean(alone), 1e-6)
             rows.append({"op": kind, "bytes": size, "time_us": seconds * 1e6})
     return rows
 

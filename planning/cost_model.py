@@ -447,6 +447,9 @@ def predict_step(
     shard = math.prod(getattr(layout, d) for d in layout.shard_dims)
     recorded = {layout.coordinate(r["rank"], "pp"): r["ops"] for r in traced or []}
     shared_core = max(1.0, layout.world_size / hw.cores) if hw.cores else 1.0  # time-sliced ranks
+    # every rank a replica of the whole model: a launch runs DDP (strategies/replicate.py), whose reducer is C++;
+    # a fake rank, which Accelerate did not launch, runs PyTorch's replicate (FSDP2's hooks): not priced
+    ddp = not layout.shard_dims and layout.size(layout.replicate_dims) == layout.world_size > 1
     stages = []
     for t in per_stage:
         ops = recorded.get(layout.coordinate(t.rank, "pp"))
@@ -454,7 +457,8 @@ def predict_step(
         held = sum(math.prod(shape) for _, shape in t.held)
         if ops:  # the rank's own ops, over the step's m micro-batches, priced one after another
             phases = {phase: hw.ops.phase_seconds(phase, ops["calls"].get(phase, []), ops["dtensor_calls"].get(phase, 0),
-                                                  ops["redistributes"].get(phase, 0))
+                                                  ops["redistributes"].get(phase, 0),
+                                                  0 if ddp else ops.get("fsdp_events", {}).get(phase, 0))
                       for phase in ("forward", "backward", "step")}  # fmt: skip
             forward_s, backward_s, optimizer = phases["forward"] / m, phases["backward"] / m, phases["step"]
         else:

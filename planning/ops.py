@@ -2,8 +2,10 @@
 
 `OpRecorder` is a TorchDispatchMode: on a fake rank (planning/fake_ranks.py) it sees every aten op the rank's
 real step dispatches, in eager PyTorch's order and decomposition: the matmuls at the rank's own shapes (tp's
-shards, cp's chunks, pp's stage), attention's fused kernel, the norms, the casts, FSDP's copies in and out of its
-all-gather buffers, the fused AdamW. Each op is kept as an `OpCall` (its name, its tensors' shapes and dtype, its
+shards, cp's chunks, pp's stage), attention's fused kernel, the norms, the casts, FSDP's copies into and out of
+its all-gather buffers and into its reduce-scatter's (torch.ops.fsdp: memory-bound), the fused AdamW; and each
+FSDP unshard and reduce-scatter is counted, as FSDP's Python around it (its hooks) is priced per event. Each op
+is kept as an `OpCall` (its name, its tensors' shapes and dtype, its
 FLOPs and the bytes it reads and writes), counted per phase of the step (forward, backward, step). What DTensor
 dispatches (tp's and FSDP's parameters) is counted as well: each DTensor op costs its own dispatch on top of the
 local op it runs. The op DTensor runs on fake tensors to learn an output's global shape (its sharding
@@ -16,7 +18,8 @@ propagation) is not the rank's work and is left out.
              matmuls against two) at the nearest measured shape's throughput, or a published fraction of peak;
   memory     every other op: the bytes it reads and writes at the bandwidth measured for that many bytes;
   dispatch   every op dispatched, and every DTensor op, costs its measured overhead (eager PyTorch on a CPU runs
-             each op where it is issued; a GPU's launches are asynchronous and hide behind its kernels: 0 there).
+             each op where it is issued; a GPU's launches are asynchronous and hide behind its kernels: 0 there);
+             so do a DTensor redistribute and an FSDP unshard or reduce-scatter (its hooks' Python).
 """
 
 from __future__ import annotations
@@ -38,6 +41,10 @@ ALLOCATIONS = ("empty", "empty_strided", "empty_like", "new_empty", "new_empty_s
                "sym_numel", "sym_storage_offset")  # fmt: skip
 # the fake rank's own stand-ins for data (a real rank's batch comes from its loader, outside the step's time)
 NOT_THE_STEP = ("randint",)
+# FSDP2's ops (torch.ops.fsdp): rank work, memory-bound; the first and the last mark one of its events each (an
+# unshard: its all-gather's copy in; a reduce-scatter: the gradients' chunks copied into its input)
+FSDP_OPS = ("all_gather_copy_in", "split_with_sizes_copy", "chunk_cat")
+FSDP_EVENTS = ("all_gather_copy_in", "chunk_cat")
 # FlashAttention-2's backward runs five matmuls of the forward's size (Q K^T again, dV, dP, dQ, dK) against its two
 BACKWARD_ATTENTION_FACTOR = 2.5
 
@@ -121,7 +128,7 @@ def describe(func, args: tuple, kwargs: dict, result) -> OpCall | None:
     """The OpCall of one dispatched op, None for what is not a rank's work (collectives: their own model; prim
     ops: metadata)."""
     namespace, _, name = str(func.overloadpacket).partition(".")
-    if namespace != "aten" or name in NOT_THE_STEP:
+    if not (namespace == "aten" or (namespace == "fsdp" and name in FSDP_OPS)) or name in NOT_THE_STEP:
         return None
     inputs, outputs = _tensors((args, kwargs)), _tensors(result)
     dtype = str((inputs or outputs or [torch.empty(0)])[0].dtype).removeprefix("torch.")
@@ -138,7 +145,7 @@ def describe(func, args: tuple, kwargs: dict, result) -> OpCall | None:
         named = dict(zip((a.name for a in schema.arguments), args, strict=False)) | (kwargs or {})
         moved += sum(_bytes(_tensors(named.get(a.name))) for a in schema.arguments
                      if a.alias_info is not None and a.alias_info.is_write)  # fmt: skip
-    spec = replay_spec(func, args, kwargs)
+    spec = replay_spec(func, args, kwargs) if namespace == "aten" else None
     if name in GEMMS:
         a, b = inputs[1:3] if name in ("addmm", "baddbmm") else inputs[:2]
         batch = a.shape[0] if a.dim() == 3 and b.dim() == 3 else 1
@@ -159,8 +166,9 @@ def describe(func, args: tuple, kwargs: dict, result) -> OpCall | None:
 
 
 class OpRecorder(TorchDispatchMode):
-    """`with OpRecorder() as ops:` ... then `ops.calls[phase]` (a Counter of OpCall) and `ops.dtensor_calls[phase]`;
-    set `ops.phase` as the step moves on (forward, backward, step)."""
+    """`with OpRecorder() as ops:` ... then `ops.calls[phase]` (a Counter of OpCall), `ops.dtensor_calls[phase]`,
+    `ops.redistributes[phase]` and `ops.fsdp_events[phase]`; set `ops.phase` as the step moves on (forward,
+    backward, step)."""
 
     def __init__(self):
         super().__init__()
@@ -168,6 +176,7 @@ class OpRecorder(TorchDispatchMode):
         self.calls: dict[str, Counter] = {}
         self.dtensor_calls: Counter = Counter()
         self.redistributes: Counter = Counter()
+        self.fsdp_events: Counter = Counter()
         self._propagating = 0
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
@@ -185,6 +194,8 @@ class OpRecorder(TorchDispatchMode):
             call = describe(func, args, kwargs, result)
             if call is not None:
                 self.calls.setdefault(self.phase, Counter())[call] += 1
+                if call.name in FSDP_EVENTS and str(func.overloadpacket).startswith("fsdp."):
+                    self.fsdp_events[self.phase] += 1
         return result
 
     @contextlib.contextmanager
@@ -244,9 +255,11 @@ class OpRecorder(TorchDispatchMode):
             self._stack.close()
 
     def summary(self) -> dict:
-        """What a fake rank sends back: per phase, [(OpCall, count)], the DTensor ops and the redistributes."""
+        """What a fake rank sends back: per phase, [(OpCall, count)], the DTensor ops, the redistributes and FSDP's
+        events."""
         return {"calls": {phase: list(calls.items()) for phase, calls in self.calls.items()},
-                "dtensor_calls": dict(self.dtensor_calls), "redistributes": dict(self.redistributes)}  # fmt: skip
+                "dtensor_calls": dict(self.dtensor_calls), "redistributes": dict(self.redistributes),
+                "fsdp_events": dict(self.fsdp_events)}  # fmt: skip
 
 
 # ---------------------------------------------------------------------------------------------- the op model
@@ -269,6 +282,7 @@ class OpModel:
     view_overhead_s: float = 0.0
     dtensor_overhead_s: float = 0.0
     redistribute_overhead_s: float = 0.0  # a change of a DTensor's placements, beyond the collective it sends
+    fsdp_overhead_s: float = 0.0  # an FSDP unshard or reduce-scatter: its hooks' Python, beyond its ops
     measured_s: dict | None = (
         None  # repr(OpCall.replay) -> seconds: the op timed at that very shape (this machine)
     )
@@ -324,13 +338,16 @@ class OpModel:
             work = call.bytes / self.bandwidth(call.bytes) if call.bytes else 0.0
         return work + self.op_overhead_s
 
-    def phase_seconds(self, phase: str, calls, dtensor_calls: int = 0, redistributes: int = 0) -> float:
-        """A phase's [(OpCall, count)], DTensor ops and redistributes, priced one after another (one stream:
-        eager order), with what the phase costs beyond its ops."""
+    def phase_seconds(
+        self, phase: str, calls, dtensor_calls: int = 0, redistributes: int = 0, fsdp_events: int = 0
+    ) -> float:
+        """A phase's [(OpCall, count)], DTensor ops, redistributes and FSDP's unshards and reduce-scatters, priced
+        one after another (one stream: eager order), with what the phase costs beyond its ops."""
         ops = (
             sum(count * self.seconds(call) for call, count in calls)
             + dtensor_calls * self.dtensor_overhead_s
             + redistributes * self.redistribute_overhead_s
+            + fsdp_events * self.fsdp_overhead_s
         )
         beyond = (self.per_op_overhead_s or {}).get(phase, 0.0) * sum(count for _, count in calls)
         return ops + beyond + (self.step_overhead_s if phase == "step" else 0.0)
@@ -364,6 +381,7 @@ def op_model_from(profile: dict, peak_flops: dict, memory_bandwidth: float) -> O
         view_overhead_s=spec.get("view_overhead_us", 0.0) * 1e-6,
         dtensor_overhead_s=spec.get("dtensor_overhead_us", 0.0) * 1e-6,
         redistribute_overhead_s=spec.get("redistribute_overhead_us", 0.0) * 1e-6,
+        fsdp_overhead_s=spec.get("fsdp_overhead_us", 0.0) * 1e-6,
         measured_s=measured,
         per_op_overhead_s={
             phase: gaps.get(f"{phase}_us_per_op", 0.0) * 1e-6 for phase in ("forward", "backward")

@@ -152,7 +152,8 @@ def test_the_op_model_prices_by_nearest_measured_shape_by_bandwidth_and_by_table
     )
     # a phase: its ops, each DTensor op's dispatch, what the phase costs beyond its ops; the step's own overhead
     phased = OpModel({"fp32": 1.0}, 1.0, view_overhead_s=1e-6, dtensor_overhead_s=5e-6,
-                     redistribute_overhead_s=4e-4, per_op_overhead_s={"forward": 3e-6}, step_overhead_s=1e-4)  # fmt: skip
+                     redistribute_overhead_s=4e-4, per_op_overhead_s={"forward": 3e-6}, step_overhead_s=1e-4,
+                     fsdp_overhead_s=2e-5)  # fmt: skip
     view = OpCall("t", "view", "float32", (), 0.0, 0)
     assert phased.phase_seconds("forward", [(view, 10)], dtensor_calls=2) == pytest.approx(
         10e-6 + 10e-6 + 30e-6
@@ -161,6 +162,8 @@ def test_the_op_model_prices_by_nearest_measured_shape_by_bandwidth_and_by_table
         10e-6 + 10e-6 + 30e-6 + 3 * 4e-4
     )
     assert phased.phase_seconds("step", [(view, 1)]) == pytest.approx(1e-6 + 1e-4)
+    # FSDP's hooks: per parameter an unshard or a reduce-scatter moves
+    assert phased.phase_seconds("backward", [(view, 10)], fsdp_events=7) == pytest.approx(10e-6 + 7 * 2e-5)
 
 
 def test_a_fake_rank_records_the_matmuls_its_layout_leaves_it():
@@ -179,6 +182,31 @@ def test_a_fake_rank_records_the_matmuls_its_layout_leaves_it():
         # tp's all-reduces are DTensor redistributes (Partial -> Replicate), once forward and once back a block
         assert (ops["redistributes"].get("forward", 0) >= model.n_layer) == (layout.tp > 1)
         assert (ops["redistributes"].get("backward", 0) >= model.n_layer) == (layout.tp > 1)
+        # the step priced is AdamW's second: its first makes the moments (zeros_like a parameter, twice)
+        step_ops = {c.name for c, _ in ops["calls"]["step"]}
+        assert "_fused_adamw_" in step_ops and "zeros_like" not in step_ops, step_ops
+        assert "zeros_like" in {c.name for c, _ in ops["calls"]["first_step"]}
+    assert not dist.is_initialized()
+
+
+def test_a_fake_fsdp_rank_records_its_copies_and_counts_its_unshards_and_reduce_scatters():
+    """dp_shard 2 (blocks resharded after forward, the root not): forward unshards every unit once, backward the
+    blocks again and reduce-scatters every unit; FSDP's copies in and out of its buffers are memory ops."""
+    cfg = Config(model="custom", n_layer=2, d_model=64, n_head=4, vocab_size=512, block_size=32, world_size=2)
+    model = GPTConfig(n_layer=2, d_model=64, n_head=4, vocab_size=512, block_size=32)
+    ops = fake_rank(cfg, Layout(dp_shard=2), Workload(model, 4), 0)["ops"]
+    units = 1 + model.n_layer  # the root and each block
+    assert ops["fsdp_events"] == {"forward": units, "backward": model.n_layer + units}
+    copies = {
+        c.name: c
+        for c, _ in ops["calls"]["forward"]
+        if c.name in ("all_gather_copy_in", "split_with_sizes_copy")
+    }
+    assert set(copies) == {"all_gather_copy_in", "split_with_sizes_copy"}
+    assert all(c.kind == "memory" and c.bytes > 0 for c in copies.values())
+    # a fake replica runs PyTorch's replicate (FSDP2's machinery): one reduction of every parameter, in backward
+    replica = fake_rank(cfg, Layout(dp_replicate=2), Workload(model, 4), 0)["ops"]
+    assert replica["fsdp_events"] == {"backward": 1}  # the whole piece one unit
     assert not dist.is_initialized()
 
 
@@ -192,6 +220,7 @@ def test_a_prediction_from_recorded_ops_is_their_priced_sum():
         reference = GPT(model)
     predicted = predict_step(reference, layout, cfg, work, hw, traced=traced)
     ops = traced[0]["ops"]
+    # a launch's replicas run DDP, not the fake rank's replicate: FSDP's hooks are not priced
     phase = lambda name: hw.ops.phase_seconds(name, ops["calls"][name], ops["dtensor_calls"].get(name, 0),  # noqa: E731
                                               ops["redistributes"].get(name, 0))  # fmt: skip
     assert predicted["priced"] == "recorded ops"
@@ -208,3 +237,21 @@ def test_every_op_model_figure_of_a_profile_names_its_source():
         table = (profiles[name].get("ops") or {}).get("measured_ops")
         if isinstance(table, str):
             assert (Path(PROFILES).parent / table).exists(), (name, table)
+
+
+def test_the_calibrations_profile_takes_each_figure_as_the_median_of_its_rounds():
+    """benchmarks/at_scale_calibration measures the profile after each round: every number the median of the
+    rounds', a size or a shape every round measured alike kept as it is, points matched by position."""
+    from benchmarks.at_scale_calibration import median_of
+
+    rounds = [
+        {"fitted": {"all_reduce": {"latency_us": latency, "bandwidth_gbps": 1.0}}, "cores": 2, "description": "x",
+         "ops": {"memory_points": [{"bytes": 12288, "gbps": gbps}], "gemm_points": [{"shape": [64, 128, 64], "gflops": gbps}]}}
+        for latency, gbps in ((900.0, 30.0), (1600.0, 10.0), (1300.0, 20.0))
+    ]  # fmt: skip
+    merged = median_of(rounds)
+    assert merged["fitted"]["all_reduce"] == {"latency_us": 1300.0, "bandwidth_gbps": 1.0}
+    assert merged["cores"] == 2 and merged["description"] == "x"
+    assert merged["ops"]["memory_points"] == [{"bytes": 12288, "gbps": 20.0}]
+    assert merged["ops"]["gemm_points"] == [{"shape": [64, 128, 64], "gflops": 20.0}]
+    assert median_of([{"op(a)": 3.0, "op(b)": 1.0}, {"op(a)": 5.0}]) == {"op(a)": 4.0}  # timed in both only
