@@ -3,7 +3,7 @@ Llama 3 and Megatron-LM layouts at their real world sizes. Every figure of ours 
 tensors, the real sharding code: measured bytes; a predicted step), each run passing its memory and
 communication checks.
 
-    python -m benchmarks.at_scale_published              # ~13 minutes here; the tables of docs/at_scale.md
+    python -m benchmarks.at_scale_published              # 12-23 minutes here; the tables of docs/at_scale.md
     python -m benchmarks.at_scale_published --quick      # the small tables only (ZeRO, activations): ~2 minutes
 
 Writes <output_dir>/<UTC time>/published.md and published.json, and every at_scale run's folder.
