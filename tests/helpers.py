@@ -256,7 +256,9 @@ def _rank(index: int, main, argv: list[str], codes: str, environment: dict) -> N
 
 def assert_gpt_passed(finished: Finished, world_size: int) -> dict:
     """train_gpt exited 0 with every check passed on `world_size` ranks; its summary."""
-    assert finished.returncode == 0, finished.stderr[-3000:]
+    # a failed check is one line of stdout; the traceback, if any, the end of stderr
+    failed = [line for line in finished.stdout.splitlines() if line.startswith("check ") and " FAIL" in line]
+    assert finished.returncode == 0, "\n".join(failed) + "\n" + finished.stderr[-3000:]
     summary = finished.summary
     assert summary["passed"] and summary["world_size"] == world_size, summary["checks"]
     return summary
