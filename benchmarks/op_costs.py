@@ -339,9 +339,8 @@ def fsdp_overhead_us(model_shape: dict, rows: int, budget_s: float, figures: dic
     of `model_shape` (rows x its block of tokens), as eager_gaps runs it, each block fully_shard-ed and the whole
     once more as strategies/shard.py wraps it, on a fake process group over the launch's ranks: what its forward
     and backward take beyond the same GPT unsharded and beyond their ops (beyond_its_ops: FSDP's copies priced by
-    their bytes), per event. Blocks of
-    small MLPs cost 0.5 ms an event, whether a unit held 2 or 9 parameters (one process: 6.1-7.1 against 7.3-8.3 ms
-    over 12 events); this GPT's, 0.9-1.5 ms."""
+    their bytes), per event. Blocks of small MLPs cost 0.5 ms an event, whether a unit held 2 or 9 parameters
+    (one process: 6.1-7.1 against 7.3-8.3 ms over 12 events); this GPT's, 0.9-1.5 ms."""
     from torch.distributed.fsdp import fully_shard
 
     from common.gpt import GPT, GPTConfig, lm_loss

@@ -46,6 +46,7 @@ from planning.ops import OpCall, OpModel, op_model_from
 from planning.timeline import rank_of_stage, step_seconds
 from strategies.layout import DIMS, Layout, Workload, stream_dtype
 from strategies.pp import SCHEDULES
+from strategies.replicate import replicates_whole_model
 from strategies.theory import gathered_bytes, held_bytes, stage_theories, theory_of
 
 PROFILES = Path(__file__).with_name("hardware.yaml")
@@ -447,9 +448,9 @@ def predict_step(
     shard = math.prod(getattr(layout, d) for d in layout.shard_dims)
     recorded = {layout.coordinate(r["rank"], "pp"): r["ops"] for r in traced or []}
     shared_core = max(1.0, layout.world_size / hw.cores) if hw.cores else 1.0  # time-sliced ranks
-    # every rank a replica of the whole model: a launch runs DDP (strategies/replicate.py), whose reducer is C++;
-    # a fake rank, which Accelerate did not launch, runs PyTorch's replicate (FSDP2's hooks): not priced
-    ddp = not layout.shard_dims and layout.size(layout.replicate_dims) == layout.world_size > 1
+    # every rank a replica of the whole model: a launch runs DDP, whose reducer is C++; a fake rank, which
+    # Accelerate did not launch, runs PyTorch's replicate (FSDP2's hooks): not priced
+    ddp = replicates_whole_model(layout)
     stages = []
     for t in per_stage:
         ops = recorded.get(layout.coordinate(t.rank, "pp"))

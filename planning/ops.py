@@ -5,8 +5,8 @@ real step dispatches, in eager PyTorch's order and decomposition: the matmuls at
 shards, cp's chunks, pp's stage), attention's fused kernel, the norms, the casts, FSDP's copies into and out of
 its all-gather buffers and into its reduce-scatter's (torch.ops.fsdp: memory-bound), the fused AdamW; and each
 FSDP unshard and reduce-scatter is counted, as FSDP's Python around it (its hooks) is priced per event. Each op
-is kept as an `OpCall` (its name, its tensors' shapes and dtype, its
-FLOPs and the bytes it reads and writes), counted per phase of the step (forward, backward, step). What DTensor
+is kept as an `OpCall` (its name, its tensors' shapes and dtype, its FLOPs and the bytes it reads and writes),
+counted per phase of the step (forward, backward, step). What DTensor
 dispatches (tp's and FSDP's parameters) is counted as well: each DTensor op costs its own dispatch on top of the
 local op it runs. The op DTensor runs on fake tensors to learn an output's global shape (its sharding
 propagation) is not the rank's work and is left out.

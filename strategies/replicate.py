@@ -51,6 +51,12 @@ def apply(model: torch.nn.Module, mesh, accelerator, whole_world: bool, claimed=
     return model
 
 
+def replicates_whole_model(layout) -> bool:
+    """Every rank a replica of the whole model, no other dimension splitting it: what a launch of that many ranks
+    runs as Accelerate's DDP (a fake world of experiments/at_scale.py as PyTorch's replicate)."""
+    return not layout.shard_dims and layout.size(layout.replicate_dims) == layout.world_size > 1
+
+
 def ignore_for_ddp(model: torch.nn.Module, claimed) -> None:
     """DDP's list of what to leave alone (its private hook, `_set_params_and_buffers_to_ignore_for_model`'s
     attribute): the parameters another piece claimed, and the buffers a module says are its rank's own
@@ -84,7 +90,7 @@ class Replicate(Piece):
         layout = ctx.layout
         # every rank of an Accelerate launch a replica: Accelerate's DDP (a fake world of experiments/at_scale.py,
         # which Accelerate did not launch: PyTorch's replicate on the mesh)
-        whole_world = layout.size(layout.replicate_dims) == layout.world_size == ctx.accelerator.num_processes
+        whole_world = replicates_whole_model(layout) and layout.world_size == ctx.accelerator.num_processes
         return [apply(stage, submesh(ctx.mesh, layout.replicate_dims), ctx.accelerator, whole_world, ctx.claimed(stage))
                 for stage in stages]  # fmt: skip
 
