@@ -18,7 +18,8 @@ step from its recorded ops and its collectives, compare.
    faster here), their mean time fitted per kind as latency + bytes / bandwidth; and the op model
    (benchmarks/op_costs.py): every op the layouts' fake ranks recorded, timed at its own shapes in two processes
    at once (two ranks on two cores), what a one-process step costs beyond its ops (per op, forward and backward;
-   per optimizer step), a DTensor op's and a redistribute's Python, FSDP's hooks per unshard and reduce-scatter.
+   per optimizer step), a redistribute's Python, a DTensor op's (forward, backward, and per DTensor an optimizer
+   step takes), FSDP's hooks per unshard and reduce-scatter.
 3. The prediction of each step: predict_step on the run's layout, workload and flags, its recorded ops priced by
    the op model, its counted collectives by the fit; a layout of more ranks than cores has its compute slowed
    by ranks / cores (two ranks share a core). Nothing of a run's measured time enters its prediction.
@@ -235,13 +236,15 @@ def markdown(rows: list[dict], profile: dict, command: str) -> str:
     fitted = ", ".join(f"{kind} {f['latency_us']} us + bytes / {f['bandwidth_gbps']} GB/s"
                        for kind, f in profile["fitted"].items())  # fmt: skip
     ops = profile["ops"]
-    gaps = ops["eager_gaps"]
+    gaps, dtensor = ops["eager_gaps"], ops["dtensor_gaps"]
     lines = [
         f"`{command}`",
         "",
         f"this_machine: matmul peak {profile['peak_tflops']['fp32'] * 1000:.1f} GFLOP/s (one thread, float32), "
         f"copy {profile['memory_bandwidth_gbps']} GB/s; gloo on 2 ranks after compute: {fitted}; per op "
-        f"dispatched {ops['op_overhead_us']} us, a DTensor op {ops['dtensor_overhead_us']} us more, a redistribute "
+        f"dispatched {ops['op_overhead_us']} us; a DTensor op beyond its local op: {dtensor['forward_us_per_op']} us "
+        f"forward, {dtensor['backward_us_per_op']} backward, {dtensor['step_us_per_tensor']} us a DTensor an optimizer "
+        f"step takes; a redistribute "
         f"{ops.get('redistribute_overhead_us', 0)} us beyond its collective, FSDP's hooks "
         f"{ops.get('fsdp_overhead_us', 0)} us an unshard or reduce-scatter; a step beyond "
         f"its ops: {gaps['forward_us_per_op']} us an op forward, {gaps['backward_us_per_op']} backward, "
@@ -262,17 +265,14 @@ def markdown(rows: list[dict], profile: dict, command: str) -> str:
         lines.append(f"| {r['layout']} | {r['ranks']} | {1000 * r['measured_step_s']:.1f} "
                      f"({1000 * min(spread):.0f}-{1000 * max(spread):.0f}) | "
                      f"{1000 * r['predicted_step_s']:.1f} | {r['ratio']:.2f} | {terms} |")  # fmt: skip
-    ratios = [r["ratio"] for r in rows if "ratio" in r]
-    if ratios:
-        measured = [
-            r["layout"] for r in sorted((r for r in rows if "ratio" in r), key=lambda r: r["measured_step_s"])
-        ]
-        predicted = [
-            r["layout"]
-            for r in sorted((r for r in rows if "ratio" in r), key=lambda r: r["predicted_step_s"])
-        ]
-        lines += ["", f"predicted / measured: {min(ratios):.2f}-{max(ratios):.2f}; order by measured step: "
-                  f"{', '.join(measured)}; by predicted: {', '.join(predicted)}"]  # fmt: skip
+    done = [r for r in rows if "ratio" in r]
+    if done:
+        order = lambda key: ", ".join(r["layout"] for r in sorted(done, key=lambda r: r[key]))  # noqa: E731
+        ratios = [r["ratio"] for r in done]
+        within = sum(0.9 <= x <= 1.1 for x in ratios)
+        lines += ["", f"predicted / measured: {min(ratios):.2f}-{max(ratios):.2f} ({within} of {len(ratios)} within "
+                  f"0.9-1.1); order by measured step: {order('measured_step_s')}; by predicted: "
+                  f"{order('predicted_step_s')}"]  # fmt: skip
     return "\n".join(lines) + "\n"
 
 

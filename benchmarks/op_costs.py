@@ -70,20 +70,11 @@ def attention_gflops(shape: tuple, dtype: str, budget_s: float) -> float:
 
 def overheads_us(budget_s: float) -> dict:
     """Per op dispatched: an elementwise op on one element under autograd (a training step's forward records
-    its graph), a view, and a DTensor op beyond the local op it runs (replicated over the launch's ranks: nothing
-    is sent)."""
-    import torch.distributed as dist
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.tensor import Replicate, distribute_tensor
-
+    its graph), and a view. (A DTensor op's cost beyond its local op is measured on the model: dtensor_gaps.)"""
     a, b = torch.ones(1, requires_grad=True), torch.ones(1, requires_grad=True)
     op = seconds_per_call(lambda: a + b, budget_s)
     view = seconds_per_call(lambda: a.view(1, 1), budget_s)
-    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
-    da, db = (distribute_tensor(torch.ones(1), mesh, [Replicate()]).requires_grad_() for _ in range(2))
-    dtensor = seconds_per_call(lambda: da + db, budget_s) - op
-    return {"op_overhead_us": round(op * 1e6, 2), "view_overhead_us": round(view * 1e6, 2),
-            "dtensor_overhead_us": round(dtensor * 1e6, 2)}  # fmt: skip
+    return {"op_overhead_us": round(op * 1e6, 2), "view_overhead_us": round(view * 1e6, 2)}
 
 
 def memory_points(budget_s: float) -> list[dict]:
@@ -129,6 +120,8 @@ def measure(spec: dict) -> dict:
         dist.barrier()
         figures["redistribute_overhead_us"] = redistribute_overhead_us(budget, figures, timed)
         dist.barrier()
+        figures["dtensor_gaps"] = dtensor_gaps(spec["model_shape"], spec["rows"], budget, figures, timed)
+        dist.barrier()
         figures["fsdp_overhead_us"] = fsdp_overhead_us(
             spec["model_shape"], spec["rows"], budget, figures, timed
         )
@@ -164,11 +157,12 @@ def timed_ops(replays: list, budget_s: float) -> dict:
 def merged(results: list[dict]) -> dict:
     """Two ranks' measurements as one: each figure their mean (an op either rank could not run: left out)."""
     mean = lambda key: round((results[0][key] + results[1][key]) / 2, 2)  # noqa: E731
-    figures = {key: mean(key) for key in ("op_overhead_us", "view_overhead_us", "dtensor_overhead_us",
-                                          "redistribute_overhead_us", "fsdp_overhead_us") if key in results[0]}  # fmt: skip
-    figures["eager_gaps"] = {
-        k: round((v + results[1]["eager_gaps"][k]) / 2, 2) for k, v in results[0]["eager_gaps"].items()
-    }
+    figures = {key: mean(key) for key in ("op_overhead_us", "view_overhead_us", "redistribute_overhead_us",
+                                          "fsdp_overhead_us") if key in results[0]}  # fmt: skip
+    for gaps in ("eager_gaps", "dtensor_gaps"):
+        figures[gaps] = {
+            k: round((v + results[1][gaps][k]) / 2, 2) for k, v in results[0].get(gaps, {}).items()
+        }
     both = results[0]["measured_ops"].keys() & results[1]["measured_ops"].keys()
     figures["measured_ops"] = {k: round((results[0]["measured_ops"][k] + results[1]["measured_ops"][k]) / 2, 3)
                               for k in sorted(both)}  # fmt: skip
@@ -247,24 +241,29 @@ def eager_gaps(model_shape: dict, rows: int, budget_s: float, timed: dict) -> di
 
 def beyond_its_ops(step, baseline, budget_s: float, figures: dict, timed: dict):
     """What `step` costs beyond `baseline` (the same model without the piece measured) and beyond the ops it adds:
-    each a forward and backward (`step(recorder)` sets the recorder's phase to backward between them), timed in
+    each a step (`step(recorder)` sets the recorder's phase as it goes and returns each phase's seconds), timed in
     turn (median of 20 each: the VM's drift, tens of percent within a minute, falls on both alike), less the
     difference of their ops as the op model prices them (the timed table, an op no replay can run by its bytes,
-    each op's eager gap, each DTensor op's dispatch): (those seconds, the recorder of one step)."""
+    each op's eager gap, each DTensor op's dispatch as far as dtensor_gaps is measured): ({phase: those seconds},
+    the recorder of one step)."""
     from planning.ops import OpRecorder, op_model_from
 
     by_bytes = op_model_from({"ops": {key: figures[key] for key in ("memory_points", "op_overhead_us")}},
                              {"fp32": 1.0}, 1.0)  # fmt: skip
+    dtensor = figures.get("dtensor_gaps") or {}
 
-    def priced(recorder) -> float:
-        ops = sum(
+    def priced(recorder, phase: str) -> float:
+        calls = recorder.calls.get(phase, {})
+        gap = figures["eager_gaps"].get(f"{phase}_us_per_op", 0.0) if phase != "step" else 0.0
+        dtensor_s = (recorder.dtensor_tensors[phase] * dtensor.get("step_us_per_tensor", 0.0) if phase == "step"
+                     else recorder.dtensor_calls[phase] * dtensor.get(f"{phase}_us_per_op", 0.0)) * 1e-6  # fmt: skip
+        return (
             replayed_seconds(calls, timed, budget_s)
             + sum(count * by_bytes.seconds(call) for call, count in calls.items() if call.replay is None
                   and call.kind != "view")
-            + sum(calls.values()) * figures["eager_gaps"][f"{phase}_us_per_op"] * 1e-6
-            for phase, calls in recorder.calls.items()
+            + sum(calls.values()) * gap * 1e-6
+            + dtensor_s
         )  # fmt: skip
-        return ops + sum(recorder.dtensor_calls.values()) * figures["dtensor_overhead_us"] * 1e-6
 
     # the fake group's collectives leave their outputs as they found them (uninitialised memory): its denormal
     # floats slowed one rank's ops ten-fold (measured), so they are flushed to zero while this is timed
@@ -276,27 +275,34 @@ def beyond_its_ops(step, baseline, budget_s: float, figures: dict, timed: dict):
                 run()
         for _ in range(20):
             for run in (step, baseline):
-                started = time.perf_counter()
-                run()
-                took[run].append(time.perf_counter() - started)
+                took[run].append(run())
     finally:
         torch.set_flush_denormal(False)
     recorded = {}
     for run in (step, baseline):
         with OpRecorder() as recorded[run]:
             run(recorded[run])
-    measured = statistics.median(took[step]) - statistics.median(took[baseline])
-    return max(measured - (priced(recorded[step]) - priced(recorded[baseline])), 0.0), recorded[step]
+    left = {}
+    for phase in took[step][0]:
+        measured = statistics.median(t[phase] for t in took[step]) - statistics.median(
+            t[phase] for t in took[baseline]
+        )
+        left[phase] = max(measured - (priced(recorded[step], phase) - priced(recorded[baseline], phase)), 0.0)
+    return left, recorded[step]
 
 
 def stepping(loss_of):
-    """A step for beyond_its_ops: `loss_of()`'s forward, then its backward (the recorder's phase set between)."""
+    """A step for beyond_its_ops: `loss_of()`'s forward, then its backward (the recorder's phase set between);
+    returns {forward, backward: seconds}."""
 
-    def step(recorder=None):
+    def step(recorder=None) -> dict:
+        started = time.perf_counter()
         loss = loss_of()
+        forward_done = time.perf_counter()
         if recorder:
             recorder.phase = "backward"
         loss.backward()
+        return {"forward": forward_done - started, "backward": time.perf_counter() - forward_done}
 
     return step
 
@@ -327,9 +333,64 @@ def redistribute_overhead_us(budget_s: float, figures: dict, timed: dict) -> flo
     parallelize_module(mlp, fake_group_mesh(), {"0": ColwiseParallel(), "2": RowwiseParallel()})
     x = torch.randn(256, width)
 
-    left_s, recorder = beyond_its_ops(stepping(lambda: mlp(x).sum()), stepping(lambda: plain(x).sum()),
-                                      budget_s, figures, timed)  # fmt: skip
-    return round(left_s / sum(recorder.redistributes.values()) * 1e6, 2)
+    left, recorder = beyond_its_ops(stepping(lambda: mlp(x).sum()), stepping(lambda: plain(x).sum()),
+                                    budget_s, figures, timed)  # fmt: skip
+    return round(sum(left.values()) / sum(recorder.redistributes.values()) * 1e6, 2)
+
+
+def dtensor_gaps(model_shape: dict, rows: int, budget_s: float, figures: dict, timed: dict) -> dict:
+    """What a DTensor op costs beyond the local op it runs (sharding propagation, unwrapping and wrapping: Python),
+    measured on the model, not on one add: the GPT of `model_shape` split by tensor parallelism as strategies/tp.py
+    splits it, on a fake process group over the launch's ranks, against the same GPT unsharded (beyond_its_ops:
+    beyond their ops and the redistributes, priced at redistribute_overhead_us), per DTensor op of its forward and
+    of its backward; and AdamW's step over its parameters against the same step over plain tensors of their local
+    shapes, per DTensor the step's ops take (a fused step is one op over every parameter, gradient and moment:
+    DTensor unwraps each, ~40 us a parameter here, measured from 8 to 64 parameters). An add of two one-element
+    DTensors took 12 us beyond the add; this GPT's forward ~100 us an op, its backward ~40."""
+    from types import SimpleNamespace
+
+    from common.gpt import GPT, GPTConfig, adamw, lm_loss
+    from strategies import tp
+
+    torch.manual_seed(0)
+    model, plain = GPT(GPTConfig(**model_shape)), GPT(GPTConfig(**model_shape))
+    tp.apply(model, fake_group_mesh(), SimpleNamespace(sequence_parallel=False, wrong_variant=""))
+    ids = torch.randint(0, model_shape["vocab_size"], (rows, model_shape["block_size"]))
+    redistribute_s = figures.get("redistribute_overhead_us", 0.0) * 1e-6
+
+    left, recorder = beyond_its_ops(stepping(lambda: lm_loss(model(ids), ids)),
+                                    stepping(lambda: lm_loss(plain(ids), ids)), budget_s, figures, timed)  # fmt: skip
+    gaps = {
+        f"{phase}_us_per_op": round(
+            max(left[phase] - recorder.redistributes[phase] * redistribute_s, 0.0)
+            / recorder.dtensor_calls[phase]
+            * 1e6,
+            2,
+        )
+        for phase in ("forward", "backward")
+    }
+    # the step: the same parameters as plain tensors of their local shapes, gradients alike
+    local = [torch.nn.Parameter(p.to_local().detach().clone() if hasattr(p, "to_local") else p.detach().clone())
+             for p in model.parameters()]  # fmt: skip
+    for param in local:
+        param.grad = torch.randn_like(param)
+    left, recorder = beyond_its_ops(optimizer_stepping(adamw(list(model.parameters()), 3e-4, 0.1)),
+                                    optimizer_stepping(adamw(local, 3e-4, 0.1)), budget_s, figures, timed)  # fmt: skip
+    gaps["step_us_per_tensor"] = round(left["step"] / recorder.dtensor_tensors["step"] * 1e6, 2)
+    return gaps
+
+
+def optimizer_stepping(optimizer):
+    """A step for beyond_its_ops: one `optimizer.step()` (on the gradients already there); {step: seconds}."""
+
+    def step(recorder=None) -> dict:
+        if recorder:
+            recorder.phase = "step"
+        started = time.perf_counter()
+        optimizer.step()
+        return {"step": time.perf_counter() - started}
+
+    return step
 
 
 def fsdp_overhead_us(model_shape: dict, rows: int, budget_s: float, figures: dict, timed: dict) -> float:
@@ -353,9 +414,9 @@ def fsdp_overhead_us(model_shape: dict, rows: int, budget_s: float, figures: dic
     fully_shard(model, mesh=mesh)
     ids = torch.randint(0, model_shape["vocab_size"], (rows, model_shape["block_size"]))
 
-    left_s, recorder = beyond_its_ops(stepping(lambda: lm_loss(model(ids), ids)),
-                                      stepping(lambda: lm_loss(plain(ids), ids)), budget_s, figures, timed)  # fmt: skip
-    return round(left_s / sum(recorder.fsdp_events.values()) * 1e6, 2)
+    left, recorder = beyond_its_ops(stepping(lambda: lm_loss(model(ids), ids)),
+                                    stepping(lambda: lm_loss(plain(ids), ids)), budget_s, figures, timed)  # fmt: skip
+    return round(sum(left.values()) / sum(recorder.fsdp_events.values()) * 1e6, 2)
 
 
 COLLECTIVE_BYTES = [2**k for k in range(14, 23, 2)]  # 16 KB to 4 MB: what a layout's collectives carry here

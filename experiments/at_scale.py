@@ -140,7 +140,8 @@ def ops_totals(ops: dict) -> dict:
             kind["calls"] += count
             kind["flops"] += count * call.flops
             kind["bytes"] += count * call.bytes
-    return totals | {"dtensor_calls": ops["dtensor_calls"], "redistributes": ops["redistributes"],
+    return totals | {"dtensor_calls": ops["dtensor_calls"], "dtensor_tensors": ops.get("dtensor_tensors", {}),
+                     "redistributes": ops["redistributes"],
                      "fsdp_events": ops.get("fsdp_events", {})}  # fmt: skip
 
 

@@ -457,9 +457,11 @@ def predict_step(
         comm = traffic_seconds(t.traffic, layout, hw, calls)
         held = sum(math.prod(shape) for _, shape in t.held)
         if ops:  # the rank's own ops, over the step's m micro-batches, priced one after another
-            phases = {phase: hw.ops.phase_seconds(phase, ops["calls"].get(phase, []), ops["dtensor_calls"].get(phase, 0),
-                                                  ops["redistributes"].get(phase, 0),
-                                                  0 if ddp else ops.get("fsdp_events", {}).get(phase, 0))
+            # (a fake replica's FSDP2 hooks and DTensor parameters are not the launch's DDP: left out)
+            count = lambda key, phase, ops=ops: 0 if ddp else ops.get(key, {}).get(phase, 0)  # noqa: E731
+            phases = {phase: hw.ops.phase_seconds(phase, ops["calls"].get(phase, []), count("dtensor_calls", phase),
+                                                  ops["redistributes"].get(phase, 0), count("fsdp_events", phase),
+                                                  count("dtensor_tensors", phase))
                       for phase in ("forward", "backward", "step")}  # fmt: skip
             forward_s, backward_s, optimizer = phases["forward"] / m, phases["backward"] / m, phases["step"]
         else:

@@ -166,15 +166,16 @@ def describe(func, args: tuple, kwargs: dict, result) -> OpCall | None:
 
 
 class OpRecorder(TorchDispatchMode):
-    """`with OpRecorder() as ops:` ... then `ops.calls[phase]` (a Counter of OpCall), `ops.dtensor_calls[phase]`,
-    `ops.redistributes[phase]` and `ops.fsdp_events[phase]`; set `ops.phase` as the step moves on (forward,
-    backward, step)."""
+    """`with OpRecorder() as ops:` ... then `ops.calls[phase]` (a Counter of OpCall), `ops.dtensor_calls[phase]`
+    (DTensor ops) and `ops.dtensor_tensors[phase]` (the DTensors they took), `ops.redistributes[phase]` and
+    `ops.fsdp_events[phase]`; set `ops.phase` as the step moves on (forward, backward, step)."""
 
     def __init__(self):
         super().__init__()
         self.phase = "forward"
         self.calls: dict[str, Counter] = {}
         self.dtensor_calls: Counter = Counter()
+        self.dtensor_tensors: Counter = Counter()
         self.redistributes: Counter = Counter()
         self.fsdp_events: Counter = Counter()
         self._propagating = 0
@@ -188,6 +189,12 @@ class OpRecorder(TorchDispatchMode):
         ):  # a DTensor op: it runs local ops, seen next
             if not self._propagating:
                 self.dtensor_calls[self.phase] += 1
+                # a fused optimizer's one op takes every parameter, gradient and moment: DTensor unwraps each
+                self.dtensor_tensors[self.phase] += sum(
+                    type(t) not in (torch.Tensor, FakeTensor)
+                    for t in tree_flatten((args, kwargs))[0]
+                    if isinstance(t, torch.Tensor)
+                )
             return NotImplemented
         result = func(*args, **kwargs)
         if not self._propagating:
@@ -258,7 +265,8 @@ class OpRecorder(TorchDispatchMode):
         """What a fake rank sends back: per phase, [(OpCall, count)], the DTensor ops, the redistributes and FSDP's
         events."""
         return {"calls": {phase: list(calls.items()) for phase, calls in self.calls.items()},
-                "dtensor_calls": dict(self.dtensor_calls), "redistributes": dict(self.redistributes),
+                "dtensor_calls": dict(self.dtensor_calls), "dtensor_tensors": dict(self.dtensor_tensors),
+                "redistributes": dict(self.redistributes),
                 "fsdp_events": dict(self.fsdp_events)}  # fmt: skip
 
 
@@ -280,7 +288,9 @@ class OpModel:
     memory_efficiency: float = 1.0
     op_overhead_s: float = 0.0
     view_overhead_s: float = 0.0
-    dtensor_overhead_s: float = 0.0
+    # a DTensor op beyond the local op it runs (sharding propagation, unwrapping, wrapping): phase -> seconds per
+    # DTensor op forward and backward, per DTensor it takes in the optimizer step (a fused step takes them all)
+    dtensor_overhead_s: dict | None = None
     redistribute_overhead_s: float = 0.0  # a change of a DTensor's placements, beyond the collective it sends
     fsdp_overhead_s: float = 0.0  # an FSDP unshard or reduce-scatter: its hooks' Python, beyond its ops
     measured_s: dict | None = (
@@ -339,13 +349,21 @@ class OpModel:
         return work + self.op_overhead_s
 
     def phase_seconds(
-        self, phase: str, calls, dtensor_calls: int = 0, redistributes: int = 0, fsdp_events: int = 0
+        self,
+        phase: str,
+        calls,
+        dtensor_calls: int = 0,
+        redistributes: int = 0,
+        fsdp_events: int = 0,
+        dtensor_tensors: int = 0,
     ) -> float:
-        """A phase's [(OpCall, count)], DTensor ops, redistributes and FSDP's unshards and reduce-scatters, priced
-        one after another (one stream: eager order), with what the phase costs beyond its ops."""
+        """A phase's [(OpCall, count)], DTensor ops (and the DTensors they took), redistributes and FSDP's
+        unshards and reduce-scatters, priced one after another (one stream: eager order), with what the phase
+        costs beyond its ops."""
+        dtensor = (self.dtensor_overhead_s or {}).get(phase, 0.0)
         ops = (
             sum(count * self.seconds(call) for call, count in calls)
-            + dtensor_calls * self.dtensor_overhead_s
+            + (dtensor_tensors if phase == "step" else dtensor_calls) * dtensor
             + redistributes * self.redistribute_overhead_s
             + fsdp_events * self.fsdp_overhead_s
         )
@@ -359,6 +377,7 @@ def op_model_from(profile: dict, peak_flops: dict, memory_bandwidth: float) -> O
     spec = profile.get("ops") or {}
     measured = None
     gaps = spec.get("eager_gaps") or {}
+    dtensor_gaps = spec.get("dtensor_gaps") or {}
     table = spec.get("measured_ops")
     if table:  # {repr(replay): microseconds}, or the name of a JSON file of it beside planning/hardware.yaml
         import json
@@ -379,7 +398,14 @@ def op_model_from(profile: dict, peak_flops: dict, memory_bandwidth: float) -> O
         memory_efficiency=spec.get("memory_efficiency", {}).get("value", 1.0),
         op_overhead_s=spec.get("op_overhead_us", 0.0) * 1e-6,
         view_overhead_s=spec.get("view_overhead_us", 0.0) * 1e-6,
-        dtensor_overhead_s=spec.get("dtensor_overhead_us", 0.0) * 1e-6,
+        dtensor_overhead_s={
+            phase: dtensor_gaps.get(key, 0.0) * 1e-6
+            for phase, key in (
+                ("forward", "forward_us_per_op"),
+                ("backward", "backward_us_per_op"),
+                ("step", "step_us_per_tensor"),
+            )
+        },
         redistribute_overhead_s=spec.get("redistribute_overhead_us", 0.0) * 1e-6,
         fsdp_overhead_s=spec.get("fsdp_overhead_us", 0.0) * 1e-6,
         measured_s=measured,

@@ -250,7 +250,10 @@ def compare_with_one_process(session, model_cfg, probe: Probe, step_losses, *, s
         autocast=lambda: torch.autocast(device.type, dtype=torch.bfloat16, enabled=bf16),
         before_update=clip_and_schedule,
     )  # fmt: skip
-    loss_diff = max(abs(a - b) for a, b in zip(step_losses[:n], reference["losses"], strict=True))
+    loss_diffs = [abs(a - b) for a, b in zip(step_losses[:n], reference["losses"], strict=True)]
+    loss_diff = max(loss_diffs)
+    # where a run left the reference: the first step past the loss tolerance (a routing flip, a missed reduction)
+    first_off = next((i for i, d in enumerate(loss_diffs) if d > budget["loss_atol"]), None)
     norm_diff = max(
         abs(a - b) / max(b, 1e-12) for a, b in zip(probe.grad_norms[:n], reference["figures"], strict=True)
     )
@@ -267,7 +270,12 @@ def compare_with_one_process(session, model_cfg, probe: Probe, step_losses, *, s
         1.0,
         f"over the {n} steps after step {session.start_step}: max |loss - one process| {loss_diff:.2e} "
         f"(tolerance {budget['loss_atol']:.0e}), max |parameter - one process| after them {param_diff:.2e} "
-        f"(tolerance {budget['param_atol']:.0e}); the larger share of its tolerance",
+        f"(tolerance {budget['param_atol']:.0e}); the larger share of its tolerance"
+        + (
+            f"; the loss first off at step {session.start_step + first_off + 1}"
+            if first_off is not None
+            else ""
+        ),
     )
     session.parity_check(
         "grad_norm_is_global",

@@ -121,6 +121,8 @@ def test_a_dtensor_op_is_counted_and_its_shape_propagation_is_not_the_ranks_work
     # the local matmul alone (6 x 16 by 16 x 4), once: not DTensor's run of it on the global shapes (16 x 8)
     assert [(c.shape, n) for c, n in gemms] == [((6, 16, 4), 1)]
     assert ops.dtensor_calls["forward"] >= 2  # the transpose and the matmul, at least
+    # the DTensors they took: the weight to the transpose; its transpose and the input to the matmul
+    assert ops.dtensor_tensors["forward"] >= 3
 
 
 def test_a_recorded_op_runs_again_at_its_shapes_with_valid_indices():
@@ -151,7 +153,8 @@ def test_the_op_model_prices_by_nearest_measured_shape_by_bandwidth_and_by_table
         == 7e-6
     )
     # a phase: its ops, each DTensor op's dispatch, what the phase costs beyond its ops; the step's own overhead
-    phased = OpModel({"fp32": 1.0}, 1.0, view_overhead_s=1e-6, dtensor_overhead_s=5e-6,
+    phased = OpModel({"fp32": 1.0}, 1.0, view_overhead_s=1e-6,
+                     dtensor_overhead_s={"forward": 5e-6, "backward": 2e-6, "step": 7e-6},
                      redistribute_overhead_s=4e-4, per_op_overhead_s={"forward": 3e-6}, step_overhead_s=1e-4,
                      fsdp_overhead_s=2e-5)  # fmt: skip
     view = OpCall("t", "view", "float32", (), 0.0, 0)
@@ -162,6 +165,11 @@ def test_the_op_model_prices_by_nearest_measured_shape_by_bandwidth_and_by_table
         10e-6 + 10e-6 + 30e-6 + 3 * 4e-4
     )
     assert phased.phase_seconds("step", [(view, 1)]) == pytest.approx(1e-6 + 1e-4)
+    # DTensor's cost per op forward and backward; in the step per DTensor taken (one fused op takes them all)
+    assert phased.phase_seconds("backward", [], dtensor_calls=3, dtensor_tensors=9) == pytest.approx(3 * 2e-6)
+    assert phased.phase_seconds("step", [], dtensor_calls=2, dtensor_tensors=40) == pytest.approx(
+        40 * 7e-6 + 1e-4
+    )
     # FSDP's hooks: per parameter an unshard or a reduce-scatter moves
     assert phased.phase_seconds("backward", [(view, 10)], fsdp_events=7) == pytest.approx(10e-6 + 7 * 2e-5)
 
@@ -186,6 +194,9 @@ def test_a_fake_rank_records_the_matmuls_its_layout_leaves_it():
         step_ops = {c.name for c, _ in ops["calls"]["step"]}
         assert "_fused_adamw_" in step_ops and "zeros_like" not in step_ops, step_ops
         assert "zeros_like" in {c.name for c, _ in ops["calls"]["first_step"]}
+        # the fused step takes every DTensor parameter with its gradient and two moments: under tp the split
+        # ones (q, k, v, o, fc_in, fc_out a block at least), under a fake rank's replicate all (FSDP2's DTensors)
+        assert ops["dtensor_tensors"]["step"] >= 4 * 6 * model.n_layer, ops["dtensor_tensors"]
     assert not dist.is_initialized()
 
 
@@ -221,8 +232,12 @@ def test_a_prediction_from_recorded_ops_is_their_priced_sum():
     predicted = predict_step(reference, layout, cfg, work, hw, traced=traced)
     ops = traced[0]["ops"]
     # a launch's replicas run DDP, not the fake rank's replicate: FSDP's hooks are not priced
-    phase = lambda name: hw.ops.phase_seconds(name, ops["calls"][name], ops["dtensor_calls"].get(name, 0),  # noqa: E731
-                                              ops["redistributes"].get(name, 0))  # fmt: skip
+    # nor DTensor's dispatch: DDP's parameters are plain tensors where replicate's are DTensors
+    assert ops["dtensor_tensors"]["step"] > 0
+
+    def phase(name: str) -> float:
+        return hw.ops.phase_seconds(name, ops["calls"][name], redistributes=ops["redistributes"].get(name, 0))
+
     assert predicted["priced"] == "recorded ops"
     assert predicted["terms_s"]["compute"] == pytest.approx(phase("forward") + phase("backward"))
     assert predicted["terms_s"]["optimizer"] == pytest.approx(phase("step"))
