@@ -280,7 +280,8 @@ def report(session, history: list[dict], all_to_all_share: float | None) -> None
     first, last = sum(per_step[:window]) / window, sum(per_step[-window:]) / window
     dropped = sum(h["dropped_fraction"] for h in history) / len(history)
     session.metrics["moe"] = {"imbalance_per_step": per_step, "imbalance_first": first, "imbalance_last": last,
-                              "dropped_fraction": dropped, "loads_last_step": history[-1]["loads"],
+                              "dropped_fraction": dropped, "loads_first_step": history[0]["loads"],
+                              "loads_last_step": history[-1]["loads"],
                               "all_to_all_share_of_step": all_to_all_share}  # fmt: skip
     share = f"; all-to-all {100 * all_to_all_share:.0f}% of the step" if all_to_all_share is not None else ""
     session.print(f"experts: tokens per expert max / mean {first:.2f} (first {window} steps) -> {last:.2f} (last "
