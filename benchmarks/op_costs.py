@@ -248,21 +248,19 @@ def beyond_its_ops(step, baseline, budget_s: float, figures: dict, timed: dict):
     the recorder of one step)."""
     from planning.ops import OpRecorder, op_model_from
 
-    by_bytes = op_model_from({"ops": {key: figures[key] for key in ("memory_points", "op_overhead_us")}},
-                             {"fp32": 1.0}, 1.0)  # fmt: skip
-    dtensor = figures.get("dtensor_gaps") or {}
+    # the op model of the figures measured so far: ops no replay can run priced by their bytes, DTensor's cost
+    model = op_model_from({"ops": {key: figures[key] for key in ("memory_points", "op_overhead_us", "dtensor_gaps")
+                                   if key in figures}}, {"fp32": 1.0}, 1.0)  # fmt: skip
 
     def priced(recorder, phase: str) -> float:
         calls = recorder.calls.get(phase, {})
         gap = figures["eager_gaps"].get(f"{phase}_us_per_op", 0.0) if phase != "step" else 0.0
-        dtensor_s = (recorder.dtensor_tensors[phase] * dtensor.get("step_us_per_tensor", 0.0) if phase == "step"
-                     else recorder.dtensor_calls[phase] * dtensor.get(f"{phase}_us_per_op", 0.0)) * 1e-6  # fmt: skip
         return (
             replayed_seconds(calls, timed, budget_s)
-            + sum(count * by_bytes.seconds(call) for call, count in calls.items() if call.replay is None
+            + sum(count * model.seconds(call) for call, count in calls.items() if call.replay is None
                   and call.kind != "view")
             + sum(calls.values()) * gap * 1e-6
-            + dtensor_s
+            + model.dtensor_seconds(phase, recorder.dtensor_calls[phase], recorder.dtensor_tensors[phase])
         )  # fmt: skip
 
     # the fake group's collectives leave their outputs as they found them (uninitialised memory): its denormal

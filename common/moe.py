@@ -240,9 +240,16 @@ def balance(model: nn.Module) -> dict:
         imbalance.append((counts.max() / counts.mean().clamp(min=1e-9)).item())
         loads.append(counts.tolist())
         dropped, assigned = dropped + lost, assigned + counts.sum().item() + lost
+    forget_counts(model)
+    return {"imbalance": imbalance, "loads": loads, "dropped_fraction": dropped / max(assigned, 1.0)}
+
+
+@torch.no_grad()
+def forget_counts(model: nn.Module) -> None:
+    """Every MoE layer's counts of the step so far (tokens per expert, assignments dropped) back to zero."""
+    for layer in moe_layers(model):
         layer.tokens_per_expert.zero_()
         layer.dropped.zero_()
-    return {"imbalance": imbalance, "loads": loads, "dropped_fraction": dropped / max(assigned, 1.0)}
 
 
 def init_experts(model: nn.Module, n_layer: int) -> None:

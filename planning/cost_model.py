@@ -458,10 +458,15 @@ def predict_step(
         held = sum(math.prod(shape) for _, shape in t.held)
         if ops:  # the rank's own ops, over the step's m micro-batches, priced one after another
             # (a fake replica's FSDP2 hooks and DTensor parameters are not the launch's DDP: left out)
-            count = lambda key, phase, ops=ops: 0 if ddp else ops.get(key, {}).get(phase, 0)  # noqa: E731
-            phases = {phase: hw.ops.phase_seconds(phase, ops["calls"].get(phase, []), count("dtensor_calls", phase),
-                                                  ops["redistributes"].get(phase, 0), count("fsdp_events", phase),
-                                                  count("dtensor_tensors", phase))
+            counted = {
+                key: {} if ddp else ops.get(key, {})
+                for key in ("dtensor_calls", "fsdp_events", "dtensor_tensors")
+            }
+            phases = {phase: hw.ops.phase_seconds(phase, ops["calls"].get(phase, []),
+                                                  counted["dtensor_calls"].get(phase, 0),
+                                                  ops["redistributes"].get(phase, 0),
+                                                  counted["fsdp_events"].get(phase, 0),
+                                                  counted["dtensor_tensors"].get(phase, 0))
                       for phase in ("forward", "backward", "step")}  # fmt: skip
             forward_s, backward_s, optimizer = phases["forward"] / m, phases["backward"] / m, phases["step"]
         else:

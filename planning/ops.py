@@ -348,6 +348,11 @@ class OpModel:
             work = call.bytes / self.bandwidth(call.bytes) if call.bytes else 0.0
         return work + self.op_overhead_s
 
+    def dtensor_seconds(self, phase: str, dtensor_calls: int, dtensor_tensors: int) -> float:
+        """DTensor's own cost in a phase: per DTensor op forward and backward, per DTensor taken in the step."""
+        per = (self.dtensor_overhead_s or {}).get(phase, 0.0)
+        return (dtensor_tensors if phase == "step" else dtensor_calls) * per
+
     def phase_seconds(
         self,
         phase: str,
@@ -360,10 +365,9 @@ class OpModel:
         """A phase's [(OpCall, count)], DTensor ops (and the DTensors they took), redistributes and FSDP's
         unshards and reduce-scatters, priced one after another (one stream: eager order), with what the phase
         costs beyond its ops."""
-        dtensor = (self.dtensor_overhead_s or {}).get(phase, 0.0)
         ops = (
             sum(count * self.seconds(call) for call, count in calls)
-            + (dtensor_tensors if phase == "step" else dtensor_calls) * dtensor
+            + self.dtensor_seconds(phase, dtensor_calls, dtensor_tensors)
             + redistributes * self.redistribute_overhead_s
             + fsdp_events * self.fsdp_overhead_s
         )

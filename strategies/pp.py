@@ -41,7 +41,7 @@ from torch import nn
 
 from common.config import flag, require
 from common.gpt import GPT, lm_loss
-from common.moe import moe_layers
+from common.moe import forget_counts
 from strategies.layout import Layout, Mistake, Traffic, stream_dtype, unique_tensors
 from strategies.piece import Context, Piece, Plan, Theory
 
@@ -138,9 +138,7 @@ def forget_inference_tokens(stages: list) -> None:
     (measured: 640 assignments counted in the first step of ep 2 x pp 2 against 512; the bias then moved by the
     garbage's counts, and 1 run in ~10 left the one-process reference at step 2). Forgotten here."""
     for stage in stages:
-        for layer in moe_layers(stage):
-            layer.tokens_per_expert.zero_()
-            layer.dropped.zero_()
+        forget_counts(stage)
 
 
 class Pipeline:
