@@ -97,12 +97,11 @@ def test_run_all_quick_writes_every_figure_and_shows_a_slowed_loop_where_it_was_
     )  # W&B is imported only when it is the tracker
     assert "| 1. step overhead" in done.stdout and "| 5. start-up" in done.stdout
     parts = step["overhead_us"]
-    # 10 ms where it was added; parts between other loops stay below 3 ms even with other tests running
-    # beside this one on the 2 cores (measured: a 4 ms slow-down read 2.35 ms under that load)
+    # 10 ms where it was added; each part between other loops below half of it. A behaviour check (where the
+    # slow-down lands), not a speed bound: with other tests beside this one on the 2 cores an un-slowed part
+    # has read 2.35 and 3.07 ms, and a swapped or mislabelled loop puts the whole 10 ms there
     assert parts["accumulate"] > 6000 and parts["accelerate_and_common"] > 6000
-    assert (
-        parts["common"] < 3000 and parts["prepared_model"] < 3000 and parts["backward_and_optimizer"] < 3000
-    )
+    assert max(parts["common"], parts["prepared_model"], parts["backward_and_optimizer"]) < 5000
     assert parts["lookups_saved_by_caching"] > 6000  # the cached variant is not slowed
     assert step["ratio"] < 0.5 and step["met"] is False
 
