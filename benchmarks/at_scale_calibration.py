@@ -15,14 +15,16 @@ step from its recorded ops and its collectives, compare.
    (a figure measured once moved by up to 2x between measurements minutes apart: tp's redistribute 207-470 us,
    gloo's all-reduce latency 894-1,628 us): one thread's matmul peak and copy bandwidth;
    gloo's collectives on 2 ranks as a step issues them (each after some compute: back to back they are up to 4x
-   faster here), their mean time fitted per kind as latency + bytes / bandwidth; and the op model
+   faster here), their mean time fitted per kind as latency + bytes / bandwidth, and again on 4 ranks in pairs
+   (the 4-rank layouts' case: 2 ranks a core); and the op model
    (benchmarks/op_costs.py): every op the layouts' fake ranks recorded, timed at its own shapes in two processes
    at once (two ranks on two cores), what a one-process step costs beyond its ops (per op, forward and backward;
    per optimizer step), a redistribute's Python, a DTensor op's (forward, backward, and per DTensor an optimizer
-   step takes), FSDP's hooks per unshard and reduce-scatter.
+   step takes), FSDP's hooks per unshard and reduce-scatter, and what two processes sharing a core cost.
 3. The prediction of each step: predict_step on the run's layout, workload and flags, its recorded ops priced by
    the op model, its counted collectives by the fit; a layout of more ranks than cores has its compute slowed
-   by ranks / cores (two ranks share a core). Nothing of a run's measured time enters its prediction.
+   by ranks / cores and by what sharing a core costs beyond that, and a rank waiting in a pipeline's bubble
+   lends its core to another stage's rank. Nothing of a run's measured time enters its prediction.
 Writes <output_dir>/<UTC time>/: calibration.md (the table docs/at_scale.md shows), calibration.json (rows
 {layout, ranks, measured_step_s, predicted_step_s}), this_machine.yaml and this_machine_ops.json (the profile
 planning/hardware.yaml keeps, pasted by hand, with this command), and every run's folder.
@@ -103,7 +105,7 @@ def measure_profile(traced: list[dict], work: Workload, args) -> tuple[dict, dic
         torch.set_num_threads(threads)
     spec = {**op_costs.shapes_of(traced), "budget_s": 0.05 if args.quick else 0.2,
             "model_shape": {k: getattr(work.model, k) for k in GPTConfig().__dict__}, "rows": work.rows}  # fmt: skip
-    fitted, ops = op_costs.measure_this_machine(spec)
+    fitted, ops, fitted_shared = op_costs.measure_this_machine(spec)
     link = {"bandwidth_gbps": fitted["all_reduce"]["bandwidth_gbps"],
             "latency_us": round(fitted["all_reduce"]["latency_us"] / 2)}  # fmt: skip
     measured_ops = ops.pop("measured_ops")
@@ -119,6 +121,7 @@ def measure_profile(traced: list[dict], work: Workload, args) -> tuple[dict, dic
         "inter_node": link,
         "overlaps_communication": False,
         "fitted": fitted,
+        "fitted_shared": fitted_shared,
         "ops": {**ops, "measured_ops": "this_machine_ops.json"},
     }
     return profile, measured_ops
@@ -233,8 +236,11 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def markdown(rows: list[dict], profile: dict, command: str) -> str:
-    fitted = ", ".join(f"{kind} {f['latency_us']} us + bytes / {f['bandwidth_gbps']} GB/s"
-                       for kind, f in profile["fitted"].items())  # fmt: skip
+    fit = lambda fits: ", ".join(f"{kind} {f['latency_us']} us + bytes / {f['bandwidth_gbps']} GB/s"  # noqa: E731
+                                 for kind, f in fits.items())  # fmt: skip
+    fitted = fit(profile["fitted"])
+    if profile.get("fitted_shared"):
+        fitted += f"; on 4 ranks (pairs, the 2 cores shared): {fit(profile['fitted_shared'])}"
     ops = profile["ops"]
     gaps, dtensor = ops["eager_gaps"], ops["dtensor_gaps"]
     lines = [
@@ -247,8 +253,9 @@ def markdown(rows: list[dict], profile: dict, command: str) -> str:
         f"step takes; a redistribute "
         f"{ops.get('redistribute_overhead_us', 0)} us beyond its collective, FSDP's hooks "
         f"{ops.get('fsdp_overhead_us', 0)} us an unshard or reduce-scatter; a step beyond "
-        f"its ops: {gaps['forward_us_per_op']} us an op forward, {gaps['backward_us_per_op']} backward, "
-        f"{gaps['step_us']} us an optimizer step",
+        f"its ops: {gaps['forward_us_per_op']} us an op and {gaps.get('forward_us_per_mb', 0)} us a MB its ops move "
+        f"forward, {gaps['backward_us_per_op']} and {gaps.get('backward_us_per_mb', 0)} backward, {gaps['step_us']} "
+        f"us an optimizer step; two processes on one core: a step {ops.get('shared_core_ratio', 2.0)}x one alone's",
         "",
         "| layout | ranks | measured step ms (median of rounds; range) | PREDICTED step ms | predicted / measured "
         "| predicted terms, ms |",

@@ -83,6 +83,12 @@ class Hardware:
         None  # kind -> Link measured for a whole call (this_machine): latency + bytes / bandwidth
     )
     cores: int | None = None  # a CPU's: ranks beyond it share a core, their compute slowed by ranks / cores
+    # a CPU's step of two processes sharing one core against one alone: 2.0 if time-slicing cost nothing (the
+    # switches and the caches each process refills cost more, measured: benchmarks/op_costs.shared_core_ratio)
+    shared_core_ratio: float = 2.0
+    fitted_shared: dict | None = None  # as `fitted`, measured with twice as many ranks as cores
+    # a pipeline's receive posted after its data was sent: what it waits for the sender's side to answer
+    late_receive_s: float = 0.0
 
 
 def load_hardware(name: str) -> Hardware:
@@ -98,10 +104,13 @@ def hardware_from(name: str, p: dict) -> Hardware:
     """A profile's YAML mapping as a Hardware (units: TFLOP/s, GB, GB/s, us)."""
     link = lambda spec: Link(spec["bandwidth_gbps"] * 1e9, spec["latency_us"] * 1e-6)  # noqa: E731
     fitted = {kind: link(spec) for kind, spec in p["fitted"].items()} if p.get("fitted") else None
+    fitted_shared = {kind: link(spec) for kind, spec in (p.get("fitted_shared") or {}).items()} or None
     peak, bandwidth = {k: v * 1e12 for k, v in p["peak_tflops"].items()}, p["memory_bandwidth_gbps"] * 1e9
     return Hardware(name, p["description"], peak, p["memory_gb"] * 2**30, bandwidth, p["gpus_per_node"],
                     link(p["intra_node"]), link(p["inter_node"]), p["overlaps_communication"],
-                    op_model_from(p, peak, bandwidth), fitted, p.get("cores"))  # fmt: skip
+                    op_model_from(p, peak, bandwidth), fitted, p.get("cores"),
+                    (p.get("ops") or {}).get("shared_core_ratio", 2.0), fitted_shared,
+                    (p.get("ops") or {}).get("late_receive_us", 0.0) * 1e-6)  # fmt: skip
 
 
 def hardware_names() -> list[str]:
@@ -395,23 +404,34 @@ DIMENSION_GROUP = {
 
 def traffic_seconds(traffic, layout: Layout, hw: Hardware, calls: dict | None = None) -> dict:
     """Seconds per dimension of one step's traffic (a Theory's `traffic`); `calls` per kind (counted, if
-    known) spread over the dimensions in proportion to their bytes, else one message per kind and dimension."""
-    by_kind = {}
+    known) spread over the dimensions in proportion to their bytes, else one message per kind and dimension.
+    The pipeline's sends are its micro-batches'; its other collectives (the loss broadcast for the log, the tied
+    embedding's gradient all-reduced between the first and the last stage) run once a step, after the schedule:
+    `pp_step`. On a CPU whose ranks share its cores, each call at the fit measured so (`fitted_shared`)."""
+    shared = hw.fitted_shared if hw.cores and layout.world_size > hw.cores and hw.fitted_shared else None
+    by_kind, known = {}, {}  # per kind: the bytes of the traffic whose calls are not known; the calls known
     for t in traffic:
-        by_kind[t.kind] = by_kind.get(t.kind, 0) + t.bytes
+        if t.calls is None:
+            by_kind[t.kind] = by_kind.get(t.kind, 0) + t.bytes
+        else:
+            known[t.kind] = known.get(t.kind, 0) + t.calls
     seconds: dict[str, float] = {}
     for t in traffic:
         # ep's all-to-alls wait in every MoE block (exposed, as tp's); its other collectives (the experts'
         # gradients over their replicas, the balancing counts) are data parallelism's
         by = t.by if t.by != "ep" or t.kind == "all_to_all" else "ep_data_parallel"
         dims = DIMENSION_GROUP.get(by) or (layout.shard_dims or ("dp_shard",))
-        share = t.bytes / by_kind[t.kind] if by_kind[t.kind] else 0
-        n_calls = max(1, round((calls or {}).get(t.kind, 1) * share))
-        fit = (hw.fitted or {}).get(t.kind)
+        if t.calls is not None:
+            n_calls = t.calls
+        else:  # the counted calls the pieces do not account for, in proportion to the bytes
+            share = t.bytes / by_kind[t.kind] if by_kind[t.kind] else 0
+            n_calls = max(1, round(max((calls or {}).get(t.kind, 1) - known.get(t.kind, 0), 1) * share))
+        fit = (shared or hw.fitted or {}).get(t.kind)
         if fit:  # measured per call on this group size: latency + the message's bytes / the fitted bandwidth
             spent = 0.0 if t.kind == "recv" else n_calls * fit.latency + t.bytes / fit.bandwidth
         else:
             spent = collective_seconds(t.kind, t.bytes, t.ranks, link_of(layout, dims, hw), n_calls)
+        by = "pp_step" if by == "pp" and t.kind not in ("send", "recv") else by
         seconds[by] = seconds.get(by, 0.0) + spent
     return seconds
 
@@ -447,7 +467,11 @@ def predict_step(
     recompute = 1 if args.activation_checkpointing == "full" else 0
     shard = math.prod(getattr(layout, d) for d in layout.shard_dims)
     recorded = {layout.coordinate(r["rank"], "pp"): r["ops"] for r in traced or []}
-    shared_core = max(1.0, layout.world_size / hw.cores) if hw.cores else 1.0  # time-sliced ranks
+    # ranks beyond the cores are time-sliced: each core's work is its ranks' work, each switch between them dearer
+    # than nothing (hw.shared_core_ratio); a rank that waits gives its core to another
+    cores = hw.cores or layout.world_size
+    sliced = hw.shared_core_ratio / 2 if layout.world_size > cores else 1.0
+    shared_core = max(1.0, layout.world_size / cores) * sliced
     # every rank a replica of the whole model: a launch runs DDP, whose reducer is C++; a fake rank, which
     # Accelerate did not launch, runs PyTorch's replicate (FSDP2's hooks): not priced
     ddp = replicates_whole_model(layout)
@@ -473,18 +497,21 @@ def predict_step(
             forward_s = t.blocks * block + ends_forward_seconds(work, layout, hw, tokens, t.first, t.last)
             backward_s = forward_s * (2 + recompute)
             optimizer = memory_seconds(ADAMW_BYTES_PER_PARAMETER * held / shard, hw)
-        forward_s, backward_s, optimizer = (
-            forward_s * shared_core,
-            backward_s * shared_core,
-            optimizer * shared_core,
-        )
         exposed = {dim: comm.get(dim, 0.0) / m for dim in EXPOSED}  # per micro-batch, half in each direction
         waits = sum(exposed[dim] for dim in EXPOSED if dim != "pp") / 2
+        # forward and backward at one core a rank (the schedule's order); compute: its share of the cores
         stages.append({"forward": forward_s + waits, "backward": backward_s + waits, "exposed": exposed,
-                       "compute": forward_s + backward_s, "data_parallel": sum(s for dim, s in comm.items()
-                       if dim not in EXPOSED), "optimizer": optimizer, "rank": t.rank})  # fmt: skip
+                       "compute": forward_s + backward_s, "waits": 2 * waits, "data_parallel": sum(s for dim, s
+                       in comm.items() if dim not in (*EXPOSED, "pp_step")), "pp_step": comm.get("pp_step", 0.0),
+                       "optimizer": optimizer * shared_core, "rank": t.rank})  # fmt: skip
     slowest = max(stages, key=lambda s: s["forward"] + s["backward"])
-    work_s = m * (slowest["forward"] + slowest["backward"])
+    # the cores' bound: every rank's compute over the cores (each stage has world / pp ranks), at least the
+    # slowest stage's at a core a rank; with ranks beyond the cores, a rank waiting in the pipeline's bubble
+    # lends its core to another stage's (measured: pp 2 x dp_shard 2 on 2 cores kept 1.75 cores busy while
+    # its ranks idled 0.40 of the step)
+    ranks_per_core = layout.world_size / layout.pp / cores
+    compute_s = m * max(slowest["compute"], sum(s["compute"] for s in stages) * ranks_per_core * sliced)
+    work_s = compute_s + m * slowest["waits"]
     sends_s = 0.0
     if layout.pp > 1:  # the schedule's own order of forwards and backwards (planning/timeline.py)
         schedule, v = TIMELINE_OF.get(args.pp_schedule, "1f1b"), stages_per_rank(args.pp_schedule)
@@ -497,18 +524,27 @@ def predict_step(
         # a split backward's weight half: a third of it when the backward runs the forward again first
         weight_share = 1 / 3 if args.activation_checkpointing == "full" else 1 / 2
         pipeline_s = step_seconds(
-            schedule, layout.pp, m, by_chunk("forward"), by_chunk("backward"), v, send_s, weight_share
+            schedule,
+            layout.pp,
+            m,
+            by_chunk("forward"),
+            by_chunk("backward"),
+            v,
+            send_s,
+            weight_share,
+            hw.late_receive_s,
         )
         # the sends on the critical path: each hop between chunks (p v - 1 of them) once forward (the first
         # micro-batch) and once back (the last); the bubble what is left (a send other work hides costs nothing)
         sends_s = 2 * (layout.pp * v - 1) * send_s
+        pipeline_s = max(pipeline_s, work_s + sends_s)
         bubble_s = pipeline_s - work_s - sends_s
     else:
         pipeline_s, bubble_s = work_s, 0.0
-    compute_s = m * slowest["compute"]
     data_parallel_s, optimizer_s = slowest["data_parallel"], slowest["optimizer"]
     exposed_dp_s = max(0.0, data_parallel_s - compute_s) if hw.overlaps_communication else data_parallel_s
-    step_s = pipeline_s + exposed_dp_s + optimizer_s
+    pp_step_s = max(s["pp_step"] for s in stages)  # after the schedule, every stage waiting on it
+    step_s = pipeline_s + pp_step_s + exposed_dp_s + optimizer_s
     terms = slowest["exposed"]
     global_tokens = work.rows * layout.dp * work.micro_batches * work.model.block_size
     return {
@@ -520,6 +556,7 @@ def predict_step(
             "pp_sends": sends_s,
             "ep_all_to_all": m * terms["ep"],
             "bubble": bubble_s,
+            "pp_once_a_step": pp_step_s,
             "data_parallel_exposed": exposed_dp_s,
             "data_parallel_total": data_parallel_s,
             "optimizer": optimizer_s,

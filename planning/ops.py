@@ -296,9 +296,11 @@ class OpModel:
     measured_s: dict | None = (
         None  # repr(OpCall.replay) -> seconds: the op timed at that very shape (this machine)
     )
-    # what a step costs beyond its ops one by one (nn.Module, autograd, the allocator): per op dispatched in the
-    # forward and in the backward, and per optimizer step (measured on one process: benchmarks/op_costs.py)
+    # what a step costs beyond its ops one by one (nn.Module, autograd, the allocator, caches an op timed alone
+    # finds warm): per op dispatched and per byte its ops move, in the forward and in the backward; and per
+    # optimizer step (measured on the GPT: benchmarks/op_costs.eager_gaps)
     per_op_overhead_s: dict | None = None  # phase -> seconds per op
+    per_byte_overhead_s: dict | None = None  # phase -> seconds per byte the phase's ops read and write
     step_overhead_s: float = 0.0
 
     def precision(self, dtype: str) -> str:
@@ -371,8 +373,16 @@ class OpModel:
             + redistributes * self.redistribute_overhead_s
             + fsdp_events * self.fsdp_overhead_s
         )
-        beyond = (self.per_op_overhead_s or {}).get(phase, 0.0) * sum(count for _, count in calls)
-        return ops + beyond + (self.step_overhead_s if phase == "step" else 0.0)
+        return (
+            ops + self.beyond_ops_seconds(phase, calls) + (self.step_overhead_s if phase == "step" else 0.0)
+        )
+
+    def beyond_ops_seconds(self, phase: str, calls) -> float:
+        """What a phase of [(OpCall, count)] costs beyond its ops timed one by one: per op, and per byte its ops
+        move (a step at 4 rows a micro-batch paid ~1.7x the gap of the same step at 1 here, its op count alike)."""
+        per_op = (self.per_op_overhead_s or {}).get(phase, 0.0)
+        per_byte = (self.per_byte_overhead_s or {}).get(phase, 0.0)
+        return sum(count * (per_op + per_byte * call.bytes) for call, count in calls)
 
 
 def op_model_from(profile: dict, peak_flops: dict, memory_bandwidth: float) -> OpModel:
@@ -415,6 +425,9 @@ def op_model_from(profile: dict, peak_flops: dict, memory_bandwidth: float) -> O
         measured_s=measured,
         per_op_overhead_s={
             phase: gaps.get(f"{phase}_us_per_op", 0.0) * 1e-6 for phase in ("forward", "backward")
+        },
+        per_byte_overhead_s={  # us per MB: 1e-12 s per byte
+            phase: gaps.get(f"{phase}_us_per_mb", 0.0) * 1e-12 for phase in ("forward", "backward")
         },
         step_overhead_s=gaps.get("step_us", 0.0) * 1e-6,
     )

@@ -108,13 +108,16 @@ def simulate(
     v: int = 1,
     send_s: float = 0.0,
     weight_share: float = 0.5,
+    late_s: float = 0.0,
 ) -> dict:
     """The step's seconds: `forward_s[s]`, `backward_s[s]` one micro-batch's forward and backward on model chunk s
     (a number: the same on every chunk), `send_s` a send between ranks. A split backward (SPLIT) runs
     `weight_share` of it as W: each matmul's backward is two matmuls of its size, one for its input's gradient
     and one for its weight's, so about half (attention's and the norms' backwards go with the input's: W is
-    at most half, and half is what it can hide at most). Returns step_s, each rank's busy_s, and bubble_s =
-    step_s - the busiest rank's work."""
+    at most half, and half is what it can hide at most). `late_s`: a receive its rank posts only after the data
+    was sent (each rank posts a receive when it reaches the action that needs it, as torch's schedules do), which
+    waits for the sender's side to answer (gloo: the sender's thread, busy with its next micro-batch). Returns
+    step_s, each rank's busy_s, and bubble_s = step_s - the busiest rank's work."""
     stages = p * v
     per_chunk = lambda times: [times] * stages if isinstance(times, (int, float)) else list(times)  # noqa: E731
     backward = per_chunk(backward_s)
@@ -149,7 +152,9 @@ def simulate(
                 here, needs, sends, took = queue[position[r]]
                 if any(done[n] is None for n in needs):
                     break
-                ready = max([done[n] + sent for n, sent in zip(needs, sends, strict=True)], default=0.0)
+                # a receive posted before its data arrives ends as it arrives; posted after, late_s after it
+                ready = max([done[n] + sent if not sent or done[n] + sent > free[r] else free[r] + late_s
+                             for n, sent in zip(needs, sends, strict=True)], default=0.0)  # fmt: skip
                 free[r] = (free[r] if free[r] > ready else ready) + took
                 busy[r] += took
                 done[here] = free[r]
@@ -171,6 +176,7 @@ def step_seconds(
     v: int = 1,
     send_s: float = 0.0,
     weight_share: float = 0.5,
+    late_s: float = 0.0,
 ) -> float:
     """`simulate`'s step_s, at a large m in the time of a few rounds: a schedule settles into repeating itself
     every p micro-batches (1F1B's steady state, interleaving's rounds; with stages that differ, after a warm-up
@@ -178,7 +184,9 @@ def step_seconds(
     rounds (k to k + 1, k + 1 to 2k + 1) add the same per round. Equal to simulate's (tests/test_timeline.py)."""
 
     def at(rounds: int) -> float:
-        return simulate(schedule, p, rounds * p, forward_s, backward_s, v, send_s, weight_share)["step_s"]
+        return simulate(schedule, p, rounds * p, forward_s, backward_s, v, send_s, weight_share, late_s)[
+            "step_s"
+        ]
 
     k = 4
     while m % p == 0 and 2 * (2 * k + 1) <= m // p:  # past half of m the whole simulation costs no more
@@ -188,4 +196,4 @@ def step_seconds(
         ):  # periodic from k on
             return d + (m // p - 2 * k - 1) * (d - c)
         k *= 2
-    return simulate(schedule, p, m, forward_s, backward_s, v, send_s, weight_share)["step_s"]
+    return simulate(schedule, p, m, forward_s, backward_s, v, send_s, weight_share, late_s)["step_s"]

@@ -187,6 +187,9 @@ class Traffic:
     ranks: int
     by: str
     wire: float | None = None  # what leaves the rank, where the bus factor's even split does not hold
+    calls: int | None = (
+        None  # how many calls a step, where the piece knows it (else a share of those counted)
+    )
 
     @property
     def wire_bytes(self) -> float:

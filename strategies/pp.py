@@ -373,12 +373,14 @@ def sent(t: Theory) -> list[Traffic]:
         + (s < n_stages - 1 and holder(s + 1, p, schedule) != pp_rank)
         for s in stage_ids
     )
-    traffic = [Traffic(kind, boundaries * m * activation, 2, "pp") for kind in ("send", "recv")]
-    traffic.append(Traffic("broadcast", 4, p, "pp"))
+    traffic = [
+        Traffic(kind, boundaries * m * activation, 2, "pp", calls=boundaries * m) for kind in ("send", "recv")
+    ]
+    traffic.append(Traffic("broadcast", 4, p, "pp", calls=1))
     first, last = holder(0, p, schedule), holder(n_stages - 1, p, schedule)
     if work.model.tie_weights and first != last and pp_rank in (first, last):
         tied = next(shape for name, shape in t.held if name in ("tok_emb.weight", "head.weight"))
-        traffic.append(Traffic("all_reduce", t.rest_bytes("tok_emb.weight", tied), 2, "pp"))
+        traffic.append(Traffic("all_reduce", t.rest_bytes("tok_emb.weight", tied), 2, "pp", calls=1))
     return [t for t in traffic if t.bytes]
 
 

@@ -4,6 +4,7 @@ the recorder on a real fake rank against the GPT's own matmul count."""
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 from pathlib import Path
 
 import pytest
@@ -172,6 +173,16 @@ def test_the_op_model_prices_by_nearest_measured_shape_by_bandwidth_and_by_table
     )
     # FSDP's hooks: per parameter an unshard or a reduce-scatter moves
     assert phased.phase_seconds("backward", [(view, 10)], fsdp_events=7) == pytest.approx(10e-6 + 7 * 2e-5)
+    # beyond its ops, per op dispatched and per byte its ops move (a view moves none)
+    gapped = OpModel(
+        {"fp32": 1.0}, 1.0, per_op_overhead_s={"forward": 3e-6}, per_byte_overhead_s={"forward": 1e-9}
+    )
+    add = OpCall("add", "memory", "float32", (), 0.0, 4000, replay=("add", "Tensor", (), ()))
+    gapped = dataclasses.replace(gapped, measured_s={repr(add.replay): 5e-6})
+    assert gapped.phase_seconds("forward", [(add, 2), (view, 3)]) == pytest.approx(
+        2 * 5e-6 + 5 * 3e-6 + 2 * 4000 * 1e-9
+    )
+    assert gapped.phase_seconds("backward", [(add, 2)]) == pytest.approx(2 * 5e-6)  # no backward gap measured
 
 
 def test_a_fake_rank_records_the_matmuls_its_layout_leaves_it():
@@ -241,6 +252,57 @@ def test_a_prediction_from_recorded_ops_is_their_priced_sum():
     assert predicted["priced"] == "recorded ops"
     assert predicted["terms_s"]["compute"] == pytest.approx(phase("forward") + phase("backward"))
     assert predicted["terms_s"]["optimizer"] == pytest.approx(phase("step"))
+
+
+def test_ranks_beyond_the_cores_share_them_and_fill_each_others_pipeline_bubbles():
+    """Four ranks on two cores: without a pipeline, each rank's compute twice over, times what sharing a core
+    costs beyond that (shared_core_ratio / 2); under a pipeline of 2, the two stages' compute over the cores (a
+    rank waiting in the bubble lends its core), no bubble left; on four cores the schedule's own bubble."""
+    shape = {"n_layer": 4, "d_model": 64, "n_head": 4, "vocab_size": 512, "block_size": 32}
+    model, cfg = GPTConfig(**shape), Config(model="custom", world_size=4, pp_microbatches=4, **shape)
+    work = Workload(model, 4)
+    with torch.device("meta"):
+        reference = GPT(model)
+    hw = load_hardware("this_machine")
+
+    def terms(layout, cores, ratio=2.0):
+        shared = dataclasses.replace(hw, cores=cores, shared_core_ratio=ratio)
+        return predict_step(reference, layout, cfg, work, shared)["terms_s"]
+
+    flat, pipelined = Layout(dp_replicate=4), Layout(pp=2, dp_replicate=2)
+    alone = terms(flat, 4)
+    assert terms(flat, 2)["compute"] == pytest.approx(2 * alone["compute"])
+    assert terms(flat, 2, ratio=2.5)["compute"] == pytest.approx(2.5 * alone["compute"])
+    assert terms(flat, 2, ratio=2.5)["optimizer"] == pytest.approx(2.5 * alone["optimizer"])
+    own, shared = terms(pipelined, 4), terms(pipelined, 2)
+    assert own["bubble"] > 0 and shared["bubble"] == pytest.approx(0.0, abs=1e-12)
+    # the slowest stage alone, against both stages' compute (one holds the embedding, the other the head)
+    assert own["compute"] < shared["compute"] < 2 * own["compute"]
+    assert terms(pipelined, 2, ratio=3.0)["compute"] == pytest.approx(1.5 * shared["compute"])
+
+
+def test_collectives_of_ranks_beyond_the_cores_take_the_fit_measured_so_and_the_pipelines_run_once_a_step():
+    """this_machine's two fits: gloo on 2 ranks, and on 4 ranks in pairs (2 a core); a layout takes the one of its
+    case. A pipeline's sends are per micro-batch (pp); its loss broadcast and tied all-reduce once a step."""
+    from planning.cost_model import Link, traffic_seconds
+    from strategies.layout import Traffic
+
+    hw = dataclasses.replace(load_hardware("this_machine"), cores=2,
+                             fitted={"all_reduce": Link(1e9, 1e-3), "broadcast": Link(1e9, 1e-4)},
+                             fitted_shared={"all_reduce": Link(0.5e9, 4e-3), "broadcast": Link(1e9, 4e-4)})  # fmt: skip
+    traffic = [Traffic("all_reduce", 10**6, 2, "tp")]
+    assert traffic_seconds(traffic, Layout(tp=2), hw)["tp"] == pytest.approx(1e-3 + 1e-3)
+    assert traffic_seconds(traffic, Layout(tp=2, dp_shard=2), hw)["tp"] == pytest.approx(4e-3 + 2e-3)
+    piped = [Traffic("all_reduce", 10**6, 2, "pp", calls=1), Traffic("broadcast", 4, 2, "pp", calls=1)]
+    seconds = traffic_seconds(piped, Layout(pp=2), hw)
+    assert "pp" not in seconds and seconds["pp_step"] == pytest.approx(1e-3 + 1e-3 + 1e-4 + 4e-9)
+    # 12 all-reduces counted: the tied one the pipeline knows of, the other 11 tp's (not spread by bytes: the
+    # tied gradient's 1 MB would take most of them)
+    both = traffic_seconds(
+        [*piped, Traffic("all_reduce", 10**5, 2, "tp")], Layout(pp=2, tp=2), hw, {"all_reduce": 12}
+    )
+    assert both["tp"] == pytest.approx(11 * 4e-3 + 10**5 / 0.5e9)
+    assert both["pp_step"] == pytest.approx(4e-3 + 10**6 / 0.5e9 + 4e-4 + 4e-9)
 
 
 def test_every_op_model_figure_of_a_profile_names_its_source():

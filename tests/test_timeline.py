@@ -60,6 +60,22 @@ def test_a_slow_last_stage_and_slow_sends_lengthen_the_step_beyond_the_closed_fo
     assert simulate("1f1b", p, m, 1.0, 2.0, send_s=0.25)["step_s"] >= even + 2 * (p - 1) * 0.25
 
 
+def test_a_receive_posted_after_its_data_was_sent_waits_for_the_sender_to_answer():
+    """1F1B, 2 stages, 2 micro-batches, F 1 s, B 2 s, a send 0.1 s, a late receive 0.5 s, drawn by hand: stage 1
+    receives F1's activations (sent at 2.1) only when it reaches F1 (4.1): it starts at 4.6, not 4.1; every other
+    receive is posted before its data arrives. Stage 0: F0 0-1, F1 1-2, B0 4.2-6.2, B1 7.7-9.7; stage 1: F0
+    1.1-2.1, B0 2.1-4.1, F1 4.6-5.6, B1 5.6-7.6."""
+    assert order("1f1b", 0, 2, 2) == [
+        Action("F", 0, 0),
+        Action("F", 1, 0),
+        Action("B", 0, 0),
+        Action("B", 1, 0),
+    ]
+    assert simulate("1f1b", 2, 2, 1.0, 2.0, send_s=0.1)["step_s"] == pytest.approx(9.2)
+    late = simulate("1f1b", 2, 2, 1.0, 2.0, send_s=0.1, late_s=0.5)
+    assert late["step_s"] == pytest.approx(9.7) and late["busy_s"] == pytest.approx([6.0, 6.0])
+
+
 def test_an_interleaved_step_needs_whole_rounds_of_microbatches():
     with pytest.raises(ValueError, match="multiples of the stage ranks"):
         simulate("interleaved_1f1b", 4, 6, 1.0, 2.0, v=2)
