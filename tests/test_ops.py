@@ -263,7 +263,9 @@ def test_ranks_beyond_the_cores_share_them_and_fill_each_others_pipeline_bubbles
     work = Workload(model, 4)
     with torch.device("meta"):
         reference = GPT(model)
-    hw = load_hardware("this_machine")
+    # this machine's op model, without the figures this test is not about (a late receive can make the schedule
+    # at a core a rank the longer of the two: measured, 1 ms each)
+    hw = dataclasses.replace(load_hardware("this_machine"), late_receive_s=0.0, fitted_shared=None)
 
     def terms(layout, cores, ratio=2.0):
         shared = dataclasses.replace(hw, cores=cores, shared_core_ratio=ratio)
