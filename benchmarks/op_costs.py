@@ -192,6 +192,36 @@ def shapes_of(traced_ranks: list[dict]) -> dict:
 
 
 # ------------------------------------------------------------------------ what the ops alone do not explain
+def gpt_step(model_shape: dict, rows: int):
+    """The GPT of `model_shape` (seed 0) and a step of it on `rows` x its block of random tokens: forward, backward,
+    AdamW. The step (`step(recorder=None)`) sets the recorder's phase as it goes (forward, backward, step) and
+    returns each phase's seconds."""
+    from common.gpt import GPT, GPTConfig, adamw, lm_loss
+
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(**model_shape))
+    optimizer = adamw(list(model.parameters()), 3e-4, 0.1)
+    ids = torch.randint(0, model_shape["vocab_size"], (rows, model_shape["block_size"]))
+
+    def step(recorder=None) -> tuple[float, float, float]:
+        started = time.perf_counter()
+        if recorder:
+            recorder.phase = "forward"
+        loss = lm_loss(model(ids), ids)
+        forward_done = time.perf_counter()
+        if recorder:
+            recorder.phase = "backward"
+        loss.backward()
+        backward_done = time.perf_counter()
+        if recorder:
+            recorder.phase = "step"
+        optimizer.step()
+        optimizer.zero_grad()
+        return forward_done - started, backward_done - forward_done, time.perf_counter() - backward_done
+
+    return step
+
+
 def eager_gaps(model_shape: dict, rows: int, budget_s: float, timed: dict) -> dict:
     """What a real step of one process costs beyond its ops run one by one: the GPT of `model_shape` at `rows` x
     its block of tokens and at a quarter of the rows (what a pipeline's micro-batch runs here), a step of each in
@@ -201,36 +231,10 @@ def eager_gaps(model_shape: dict, rows: int, budget_s: float, timed: dict) -> di
     calls, autograd's graph) and per byte its ops move (the allocator, and the caches an op timed alone finds warm:
     at 4 rows a step paid ~1.7x the gap it paid at 1, the same 170 ops forward; priced per op alone, a pipeline's
     micro-batches were over-predicted); the optimizer's step beyond its ops, per step."""
-    from common.gpt import GPT, GPTConfig, adamw, lm_loss
     from planning.ops import OpRecorder
 
     sizes = sorted({rows, max(1, rows // 4)})
-
-    def stepper(size: int):
-        torch.manual_seed(0)
-        model = GPT(GPTConfig(**model_shape))
-        optimizer = adamw(list(model.parameters()), 3e-4, 0.1)
-        ids = torch.randint(0, model_shape["vocab_size"], (size, model_shape["block_size"]))
-
-        def step(recorder=None) -> tuple[float, float, float]:
-            started = time.perf_counter()
-            if recorder:
-                recorder.phase = "forward"
-            loss = lm_loss(model(ids), ids)
-            forward_done = time.perf_counter()
-            if recorder:
-                recorder.phase = "backward"
-            loss.backward()
-            backward_done = time.perf_counter()
-            if recorder:
-                recorder.phase = "step"
-            optimizer.step()
-            optimizer.zero_grad()
-            return forward_done - started, backward_done - forward_done, time.perf_counter() - backward_done
-
-        return step
-
-    steps = {size: stepper(size) for size in sizes}
+    steps = {size: gpt_step(model_shape, size) for size in sizes}
     for step in steps.values():
         for _ in range(3):
             step()
@@ -450,20 +454,15 @@ def fsdp_overhead_us(model_shape: dict, rows: int, budget_s: float, figures: dic
 
 # a second process on a rank's core: the GPT's steps, without end, one thread, until killed
 SHARING_CORE = """
-import sys
 import torch
-from common.gpt import GPT, GPTConfig, adamw, lm_loss
+from benchmarks.op_costs import gpt_step
 torch.set_num_threads(1)
-model = GPT(GPTConfig(**{shape!r}))
-optimizer = adamw(list(model.parameters()), 3e-4, 0.1)
-ids = torch.randint(0, {vocab}, ({rows}, {block}))
+step = gpt_step({shape!r}, {rows})
 for _ in range(3):
-    lm_loss(model(ids), ids).backward()
+    step()
 print("ready", flush=True)
 while True:
-    lm_loss(model(ids), ids).backward()
-    optimizer.step()
-    optimizer.zero_grad()
+    step()
 """
 
 
@@ -479,22 +478,9 @@ def shared_core_ratio(model_shape: dict, rows: int, rounds: int = 3) -> float:
 
     import torch.distributed as dist
 
-    from common.gpt import GPT, GPTConfig, adamw, lm_loss
-
-    torch.manual_seed(0)
-    model = GPT(GPTConfig(**model_shape))
-    optimizer = adamw(list(model.parameters()), 3e-4, 0.1)
-    ids = torch.randint(0, model_shape["vocab_size"], (rows, model_shape["block_size"]))
-
-    def step() -> float:
-        started = time.perf_counter()
-        lm_loss(model(ids), ids).backward()
-        optimizer.step()
-        optimizer.zero_grad()
-        return time.perf_counter() - started
-
-    code = SHARING_CORE.format(shape=model_shape, vocab=model_shape["vocab_size"], rows=rows,
-                               block=model_shape["block_size"])  # fmt: skip
+    each_phase = gpt_step(model_shape, rows)
+    step = lambda: sum(each_phase())  # noqa: E731 - the whole step's seconds
+    code = SHARING_CORE.format(shape=model_shape, rows=rows)
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": os.path.dirname(os.path.dirname(__file__))}
     beside = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True, env=env)
     ratios = []

@@ -105,12 +105,12 @@ def hardware_from(name: str, p: dict) -> Hardware:
     link = lambda spec: Link(spec["bandwidth_gbps"] * 1e9, spec["latency_us"] * 1e-6)  # noqa: E731
     fitted = {kind: link(spec) for kind, spec in p["fitted"].items()} if p.get("fitted") else None
     fitted_shared = {kind: link(spec) for kind, spec in (p.get("fitted_shared") or {}).items()} or None
+    ops = p.get("ops") or {}
     peak, bandwidth = {k: v * 1e12 for k, v in p["peak_tflops"].items()}, p["memory_bandwidth_gbps"] * 1e9
     return Hardware(name, p["description"], peak, p["memory_gb"] * 2**30, bandwidth, p["gpus_per_node"],
                     link(p["intra_node"]), link(p["inter_node"]), p["overlaps_communication"],
                     op_model_from(p, peak, bandwidth), fitted, p.get("cores"),
-                    (p.get("ops") or {}).get("shared_core_ratio", 2.0), fitted_shared,
-                    (p.get("ops") or {}).get("late_receive_us", 0.0) * 1e-6)  # fmt: skip
+                    ops.get("shared_core_ratio", 2.0), fitted_shared, ops.get("late_receive_us", 0.0) * 1e-6)  # fmt: skip
 
 
 def hardware_names() -> list[str]:
