@@ -399,15 +399,16 @@ DIMENSION_GROUP = {
     "pp": ("pp",),
     "dp_replicate": ("dp_replicate",),
     "ep": ("ep",),
+    "pp_step": ("pp",),
 }
 
 
 def traffic_seconds(traffic, layout: Layout, hw: Hardware, calls: dict | None = None) -> dict:
     """Seconds per dimension of one step's traffic (a Theory's `traffic`); `calls` per kind (counted, if
     known) spread over the dimensions in proportion to their bytes, else one message per kind and dimension.
-    The pipeline's sends are its micro-batches'; its other collectives (the loss broadcast for the log, the tied
-    embedding's gradient all-reduced between the first and the last stage) run once a step, after the schedule:
-    `pp_step`. On a CPU whose ranks share its cores, each call at the fit measured so (`fitted_shared`)."""
+    Each in the term its piece names (Traffic.term: a pipeline's loss broadcast and tied embedding's all-reduce
+    run once a step, after the schedule, `pp_step`), else its dimension's. On a CPU whose ranks share its
+    cores, each call at the fit measured so (`fitted_shared`)."""
     shared = hw.fitted_shared if hw.cores and layout.world_size > hw.cores and hw.fitted_shared else None
     by_kind, known = {}, {}  # per kind: the bytes of the traffic whose calls are not known; the calls known
     for t in traffic:
@@ -417,9 +418,7 @@ def traffic_seconds(traffic, layout: Layout, hw: Hardware, calls: dict | None = 
             known[t.kind] = known.get(t.kind, 0) + t.calls
     seconds: dict[str, float] = {}
     for t in traffic:
-        # ep's all-to-alls wait in every MoE block (exposed, as tp's); its other collectives (the experts'
-        # gradients over their replicas, the balancing counts) are data parallelism's
-        by = t.by if t.by != "ep" or t.kind == "all_to_all" else "ep_data_parallel"
+        by = t.term or t.by  # the term the piece prices it in (Traffic.term), else its own dimension
         dims = DIMENSION_GROUP.get(by) or (layout.shard_dims or ("dp_shard",))
         if t.calls is not None:
             n_calls = t.calls
@@ -431,7 +430,6 @@ def traffic_seconds(traffic, layout: Layout, hw: Hardware, calls: dict | None = 
             spent = 0.0 if t.kind == "recv" else n_calls * fit.latency + t.bytes / fit.bandwidth
         else:
             spent = collective_seconds(t.kind, t.bytes, t.ranks, link_of(layout, dims, hw), n_calls)
-        by = "pp_step" if by == "pp" and t.kind not in ("send", "recv") else by
         seconds[by] = seconds.get(by, 0.0) + spent
     return seconds
 

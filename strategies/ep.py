@@ -51,6 +51,10 @@ from common.moe import moe_layers, run_experts
 from strategies.layout import Layout, Mistake, Traffic, chunk_rows, stream_dtype, submesh
 from strategies.piece import Context, Piece, Plan, Theory
 
+# ep's all-to-alls wait in every MoE block (exposed, as tp's); its all-reduces (the experts' gradients over their
+# replicas, the balancing counts) are priced with the data parallel ones (Traffic.term)
+DATA_PARALLEL = "ep_data_parallel"
+
 MISTAKES = {  # each: what it is, and the runs under which it is one
     "combine_without_router_weights": Mistake.of(
         "ep", "the experts' outputs summed as they come back, not weighted by the router"
@@ -266,10 +270,14 @@ def sent(t: Theory) -> list[Traffic]:
     calls = moe.n_layer * work.micro_batches  # MoE forwards a step
     token_ranks = layout.dp * layout.cp  # the ranks whose tokens make the batch (`apply`'s data group)
     if moe.n_experts and moe.aux_loss_coef > 0 and token_ranks > 1:
-        traffic.append(Traffic("all_reduce", calls * moe.n_experts * 4, token_ranks, "ep"))
+        traffic.append(
+            Traffic("all_reduce", calls * moe.n_experts * 4, token_ranks, "ep", term=DATA_PARALLEL)
+        )
     # under a capacity: the (ranks, experts) table of int64 counts (refused under cp)
     if moe.n_experts and moe.capacity_factor > 0 and layout.dp > 1:
-        traffic.append(Traffic("all_reduce", calls * layout.dp * moe.n_experts * 8, layout.dp, "ep"))
+        traffic.append(
+            Traffic("all_reduce", calls * layout.dp * moe.n_experts * 8, layout.dp, "ep", term=DATA_PARALLEL)
+        )
     if layout.ep == 1:
         return traffic
     a2a = wire = 0
@@ -283,7 +291,9 @@ def sent(t: Theory) -> list[Traffic]:
         wire += (rows - 2 * record["own_rows"]) * record["row_bytes"]
     traffic.append(Traffic("all_to_all", a2a, layout.ep, "ep", wire=wire))
     if token_ranks > layout.ep:  # the experts' gradients over the ranks that hold the same experts
-        traffic.append(Traffic("all_reduce", expert_bytes, token_ranks // layout.ep, "ep"))
+        traffic.append(
+            Traffic("all_reduce", expert_bytes, token_ranks // layout.ep, "ep", term=DATA_PARALLEL)
+        )
     return traffic
 
 

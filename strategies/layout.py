@@ -190,6 +190,10 @@ class Traffic:
     calls: int | None = (
         None  # how many calls a step, where the piece knows it (else a share of those counted)
     )
+    # the step's term that prices it, where not its piece's own (planning/cost_model.py): a pipeline's
+    # collectives once a step after its schedule ("pp_step"), ep's gradient and counts all-reduces with the data
+    # parallel ones ("ep_data_parallel"); the bytes stay its piece's
+    term: str | None = None
 
     @property
     def wire_bytes(self) -> float:

@@ -376,11 +376,13 @@ def sent(t: Theory) -> list[Traffic]:
     traffic = [
         Traffic(kind, boundaries * m * activation, 2, "pp", calls=boundaries * m) for kind in ("send", "recv")
     ]
-    traffic.append(Traffic("broadcast", 4, p, "pp", calls=1))
+    traffic.append(Traffic("broadcast", 4, p, "pp", calls=1, term="pp_step"))  # the loss, for the log
     first, last = holder(0, p, schedule), holder(n_stages - 1, p, schedule)
     if work.model.tie_weights and first != last and pp_rank in (first, last):
         tied = next(shape for name, shape in t.held if name in ("tok_emb.weight", "head.weight"))
-        traffic.append(Traffic("all_reduce", t.rest_bytes("tok_emb.weight", tied), 2, "pp", calls=1))
+        traffic.append(
+            Traffic("all_reduce", t.rest_bytes("tok_emb.weight", tied), 2, "pp", calls=1, term="pp_step")
+        )
     return [t for t in traffic if t.bytes]
 
 

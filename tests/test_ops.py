@@ -295,7 +295,8 @@ def test_collectives_of_ranks_beyond_the_cores_take_the_fit_measured_so_and_the_
     traffic = [Traffic("all_reduce", 10**6, 2, "tp")]
     assert traffic_seconds(traffic, Layout(tp=2), hw)["tp"] == pytest.approx(1e-3 + 1e-3)
     assert traffic_seconds(traffic, Layout(tp=2, dp_shard=2), hw)["tp"] == pytest.approx(4e-3 + 2e-3)
-    piped = [Traffic("all_reduce", 10**6, 2, "pp", calls=1), Traffic("broadcast", 4, 2, "pp", calls=1)]
+    piped = [Traffic("all_reduce", 10**6, 2, "pp", calls=1, term="pp_step"),  # as strategies/pp.py labels them
+             Traffic("broadcast", 4, 2, "pp", calls=1, term="pp_step")]  # fmt: skip
     seconds = traffic_seconds(piped, Layout(pp=2), hw)
     assert "pp" not in seconds and seconds["pp_step"] == pytest.approx(1e-3 + 1e-3 + 1e-4 + 4e-9)
     # 12 all-reduces counted: the tied one the pipeline knows of, the other 11 tp's (not spread by bytes: the
