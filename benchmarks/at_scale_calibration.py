@@ -16,15 +16,17 @@ step from its recorded ops and its collectives, compare.
    gloo's all-reduce latency 894-1,628 us): one thread's matmul peak and copy bandwidth;
    gloo's collectives on 2 ranks as a step issues them (each after some compute: back to back they are up to 4x
    faster here), their mean time fitted per kind as latency + bytes / bandwidth, and again on 4 ranks in pairs
-   (the 4-rank layouts' case: 2 ranks a core); and the op model
+   (the 4-rank layouts' case: 2 ranks a core), each call with a new partner (and a pipeline's send and receive)
+   and each with its last call's; and the op model
    (benchmarks/op_costs.py): every op the layouts' fake ranks recorded, timed at its own shapes in two processes
    at once (two ranks on two cores), what a one-process step costs beyond its ops (per op, forward and backward;
    per optimizer step), a redistribute's Python, a DTensor op's (forward, backward, and per DTensor an optimizer
    step takes), FSDP's hooks per unshard and reduce-scatter, and what two processes sharing a core cost.
 3. The prediction of each step: predict_step on the run's layout, workload and flags, its recorded ops priced by
    the op model, its counted collectives by the fit; a layout of more ranks than cores has its compute slowed
-   by ranks / cores and by what sharing a core costs beyond that, and a rank waiting in a pipeline's bubble
-   lends its core to another stage's rank. Nothing of a run's measured time enters its prediction.
+   by ranks / cores and by what sharing a core costs beyond that, its pipeline's sends in the cores' work, and a
+   rank waiting in a pipeline's bubble lends its core to another stage's rank. Nothing of a run's measured time
+   enters its prediction.
 Writes <output_dir>/<UTC time>/: calibration.md (the table docs/at_scale.md shows), calibration.json (rows
 {layout, ranks, measured_step_s, predicted_step_s}), this_machine.yaml and this_machine_ops.json (the profile
 planning/hardware.yaml keeps, pasted by hand, with this command), and every run's folder.
@@ -121,7 +123,8 @@ def measure_profile(traced: list[dict], work: Workload, args) -> tuple[dict, dic
         "inter_node": link,
         "overlaps_communication": False,
         "fitted": fitted,
-        "fitted_shared": fitted_shared,
+        "fitted_shared": fitted_shared.get("switching"),
+        "fitted_shared_same_group": fitted_shared.get("same_group"),
         "ops": {**ops, "measured_ops": "this_machine_ops.json"},
     }
     return profile, measured_ops
@@ -240,7 +243,9 @@ def markdown(rows: list[dict], profile: dict, command: str) -> str:
                                  for kind, f in fits.items())  # fmt: skip
     fitted = fit(profile["fitted"])
     if profile.get("fitted_shared"):
-        fitted += f"; on 4 ranks (pairs, the 2 cores shared): {fit(profile['fitted_shared'])}"
+        fitted += f"; on 4 ranks (pairs, the 2 cores shared), a new partner: {fit(profile['fitted_shared'])}"
+    if profile.get("fitted_shared_same_group"):
+        fitted += f"; the last call's partner: {fit(profile['fitted_shared_same_group'])}"
     ops = profile["ops"]
     gaps, dtensor = ops["eager_gaps"], ops["dtensor_gaps"]
     lines = [

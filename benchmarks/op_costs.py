@@ -507,14 +507,20 @@ COLLECTIVE_BYTES = [2**k for k in range(14, 23, 2)]  # 16 KB to 4 MB: what a lay
 COMPUTE_BETWEEN = 256  # a 256-square matmul (about 0.3 ms here) three times between two collectives
 
 
-def collectives_between_compute() -> list[dict]:
+def collectives_between_compute(same_group: bool = False) -> list[dict]:
     """gloo's collectives as a training step issues them: each after some compute, the two ranks not in lockstep
     (back to back, as a collectives benchmark times them, a 1 MB all-reduce took 0.75 ms here; after 1 ms of
     matmuls, 2.9 ms). Per kind and size: the MEAN time of (compute + collective) minus the compute's alone. A
     step's time is the sum of its collectives, so their mean is what it pays: two ranks' threads (compute and
     gloo's) on two cores leave a long tail (a 128 KB all-reduce after 1 ms of matmuls: median 1.3 ms, mean 1.9;
     in a tp run's profile, 95 waits: median 1.2 ms, mean 2.1). The median, used before, dropped it: tp's 19
-    all-reduces a step were priced at 9.6 ms against the 40 ms the profile shows them waiting."""
+    all-reduces a step were priced at 9.6 ms against the 40 ms the profile shows them waiting.
+
+    On 4 ranks (2 a core) the ranks pair as a 2 x 2 layout's two dimensions: each call with the partner of its
+    rank's previous one (`same_group`, as tp's chained all-reduces) or each with the other partner (as FSDP's
+    all-gathers between tp's all-reduces). The compute alone is timed in a phase of its own, every rank computing:
+    timed between the collectives (the 2-rank way) it ran while the other pair waited in theirs, on a core less
+    shared than a step's, and a 64 KB all-reduce read 2.4-2.9 ms against 1.6-2.4 measured by phases."""
     import warnings
 
     import torch.distributed as dist
@@ -523,37 +529,60 @@ def collectives_between_compute() -> list[dict]:
     torch.set_num_threads(1)
     rank, world = dist.get_rank(), dist.get_world_size()
     a, b = torch.randn(COMPUTE_BETWEEN, COMPUTE_BETWEEN), torch.randn(COMPUTE_BETWEEN, COMPUTE_BETWEEN)
-    groups = [
-        None
-    ]  # 2 ranks: the world; 4: pairs as a 2 x 2 layout's two dimensions, in turn (a rank waits on
-    if world == 4:  # one partner, then on the other, as dp_shard x tp's FSDP and tp collectives chain all 4)
+    groups = [None]  # 2 ranks: the world
+    if world == 4:
         rows = [dist.new_group([0, 1]), dist.new_group([2, 3])]
         columns = [dist.new_group([0, 2]), dist.new_group([1, 3])]
-        groups = [rows[rank // 2], columns[rank % 2]]
+        groups = [rows[rank // 2]] if same_group else [rows[rank // 2], columns[rank % 2]]
     size_of = dist.get_world_size(groups[0])
 
     def compute():
         for _ in range(3):
             torch.mm(a, b)
 
+    def timed(run=None, calls: int = 60) -> list[float]:
+        took = []
+        for i in range(calls):
+            started = time.perf_counter()
+            compute()
+            if run:
+                run(groups[i % len(groups)])
+            took.append(time.perf_counter() - started)
+        return took
+
+    partner = (rank + world // 2) % world  # a pipeline's next or previous stage (the outer dimension)
+
+    def exchange(
+        tensor: torch.Tensor,
+    ) -> None:  # a stage's send and receive, one each way, as torch's schedules
+        first, then = (dist.isend, dist.irecv) if rank < partner else (dist.irecv, dist.isend)
+        for op in (first, then):  # post them (batch_isend_irecv); each work waited on once
+            for work in dist.batch_isend_irecv([dist.P2POp(op, tensor, partner)]):
+                work.wait()
+
     rows = []
-    for kind in ("all_reduce", "all_gather", "reduce_scatter"):
+    # 4 ranks, each call with a new partner: also a pipeline's sends on shared cores, priced a send and a receive
+    kinds = ("all_reduce", "all_gather", "reduce_scatter") + (
+        ("send",) if world > 2 and not same_group else ()
+    )
+    for kind in kinds:
         for size in COLLECTIVE_BYTES:
             whole = torch.zeros(size // 4)
             part = torch.zeros(size // 4 // size_of)
             run = {"all_reduce": lambda g: dist.all_reduce(whole, group=g),  # noqa: B023
                    "all_gather": lambda g: dist.all_gather_into_tensor(whole, part, group=g),  # noqa: B023
-                   "reduce_scatter": lambda g: dist.reduce_scatter_tensor(part, whole, group=g)}[kind]  # fmt: skip
+                   "reduce_scatter": lambda g: dist.reduce_scatter_tensor(part, whole, group=g),  # noqa: B023
+                   "send": lambda g: exchange(whole)}[kind]  # noqa: B023 # fmt: skip
             dist.barrier()
-            both, alone = [], []
-            for i in range(60):
-                started = time.perf_counter()
-                compute()
-                run(groups[i % len(groups)])
-                both.append(time.perf_counter() - started)
-                started = time.perf_counter()
-                compute()
-                alone.append(time.perf_counter() - started)
+            if world <= 2:  # each rank its own core: the compute alone between the collectives
+                both, alone = [], []
+                for _ in range(60):
+                    both += timed(run, 1)
+                    alone += timed(None, 1)
+            else:
+                alone = timed(None)
+                dist.barrier()
+                both = timed(run)
             seconds = max(statistics.mean(both) - statistics.mean(alone), 1e-6)
             rows.append({"op": kind, "bytes": size, "time_us": seconds * 1e6})
     return rows
@@ -606,9 +635,12 @@ def worker(args):
     accelerator = make_accelerator(RunArgs(), scratch_folder(args))
     collective_rows = collectives_between_compute()
     late_receive = late_receive_us() if dist.get_world_size() == 2 else None
-    if not args.spec:  # the collectives alone (4 ranks on the 2 cores)
+    if not args.spec:  # the collectives alone (4 ranks on the 2 cores), and each with its last call's partner
+        same_group_rows = collectives_between_compute(same_group=True)
         if accelerator.is_main_process:
-            write_result(args.result, {"collective_rows": collective_rows})
+            write_result(
+                args.result, {"collective_rows": collective_rows, "same_group_rows": same_group_rows}
+            )
         return accelerator
     with open(args.spec, "rb") as handle:
         spec = pickle.load(handle)
@@ -631,9 +663,10 @@ def fitted_of(rows: list[dict]) -> dict:
 
 def measure_this_machine(spec: dict, timeout_s: float = 1800) -> tuple[dict, dict, dict]:
     """The op model's figures and gloo's fit per kind (latency + bytes / bandwidth), measured on 2 ranks; and the
-    same fit on twice as many ranks as cores, in pairs (what a 4-rank layout's collectives cost on 2 cores: each
+    same fits on twice as many ranks as cores, in pairs (what a 4-rank layout's collectives cost on 2 cores: each
     rank's compute shares a core, and a partner may wait for its turn on one; a collective between two of 4 ranks
-    here took 1.3-2.3x what it took between 2 ranks)."""
+    here took 1.3-2.3x what it took between 2 ranks): {"switching": each call with a new partner, "same_group":
+    each with its last call's}."""
     with tempfile.TemporaryDirectory() as folder:
         path = os.path.join(folder, "spec.pickle")  # OpCall replays hold dtypes and TensorSpecs: not JSON
         with open(path, "wb") as handle:
@@ -645,7 +678,12 @@ def measure_this_machine(spec: dict, timeout_s: float = 1800) -> tuple[dict, dic
     return (
         fitted_of(result["collective_rows"]),
         result["ops"],
-        fitted_of(shared["collective_rows"]) if shared else {},
+        {
+            "switching": fitted_of(shared["collective_rows"]),
+            "same_group": fitted_of(shared["same_group_rows"]),
+        }
+        if shared
+        else {},
     )
 
 

@@ -69,13 +69,34 @@ def _nbytes(tree) -> int:
     return sum(t.numel() * t.element_size() for t in tree_flatten(tree)[0] if isinstance(t, torch.Tensor))
 
 
+def group_of(args: tuple) -> str | None:
+    """The name of the process group a c10d op runs on: its ProcessGroup argument's (in-place ops), or the last
+    string argument (functional ops take the group's name last: all_reduce(input, op, group_name))."""
+    import torch.distributed as dist
+
+    for arg in args:
+        if isinstance(arg, torch.ScriptObject) and arg._type().qualified_name().endswith("ProcessGroup"):
+            return dist.ProcessGroup.unbox(arg).group_name
+    names = [arg for arg in args if isinstance(arg, str)]
+    return names[-1] if names else None
+
+
 class CollectiveCounter(TorchDispatchMode):
-    """`with CollectiveCounter() as counter: ...` then `counter.calls` and `counter.bytes`, by kind."""
+    """`with CollectiveCounter() as counter: ...` then `counter.calls` and `counter.bytes`, by kind, and
+    `counter.switched`: the calls on a process group other than the previous call's (on a CPU with more ranks
+    than cores, a collective with a new partner waits longer: benchmarks/op_costs.collectives_between_compute)."""
 
     def __init__(self):
         super().__init__()
         self.calls: Counter = Counter()
         self.bytes: Counter = Counter()
+        self.switched: Counter = Counter()
+        self.last_group: str | None = None
+
+    def passed(self, group: str) -> None:
+        """A call on `group` the counted code makes but does not run here (a fake rank's pipeline sends: it calls
+        its stage directly): the next call on another group is one with a new partner."""
+        self.last_group = group
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         result = func(*args, **(kwargs or {}))
@@ -83,6 +104,9 @@ class CollectiveCounter(TorchDispatchMode):
         kind = KINDS.get(name) if "c10d" in namespace else None
         if kind:
             self.calls[kind] += 1
+            group = group_of(args)
+            self.switched[kind] += self.last_group is not None and group != self.last_group
+            self.last_group = group
             self.bytes[kind] += self._message_bytes(kind, namespace == "c10d", args, result)
         return result
 

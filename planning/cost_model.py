@@ -43,7 +43,7 @@ from common.config import require
 from common.gpt import GPTConfig, parameter_count
 from common.moe import active_parameter_count
 from planning.ops import OpCall, OpModel, op_model_from
-from planning.timeline import rank_of_stage, step_seconds
+from planning.timeline import rank_of_stage, simulate, step_seconds
 from strategies.layout import DIMS, Layout, Workload, stream_dtype
 from strategies.pp import SCHEDULES
 from strategies.replicate import replicates_whole_model
@@ -86,7 +86,10 @@ class Hardware:
     # a CPU's step of two processes sharing one core against one alone: 2.0 if time-slicing cost nothing (the
     # switches and the caches each process refills cost more, measured: benchmarks/op_costs.shared_core_ratio)
     shared_core_ratio: float = 2.0
-    fitted_shared: dict | None = None  # as `fitted`, measured with twice as many ranks as cores
+    fitted_shared: dict | None = None  # as `fitted`, measured with twice as many ranks as cores, each call's
+    fitted_shared_same_group: dict | None = (
+        None  # partner another than its rank's last call's; and the same one
+    )
     # a pipeline's receive posted after its data was sent: what it waits for the sender's side to answer
     late_receive_s: float = 0.0
 
@@ -105,12 +108,15 @@ def hardware_from(name: str, p: dict) -> Hardware:
     link = lambda spec: Link(spec["bandwidth_gbps"] * 1e9, spec["latency_us"] * 1e-6)  # noqa: E731
     fitted = {kind: link(spec) for kind, spec in p["fitted"].items()} if p.get("fitted") else None
     fitted_shared = {kind: link(spec) for kind, spec in (p.get("fitted_shared") or {}).items()} or None
+    same_group = {
+        kind: link(spec) for kind, spec in (p.get("fitted_shared_same_group") or {}).items()
+    } or None
     ops = p.get("ops") or {}
     peak, bandwidth = {k: v * 1e12 for k, v in p["peak_tflops"].items()}, p["memory_bandwidth_gbps"] * 1e9
     return Hardware(name, p["description"], peak, p["memory_gb"] * 2**30, bandwidth, p["gpus_per_node"],
                     link(p["intra_node"]), link(p["inter_node"]), p["overlaps_communication"],
-                    op_model_from(p, peak, bandwidth), fitted, p.get("cores"),
-                    ops.get("shared_core_ratio", 2.0), fitted_shared, ops.get("late_receive_us", 0.0) * 1e-6)  # fmt: skip
+                    op_model_from(p, peak, bandwidth), fitted, p.get("cores"), ops.get("shared_core_ratio", 2.0),
+                    fitted_shared, same_group, ops.get("late_receive_us", 0.0) * 1e-6)  # fmt: skip
 
 
 def hardware_names() -> list[str]:
@@ -403,13 +409,18 @@ DIMENSION_GROUP = {
 }
 
 
-def traffic_seconds(traffic, layout: Layout, hw: Hardware, calls: dict | None = None) -> dict:
+def traffic_seconds(
+    traffic, layout: Layout, hw: Hardware, calls: dict | None = None, switched: dict | None = None
+) -> dict:
     """Seconds per dimension of one step's traffic (a Theory's `traffic`); `calls` per kind (counted, if
     known) spread over the dimensions in proportion to their bytes, else one message per kind and dimension.
     Each in the term its piece names (Traffic.term: a pipeline's loss broadcast and tied embedding's all-reduce
     run once a step, after the schedule, `pp_step`), else its dimension's. On a CPU whose ranks share its
-    cores, each call at the fit measured so (`fitted_shared`)."""
+    cores, each call at the fits measured so: `switched` (per kind, the share of its calls on a group other than
+    the rank's previous call's, as fake ranks count them; all, if not known) at `fitted_shared`, the rest at
+    `fitted_shared_same_group`."""
     shared = hw.fitted_shared if hw.cores and layout.world_size > hw.cores and hw.fitted_shared else None
+    same_group = (hw.fitted_shared_same_group or {}) if shared else {}
     by_kind, known = {}, {}  # per kind: the bytes of the traffic whose calls are not known; the calls known
     for t in traffic:
         if t.calls is None:
@@ -426,12 +437,35 @@ def traffic_seconds(traffic, layout: Layout, hw: Hardware, calls: dict | None = 
             share = t.bytes / by_kind[t.kind] if by_kind[t.kind] else 0
             n_calls = max(1, round(max((calls or {}).get(t.kind, 1) - known.get(t.kind, 0), 1) * share))
         fit = (shared or hw.fitted or {}).get(t.kind)
-        if fit:  # measured per call on this group size: latency + the message's bytes / the fitted bandwidth
+        if fit and t.kind in same_group:  # the calls with a new partner at one fit, the others at the other
+            new = (switched or {}).get(t.kind, 1.0)
+            spent = sum(share * (n_calls * f.latency + t.bytes / f.bandwidth)
+                        for share, f in ((new, fit), (1 - new, same_group[t.kind])))  # fmt: skip
+        elif (
+            fit
+        ):  # measured per call on this group size: latency + the message's bytes / the fitted bandwidth
             spent = 0.0 if t.kind == "recv" else n_calls * fit.latency + t.bytes / fit.bandwidth
         else:
             spent = collective_seconds(t.kind, t.bytes, t.ranks, link_of(layout, dims, hw), n_calls)
         seconds[by] = seconds.get(by, 0.0) + spent
     return seconds
+
+
+def own_calls(ops: dict, phase: str, ddp: bool) -> list:
+    """A fake rank's recorded calls of `phase` ([(OpCall, count)]); under a launch's DDP (`ddp`), less those
+    FSDP2's hooks ran (the fake rank's replicate: DDP's reducer is C++; a ddp rank of the calibration's GPT
+    recorded 486 ops forward, 256 of them in the hooks, where the model alone runs 170)."""
+    calls = ops["calls"].get(phase, [])
+    hooks = dict(ops.get("in_fsdp_hooks", {}).get(phase, [])) if ddp else {}
+    return [(call, n - hooks.get(call, 0)) for call, n in calls if n > hooks.get(call, 0)]
+
+
+def switched_shares(counted: dict) -> dict | None:
+    """Per kind, the share of a fake rank's calls on a group other than its previous call's (`counted`: its
+    CollectiveCounter's calls and switched)."""
+    if "switched" not in counted:
+        return None
+    return {kind: counted["switched"].get(kind, 0) / n for kind, n in counted["calls"].items() if n}
 
 
 # --------------------------------------------------------------------------------------------- the step
@@ -465,6 +499,7 @@ def predict_step(
     recompute = 1 if args.activation_checkpointing == "full" else 0
     shard = math.prod(getattr(layout, d) for d in layout.shard_dims)
     recorded = {layout.coordinate(r["rank"], "pp"): r["ops"] for r in traced or []}
+    switched = {layout.coordinate(r["rank"], "pp"): switched_shares(r["counted"]) for r in traced or []}
     # ranks beyond the cores are time-sliced: each core's work is its ranks' work, each switch between them dearer
     # than nothing (hw.shared_core_ratio); a rank that waits gives its core to another
     cores = hw.cores or layout.world_size
@@ -476,7 +511,7 @@ def predict_step(
     stages = []
     for t in per_stage:
         ops = recorded.get(layout.coordinate(t.rank, "pp"))
-        comm = traffic_seconds(t.traffic, layout, hw, calls)
+        comm = traffic_seconds(t.traffic, layout, hw, calls, switched.get(layout.coordinate(t.rank, "pp")))
         held = sum(math.prod(shape) for _, shape in t.held)
         if ops:  # the rank's own ops, over the step's m micro-batches, priced one after another
             # (a fake replica's FSDP2 hooks and DTensor parameters are not the launch's DDP: left out)
@@ -484,7 +519,7 @@ def predict_step(
                 key: {} if ddp else ops.get(key, {})
                 for key in ("dtensor_calls", "fsdp_events", "dtensor_tensors")
             }
-            phases = {phase: hw.ops.phase_seconds(phase, ops["calls"].get(phase, []),
+            phases = {phase: hw.ops.phase_seconds(phase, own_calls(ops, phase, ddp),
                                                   counted["dtensor_calls"].get(phase, 0),
                                                   ops["redistributes"].get(phase, 0),
                                                   counted["fsdp_events"].get(phase, 0),
@@ -532,9 +567,19 @@ def predict_step(
             weight_share,
             hw.late_receive_s,
         )
-        # the sends on the critical path: each hop between chunks (p v - 1 of them) once forward (the first
-        # micro-batch) and once back (the last); the bubble what is left (a send other work hides costs nothing)
-        sends_s = 2 * (layout.pp * v - 1) * send_s
+        if layout.world_size > cores:
+            # ranks beyond the cores: the cores' work holds every send and receive of a rank and each receive it
+            # posts late (the measured exchange on 4 ranks of 2 cores, hw.fitted_shared's "send"; a CPU's gloo
+            # burns it: pp 2 x dp_shard 2 kept 1.75 cores busy, 108 core-ms a 62 ms step, its compute 72)
+            probe = min(m, 4 * layout.pp)  # the late receives of a few rounds, per micro-batch
+            late = simulate(schedule, layout.pp, probe, by_chunk("forward"), by_chunk("backward"), v, send_s,
+                            weight_share, hw.late_receive_s)["late_receives"]  # fmt: skip
+            sends_s = m * max(s["exposed"]["pp"] for s in stages) + max(late) * m / probe * hw.late_receive_s
+        else:
+            # the sends on the critical path: each hop between chunks (p v - 1 of them) once forward (the first
+            # micro-batch) and once back (the last); the bubble what is left (a send other work hides costs
+            # nothing)
+            sends_s = 2 * (layout.pp * v - 1) * send_s
         pipeline_s = max(pipeline_s, work_s + sends_s)
         bubble_s = pipeline_s - work_s - sends_s
     else:

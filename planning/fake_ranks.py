@@ -140,6 +140,11 @@ def run_rank(cfg, layout: Layout, work: Workload, rank: int) -> dict:
                 with CollectiveCounter() as counter:  # the optimizer's step left out of the count, as before
                     for action in schedule_order(cfg.pp_schedule, layout.pp, stage_index, m):
                         ops.phase = "forward" if action == "F" else "backward"
+                        # the schedule's receive before the action and its send after it, between stages: a
+                        # fake rank calls its stage directly, so they are marked, not run
+                        receives = not first if action == "F" else not last
+                        if receives:
+                            counter.passed("pp")
                         if action == "F":
                             ids = torch.randint(
                                 0, work.model.vocab_size, (rows, tokens), device=accelerator.device
@@ -157,6 +162,8 @@ def run_rank(cfg, layout: Layout, work: Workload, rank: int) -> dict:
                             live += saved.bytes
                             peak_live = max(peak_live, live)
                             gathered = job.measure_window() if gathered is None else gathered
+                            if not last:
+                                counter.passed("pp")
                         else:
                             done = len(kept) - len(in_flight)  # backwards done so far
                             last_backward = done == m - 1
@@ -167,6 +174,8 @@ def run_rank(cfg, layout: Layout, work: Workload, rank: int) -> dict:
                             out = in_flight.pop(0)
                             out.backward() if last else out.backward(torch.empty_like(out))
                             live -= kept[done]
+                            if not first:
+                                counter.passed("pp")
                             if (
                                 accumulated is None and not last_backward
                             ):  # FSDP's unsharded sums, until the last
@@ -207,7 +216,11 @@ def run_rank(cfg, layout: Layout, work: Workload, rank: int) -> dict:
         "peak_estimate": round(memory_estimate(reference, layout, cfg, work, rank)["peak"]),
         "in_flight": most_in_flight,
         "grads_accumulated_unsharded": accumulated or 0,
-        "counted": {"calls": dict(counter.calls), "bytes": dict(counter.bytes)},
+        "counted": {
+            "calls": dict(counter.calls),
+            "bytes": dict(counter.bytes),
+            "switched": dict(counter.switched),
+        },
         "ops": ops.summary(),
         "sent_theory": sent_bytes(reference, layout, rank, cfg, work, routing),
         "seconds": time.perf_counter() - started,

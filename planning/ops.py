@@ -167,8 +167,9 @@ def describe(func, args: tuple, kwargs: dict, result) -> OpCall | None:
 
 class OpRecorder(TorchDispatchMode):
     """`with OpRecorder() as ops:` ... then `ops.calls[phase]` (a Counter of OpCall), `ops.dtensor_calls[phase]`
-    (DTensor ops) and `ops.dtensor_tensors[phase]` (the DTensors they took), `ops.redistributes[phase]` and
-    `ops.fsdp_events[phase]`; set `ops.phase` as the step moves on (forward, backward, step)."""
+    (DTensor ops) and `ops.dtensor_tensors[phase]` (the DTensors they took), `ops.redistributes[phase]`,
+    `ops.fsdp_events[phase]` and `ops.in_fsdp_hooks[phase]` (those of the calls FSDP2's hooks ran); set
+    `ops.phase` as the step moves on (forward, backward, step)."""
 
     def __init__(self):
         super().__init__()
@@ -178,6 +179,10 @@ class OpRecorder(TorchDispatchMode):
         self.dtensor_tensors: Counter = Counter()
         self.redistributes: Counter = Counter()
         self.fsdp_events: Counter = Counter()
+        # the ops FSDP2's hooks run (inside its record_function regions, "FSDP::..."): a launch's DDP, whose
+        # reducer is C++, runs none of them where a fake rank's replicate (FSDP2's machinery) does
+        self.in_fsdp_hooks: dict[str, Counter] = {}
+        self._regions: list[bool] = []  # the open record_function regions: FSDP's or not
         self._propagating = 0
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
@@ -197,10 +202,16 @@ class OpRecorder(TorchDispatchMode):
                 )
             return NotImplemented
         result = func(*args, **kwargs)
+        if func is torch.ops.profiler._record_function_enter_new.default:
+            self._regions.append(str(args[0]).startswith("FSDP::"))
+        elif func.overloadpacket is torch.ops.profiler._record_function_exit and self._regions:
+            self._regions.pop()
         if not self._propagating:
             call = describe(func, args, kwargs, result)
             if call is not None:
                 self.calls.setdefault(self.phase, Counter())[call] += 1
+                if any(self._regions):
+                    self.in_fsdp_hooks.setdefault(self.phase, Counter())[call] += 1
                 if call.name in FSDP_EVENTS and str(func.overloadpacket).startswith("fsdp."):
                     self.fsdp_events[self.phase] += 1
         return result
@@ -266,8 +277,8 @@ class OpRecorder(TorchDispatchMode):
         events."""
         return {"calls": {phase: list(calls.items()) for phase, calls in self.calls.items()},
                 "dtensor_calls": dict(self.dtensor_calls), "dtensor_tensors": dict(self.dtensor_tensors),
-                "redistributes": dict(self.redistributes),
-                "fsdp_events": dict(self.fsdp_events)}  # fmt: skip
+                "redistributes": dict(self.redistributes), "fsdp_events": dict(self.fsdp_events),
+                "in_fsdp_hooks": {phase: list(calls.items()) for phase, calls in self.in_fsdp_hooks.items()}}  # fmt: skip
 
 
 # ---------------------------------------------------------------------------------------------- the op model

@@ -117,7 +117,8 @@ def simulate(
     at most half, and half is what it can hide at most). `late_s`: a receive its rank posts only after the data
     was sent (each rank posts a receive when it reaches the action that needs it, as torch's schedules do), which
     waits for the sender's side to answer (gloo: the sender's thread, busy with its next micro-batch). Returns
-    step_s, each rank's busy_s, and bubble_s = step_s - the busiest rank's work."""
+    step_s, each rank's busy_s, bubble_s = step_s - the busiest rank's work, and each rank's late_receives (those
+    posted after their data was sent)."""
     stages = p * v
     per_chunk = lambda times: [times] * stages if isinstance(times, (int, float)) else list(times)  # noqa: E731
     backward = per_chunk(backward_s)
@@ -142,7 +143,7 @@ def simulate(
             queue.append((slot(a.kind, a.microbatch, a.stage), needs, sends, took_of[a.kind][a.stage]))
         queues.append(queue)
     done: list[float | None] = [None] * (m * stages * 4)
-    free, busy, position = [0.0] * p, [0.0] * p, [0] * p
+    free, busy, position, late = [0.0] * p, [0.0] * p, [0] * p, [0] * p
     remaining = sum(len(q) for q in queues)
     while remaining:
         progressed = False
@@ -155,6 +156,9 @@ def simulate(
                 # a receive posted before its data arrives ends as it arrives; posted after, late_s after it
                 ready = max([done[n] + sent if not sent or done[n] + sent > free[r] else free[r] + late_s
                              for n, sent in zip(needs, sends, strict=True)], default=0.0)  # fmt: skip
+                late[r] += sum(
+                    1 for n, sent in zip(needs, sends, strict=True) if sent and done[n] + sent <= free[r]
+                )
                 free[r] = (free[r] if free[r] > ready else ready) + took
                 busy[r] += took
                 done[here] = free[r]
@@ -164,7 +168,7 @@ def simulate(
         if not progressed:  # an order that waits on itself: a bug in `order`, never a hang
             raise RuntimeError(f"{schedule} on p {p}, m {m}, v {v}: the schedule deadlocks")
     step = max(free)
-    return {"step_s": step, "busy_s": busy, "bubble_s": step - max(busy)}
+    return {"step_s": step, "busy_s": busy, "bubble_s": step - max(busy), "late_receives": late}
 
 
 def step_seconds(

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+from collections import Counter
 from pathlib import Path
 
 import pytest
@@ -242,12 +243,17 @@ def test_a_prediction_from_recorded_ops_is_their_priced_sum():
         reference = GPT(model)
     predicted = predict_step(reference, layout, cfg, work, hw, traced=traced)
     ops = traced[0]["ops"]
-    # a launch's replicas run DDP, not the fake rank's replicate: FSDP's hooks are not priced
-    # nor DTensor's dispatch: DDP's parameters are plain tensors where replicate's are DTensors
+    # a launch's replicas run DDP, not the fake rank's replicate: FSDP's hooks are not priced, neither their
+    # Python nor the ops they run, nor DTensor's dispatch: DDP's parameters are plain tensors where replicate's
+    # are DTensors
     assert ops["dtensor_tensors"]["step"] > 0
+    hooks = {
+        name: Counter(dict(ops["in_fsdp_hooks"].get(name, []))) for name in ("forward", "backward", "step")
+    }
 
     def phase(name: str) -> float:
-        return hw.ops.phase_seconds(name, ops["calls"][name], redistributes=ops["redistributes"].get(name, 0))
+        own = [(c, n - hooks[name][c]) for c, n in ops["calls"][name] if n > hooks[name][c]]
+        return hw.ops.phase_seconds(name, own, redistributes=ops["redistributes"].get(name, 0))
 
     assert predicted["priced"] == "recorded ops"
     assert predicted["terms_s"]["compute"] == pytest.approx(phase("forward") + phase("backward"))
@@ -281,6 +287,19 @@ def test_ranks_beyond_the_cores_share_them_and_fill_each_others_pipeline_bubbles
     # the slowest stage alone, against both stages' compute (one holds the embedding, the other the head)
     assert own["compute"] < shared["compute"] < 2 * own["compute"]
     assert terms(pipelined, 2, ratio=3.0)["compute"] == pytest.approx(1.5 * shared["compute"])
+    # on shared cores every send of a rank is in the cores' work (one each micro-batch, of 4), and each receive
+    # it posts late; on its own cores, the two hops of the first and the last micro-batch
+    from planning.cost_model import stage_theories, traffic_seconds
+
+    sends = max(traffic_seconds(t.traffic, pipelined, dataclasses.replace(hw, cores=2))["pp"]
+                for t in stage_theories(reference, pipelined, cfg, work))  # fmt: skip
+    assert sends > 0 and shared["pp_sends"] == pytest.approx(sends)
+    assert own["pp_sends"] == pytest.approx(2 * (sends / 4) / 2)
+    late = dataclasses.replace(hw, cores=2, shared_core_ratio=2.0, late_receive_s=1e-3)
+    late_receives = (
+        predict_step(reference, pipelined, cfg, work, late)["terms_s"]["pp_sends"] - sends
+    ) / 1e-3
+    assert 1 <= round(late_receives) <= 2 * 4 and late_receives == pytest.approx(round(late_receives))
 
 
 def test_collectives_of_ranks_beyond_the_cores_take_the_fit_measured_so_and_the_pipelines_run_once_a_step():
@@ -299,6 +318,14 @@ def test_collectives_of_ranks_beyond_the_cores_take_the_fit_measured_so_and_the_
              Traffic("broadcast", 4, 2, "pp", calls=1, term="pp_step")]  # fmt: skip
     seconds = traffic_seconds(piped, Layout(pp=2), hw)
     assert "pp" not in seconds and seconds["pp_step"] == pytest.approx(1e-3 + 1e-3 + 1e-4 + 4e-9)
+    # a fake rank's calls with a new partner (the share `switched`) at the shared fit, the others at the fit of
+    # calls with their last call's partner
+    same = dataclasses.replace(hw, fitted_shared_same_group={"all_reduce": Link(1e9, 1e-3)})
+    blended = traffic_seconds(traffic, Layout(tp=2, dp_shard=2), same, switched={"all_reduce": 0.25})["tp"]
+    assert blended == pytest.approx(0.25 * (4e-3 + 2e-3) + 0.75 * (1e-3 + 1e-3))
+    assert traffic_seconds(traffic, Layout(tp=2), same, switched={"all_reduce": 0.25})["tp"] == pytest.approx(
+        2e-3
+    )
     # 12 all-reduces counted: the tied one the pipeline knows of, the other 11 tp's (not spread by bytes: the
     # tied gradient's 1 MB would take most of them)
     both = traffic_seconds(
@@ -335,3 +362,57 @@ def test_the_calibrations_profile_takes_each_figure_as_the_median_of_its_rounds(
     assert merged["ops"]["memory_points"] == [{"bytes": 12288, "gbps": 20.0}]
     assert merged["ops"]["gemm_points"] == [{"shape": [64, 128, 64], "gflops": 20.0}]
     assert median_of([{"op(a)": 3.0, "op(b)": 1.0}, {"op(a)": 5.0}]) == {"op(a)": 4.0}  # timed in both only
+
+
+def test_the_collective_counter_counts_the_calls_with_a_new_partner():
+    """A rank's calls on a group other than its previous call's (the first call has no previous), c10d's and the
+    functional ones alike: what a layout on shared cores pays more for (fitted_shared against its same group)."""
+    import torch.distributed._functional_collectives as funcol
+
+    from common.comm_counter import CollectiveCounter
+
+    with playing(0, 4):
+        rows, columns = dist.new_group([0, 1]), dist.new_group([0, 2])
+        tensor = torch.ones(4)
+        with CollectiveCounter() as counter:
+            dist.all_reduce(tensor, group=rows)  # the first: no partner before it
+            dist.all_reduce(tensor, group=rows)
+            dist.all_gather_into_tensor(torch.empty(8), tensor, group=columns)  # new
+            funcol.wait_tensor(funcol.all_reduce(tensor, "sum", columns))
+            funcol.wait_tensor(funcol.all_reduce(tensor, "sum", rows))  # new
+    assert counter.calls == {"all_reduce": 4, "all_gather": 1}
+    assert counter.switched == {"all_reduce": 1, "all_gather": 1}
+
+
+def test_a_fake_pipeline_rank_counts_the_calls_after_its_sends_as_with_a_new_partner():
+    """A fake stage rank calls its stage directly, without the schedule's sends and receives; it marks them, so
+    tp's first all-reduce after each (a forward after a send or a receive, a backward after a receive) counts as
+    a call with a new partner. Under tp alone, none: every all-reduce has the partner of the one before."""
+    shape = {"n_layer": 2, "d_model": 64, "n_head": 4, "vocab_size": 512, "block_size": 32}
+    cfg = Config(model="custom", world_size=4, pp_microbatches=4, **shape)
+    work = Workload(GPTConfig(**shape), 4)
+    alone = fake_rank(dataclasses.replace(cfg, world_size=2), Layout(tp=2), work, 0)["counted"]
+    assert alone["calls"]["all_reduce"] > 0 and alone["switched"].get("all_reduce", 0) == 0
+    staged = fake_rank(cfg, Layout(pp=2, tp=2), work, 0)["counted"]
+    # the first stage's 1F1B, F F B F B F B B: a forward right after a forward follows its send (1), every
+    # backward its receive (4), a forward after a backward neither (the first stage receives no input); and the
+    # tied embedding's all-reduce with the last stage after them (1)
+    assert staged["switched"]["all_reduce"] == 1 + 4 + 1, staged
+
+
+def test_a_launchs_ddp_is_priced_without_the_ops_a_fake_ranks_replicate_runs_in_fsdps_hooks():
+    """A fake world's replicas run PyTorch's replicate (FSDP2's machinery), a launch's run DDP (its reducer C++):
+    the ops recorded inside FSDP2's hooks (its record_function regions) are left out of a DDP layout's price, not
+    the model's own (every matmul stays); a layout that really runs FSDP keeps them."""
+    from planning.cost_model import own_calls
+
+    cfg = Config(model="custom", n_layer=2, d_model=64, n_head=4, vocab_size=512, block_size=32, world_size=2)
+    work = Workload(GPTConfig(n_layer=2, d_model=64, n_head=4, vocab_size=512, block_size=32), 4)
+    ops = fake_rank(cfg, Layout(dp_replicate=2), work, 0)["ops"]
+    count = lambda calls, kind=None: sum(n for c, n in calls if kind in (None, c.kind))  # noqa: E731
+    for phase in ("forward", "backward"):
+        recorded, own = ops["calls"][phase], own_calls(ops, phase, ddp=True)
+        hooks = count(ops["in_fsdp_hooks"][phase])
+        assert hooks > 0 and count(own) == count(recorded) - hooks, phase
+        assert count(own, "gemm") == count(recorded, "gemm") > 0
+        assert own_calls(ops, phase, ddp=False) == recorded

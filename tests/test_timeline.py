@@ -74,6 +74,7 @@ def test_a_receive_posted_after_its_data_was_sent_waits_for_the_sender_to_answer
     assert simulate("1f1b", 2, 2, 1.0, 2.0, send_s=0.1)["step_s"] == pytest.approx(9.2)
     late = simulate("1f1b", 2, 2, 1.0, 2.0, send_s=0.1, late_s=0.5)
     assert late["step_s"] == pytest.approx(9.7) and late["busy_s"] == pytest.approx([6.0, 6.0])
+    assert late["late_receives"] == [0, 1]  # stage 1's F1, the only one
 
 
 def test_an_interleaved_step_needs_whole_rounds_of_microbatches():
