@@ -29,7 +29,8 @@ step from its recorded ops and its collectives, compare.
    enters its prediction.
 Writes <output_dir>/<UTC time>/: calibration.md (the table docs/at_scale.md shows), calibration.json (rows
 {layout, ranks, measured_step_s, predicted_step_s}), this_machine.yaml and this_machine_ops.json (the profile
-planning/hardware.yaml keeps, pasted by hand, with this command), and every run's folder.
+planning/hardware.yaml keeps, pasted by hand, with this command), this_machine_rounds.json (each round's
+profile), and every run's folder.
 """
 
 from __future__ import annotations
@@ -217,6 +218,10 @@ def main(argv: list[str] | None = None) -> int:
         profiles.append(measure_profile([r for ranks in traced for r in ranks], work, args))
     profile, measured_ops = median_of([p for p, _ in profiles]), median_of([ops for _, ops in profiles])
     profile["description"] += f"; each figure the median of {len(profiles)} rounds"
+    # the step beyond its ops fitted from the rounds' median points (each figure's own median need not go through
+    # the points of any round); each round's profile kept beside it
+    profile["ops"]["eager_gaps"] = op_costs.gaps_of(profile["ops"]["eager_gaps"].pop("points"))
+    (folder / "this_machine_rounds.json").write_text(json.dumps([p for p, _ in profiles], indent=1))
     (folder / "this_machine.yaml").write_text(yaml.safe_dump({"this_machine": profile}, sort_keys=False))
     (folder / "this_machine_ops.json").write_text(json.dumps(measured_ops, indent=0))
     hardware = hardware_from(
@@ -234,7 +239,8 @@ def main(argv: list[str] | None = None) -> int:
         argv if argv is not None else sys.argv[1:]
     )
     table = markdown(rows, profile, command.strip())
-    write_table(folder, "calibration", table, rows, also=", this_machine.yaml, this_machine_ops.json")
+    write_table(folder, "calibration", table, rows,
+                also=", this_machine.yaml, this_machine_ops.json, this_machine_rounds.json")  # fmt: skip
     return 0 if all("error" not in r for r in rows) else 1
 
 

@@ -163,8 +163,15 @@ def merged(results: list[dict]) -> dict:
                                           "fsdp_overhead_us", "shared_core_ratio") if key in results[0]}  # fmt: skip
     for gaps in ("eager_gaps", "dtensor_gaps"):
         figures[gaps] = {
-            k: round((v + results[1][gaps][k]) / 2, 2) for k, v in results[0].get(gaps, {}).items()
+            k: round((v + results[1][gaps][k]) / 2, 2)
+            for k, v in results[0].get(gaps, {}).items()
+            if k != "points"
         }
+    if "points" in results[0].get("eager_gaps", {}):  # the two ranks' points averaged, then fitted
+        points = {phase: [{**p, "beyond_us": round((p["beyond_us"] + q["beyond_us"]) / 2, 2)}
+                          for p, q in zip(ranks_points, results[1]["eager_gaps"]["points"][phase], strict=True)]
+                  for phase, ranks_points in results[0]["eager_gaps"]["points"].items()}  # fmt: skip
+        figures["eager_gaps"] = {**gaps_of(points), "points": points}
     both = results[0]["measured_ops"].keys() & results[1]["measured_ops"].keys()
     figures["measured_ops"] = {k: round((results[0]["measured_ops"][k] + results[1]["measured_ops"][k]) / 2, 3)
                               for k in sorted(both)}  # fmt: skip
@@ -246,17 +253,27 @@ def eager_gaps(model_shape: dict, rows: int, budget_s: float, timed: dict) -> di
     for size, step in steps.items():
         with OpRecorder() as recorders[size]:
             step(recorders[size])
-    gaps, points = {}, {}
+    points = {}
     for i, phase in enumerate(("forward", "backward", "step")):
         points[phase] = []
         for size in sizes:
             calls = recorders[size].calls.get(phase, {})
             beyond = statistics.median(t[i] for t in took[size]) - replayed_seconds(calls, timed, budget_s)
-            points[phase].append(
-                (sum(calls.values()), sum(c * call.bytes for call, c in calls.items()), beyond)
-            )
+            points[phase].append({"ops": sum(calls.values()), "bytes": sum(c * call.bytes for call, c in calls.items()),
+                                  "beyond_us": round(beyond * 1e6, 2)})  # fmt: skip
+    return {**gaps_of(points), "points": points}
+
+
+def gaps_of(points: dict) -> dict:
+    """eager_gaps' figures from its points (per phase, per size: the ops, the bytes they move, the seconds beyond
+    them): forward and backward fitted per op and per byte, the optimizer's step per step. Fitted after the points
+    are combined (two ranks' mean, rounds' median), not each figure apart: the two are solved together, and a
+    median of each apart need not go through any round's points (at the workload's rows, the one a layout runs)."""
+    gaps = {}
     for phase in ("forward", "backward"):
-        (ops_few, bytes_few, few), (ops, moved, beyond) = points[phase][0], points[phase][-1]
+        (few_point, *_, point) = points[phase]
+        ops_few, bytes_few, few = few_point["ops"], few_point["bytes"], few_point["beyond_us"] * 1e-6
+        ops, moved, beyond = point["ops"], point["bytes"], point["beyond_us"] * 1e-6
         # two sizes, two unknowns: per op and per byte; one size (rows 1), or noise that makes either negative:
         # per op alone
         determinant = ops_few * moved - ops * bytes_few
@@ -270,7 +287,7 @@ def eager_gaps(model_shape: dict, rows: int, budget_s: float, timed: dict) -> di
                 per_op, per_byte = solved
         gaps[f"{phase}_us_per_op"] = round(per_op * 1e6, 2)
         gaps[f"{phase}_us_per_mb"] = round(per_byte * 1e12, 2)
-    gaps["step_us"] = round(points["step"][-1][2] * 1e6, 2)
+    gaps["step_us"] = points["step"][-1]["beyond_us"]
     return gaps
 
 

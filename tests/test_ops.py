@@ -416,3 +416,29 @@ def test_a_launchs_ddp_is_priced_without_the_ops_a_fake_ranks_replicate_runs_in_
         assert hooks > 0 and count(own) == count(recorded) - hooks, phase
         assert count(own, "gemm") == count(recorded, "gemm") > 0
         assert own_calls(ops, phase, ddp=False) == recorded
+
+
+def test_the_step_beyond_its_ops_is_fitted_from_the_combined_points():
+    """eager_gaps' per op and per MB, solved from its two sizes' points by hand: forward 100 ops at both sizes,
+    1 MB moved and 150 us beyond them at a quarter of the rows, 4 MB and 300 us at the rows: 1 us an op and 50 us
+    a MB. The rounds' points are combined first (their median, point by point), then fitted: the fit goes
+    through the median rounds' point at the rows a layout runs."""
+    from benchmarks.at_scale_calibration import median_of
+    from benchmarks.op_costs import gaps_of
+
+    def points(few_us: float, beyond_us: float) -> dict:
+        two = [
+            {"ops": 100, "bytes": 10**6, "beyond_us": few_us},
+            {"ops": 100, "bytes": 4 * 10**6, "beyond_us": beyond_us},
+        ]
+        return {"forward": two, "backward": two, "step": [{"ops": 4, "bytes": 0, "beyond_us": 500.0}]}
+
+    gaps = gaps_of(points(150.0, 300.0))
+    assert gaps["forward_us_per_op"] == pytest.approx(1.0) and gaps["forward_us_per_mb"] == pytest.approx(
+        50.0
+    )
+    assert gaps["step_us"] == 500.0
+    rounds = [points(150.0, 300.0), points(100.0, 420.0), points(180.0, 330.0)]
+    fitted = gaps_of(median_of(rounds))
+    at_rows = lambda g: 100 * g["forward_us_per_op"] + 4 * g["forward_us_per_mb"]  # noqa: E731
+    assert at_rows(fitted) == pytest.approx(330.0)  # the rounds' median at the rows
