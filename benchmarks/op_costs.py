@@ -161,12 +161,11 @@ def merged(results: list[dict]) -> dict:
     mean = lambda key: round((results[0][key] + results[1][key]) / 2, 2)  # noqa: E731
     figures = {key: mean(key) for key in ("op_overhead_us", "view_overhead_us", "redistribute_overhead_us",
                                           "fsdp_overhead_us", "shared_core_ratio") if key in results[0]}  # fmt: skip
-    for gaps in ("eager_gaps", "dtensor_gaps"):
-        figures[gaps] = {
-            k: round((v + results[1][gaps][k]) / 2, 2)
-            for k, v in results[0].get(gaps, {}).items()
-            if k != "points"
-        }
+    figures["dtensor_gaps"] = {
+        k: round((v + results[1]["dtensor_gaps"][k]) / 2, 2)
+        for k, v in results[0].get("dtensor_gaps", {}).items()
+    }
+    figures["eager_gaps"] = {}  # none without a model to step
     if "points" in results[0].get("eager_gaps", {}):  # the two ranks' points averaged, then fitted
         points = {phase: [{**p, "beyond_us": round((p["beyond_us"] + q["beyond_us"]) / 2, 2)}
                           for p, q in zip(ranks_points, results[1]["eager_gaps"]["points"][phase], strict=True)]
@@ -569,9 +568,8 @@ def collectives_between_compute(same_group: bool = False) -> list[dict]:
 
     partner = (rank + world // 2) % world  # a pipeline's next or previous stage (the outer dimension)
 
-    def exchange(
-        tensor: torch.Tensor,
-    ) -> None:  # a stage's send and receive, one each way, as torch's schedules
+    def exchange(tensor: torch.Tensor) -> None:
+        """A stage's send and receive, one each way, as torch's schedules post them."""
         first, then = (dist.isend, dist.irecv) if rank < partner else (dist.irecv, dist.isend)
         for op in (first, then):  # post them (batch_isend_irecv); each work waited on once
             for work in dist.batch_isend_irecv([dist.P2POp(op, tensor, partner)]):

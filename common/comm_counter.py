@@ -20,6 +20,7 @@ from __future__ import annotations
 from collections import Counter
 
 import torch
+import torch.distributed as dist
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
@@ -72,8 +73,6 @@ def _nbytes(tree) -> int:
 def group_of(args: tuple) -> str | None:
     """The name of the process group a c10d op runs on: its ProcessGroup argument's (in-place ops), or the last
     string argument (functional ops take the group's name last: all_reduce(input, op, group_name))."""
-    import torch.distributed as dist
-
     for arg in args:
         if isinstance(arg, torch.ScriptObject) and arg._type().qualified_name().endswith("ProcessGroup"):
             return dist.ProcessGroup.unbox(arg).group_name

@@ -86,10 +86,10 @@ class Hardware:
     # a CPU's step of two processes sharing one core against one alone: 2.0 if time-slicing cost nothing (the
     # switches and the caches each process refills cost more, measured: benchmarks/op_costs.shared_core_ratio)
     shared_core_ratio: float = 2.0
-    fitted_shared: dict | None = None  # as `fitted`, measured with twice as many ranks as cores, each call's
-    fitted_shared_same_group: dict | None = (
-        None  # partner another than its rank's last call's; and the same one
-    )
+    # as `fitted`, measured with twice as many ranks as cores: each call with a partner other than its rank's
+    # last call's; and each with the same one
+    fitted_shared: dict | None = None
+    fitted_shared_same_group: dict | None = None
     # a pipeline's receive posted after its data was sent: what it waits for the sender's side to answer
     late_receive_s: float = 0.0
 
@@ -441,9 +441,8 @@ def traffic_seconds(
             new = (switched or {}).get(t.kind, 1.0)
             spent = sum(share * (n_calls * f.latency + t.bytes / f.bandwidth)
                         for share, f in ((new, fit), (1 - new, same_group[t.kind])))  # fmt: skip
-        elif (
-            fit
-        ):  # measured per call on this group size: latency + the message's bytes / the fitted bandwidth
+        elif fit:
+            # measured per call on this group size: latency + the message's bytes / the fitted bandwidth
             spent = 0.0 if t.kind == "recv" else n_calls * fit.latency + t.bytes / fit.bandwidth
         else:
             spent = collective_seconds(t.kind, t.bytes, t.ranks, link_of(layout, dims, hw), n_calls)
@@ -556,24 +555,14 @@ def predict_step(
         send_s = max(s["exposed"]["pp"] for s in stages) / 2
         # a split backward's weight half: a third of it when the backward runs the forward again first
         weight_share = 1 / 3 if args.activation_checkpointing == "full" else 1 / 2
-        pipeline_s = step_seconds(
-            schedule,
-            layout.pp,
-            m,
-            by_chunk("forward"),
-            by_chunk("backward"),
-            v,
-            send_s,
-            weight_share,
-            hw.late_receive_s,
-        )
+        timing = (by_chunk("forward"), by_chunk("backward"), v, send_s, weight_share, hw.late_receive_s)
+        pipeline_s = step_seconds(schedule, layout.pp, m, *timing)
         if layout.world_size > cores:
             # ranks beyond the cores: the cores' work holds every send and receive of a rank and each receive it
             # posts late (the measured exchange on 4 ranks of 2 cores, hw.fitted_shared's "send"; a CPU's gloo
             # burns it: pp 2 x dp_shard 2 kept 1.75 cores busy, 108 core-ms a 62 ms step, its compute 72)
             probe = min(m, 4 * layout.pp)  # the late receives of a few rounds, per micro-batch
-            late = simulate(schedule, layout.pp, probe, by_chunk("forward"), by_chunk("backward"), v, send_s,
-                            weight_share, hw.late_receive_s)["late_receives"]  # fmt: skip
+            late = simulate(schedule, layout.pp, probe, *timing)["late_receives"]
             sends_s = m * max(s["exposed"]["pp"] for s in stages) + max(late) * m / probe * hw.late_receive_s
         else:
             # the sends on the critical path: each hop between chunks (p v - 1 of them) once forward (the first

@@ -154,11 +154,11 @@ def simulate(
                 if any(done[n] is None for n in needs):
                     break
                 # a receive posted before its data arrives ends as it arrives; posted after, late_s after it
-                ready = max([done[n] + sent if not sent or done[n] + sent > free[r] else free[r] + late_s
-                             for n, sent in zip(needs, sends, strict=True)], default=0.0)  # fmt: skip
-                late[r] += sum(
-                    1 for n, sent in zip(needs, sends, strict=True) if sent and done[n] + sent <= free[r]
-                )
+                ready = 0.0
+                for n, sent in zip(needs, sends, strict=True):
+                    posted_late = bool(sent) and done[n] + sent <= free[r]
+                    late[r] += posted_late
+                    ready = max(ready, free[r] + late_s if posted_late else done[n] + sent)
                 free[r] = (free[r] if free[r] > ready else ready) + took
                 busy[r] += took
                 done[here] = free[r]
