@@ -2,15 +2,17 @@
 the ops each layout's ranks run (fake ranks: the real code on fake tensors), time those ops here, predict each
 step from its recorded ops and its collectives, compare.
 
-    python -m benchmarks.at_scale_calibration                # 9 layouts x 3 rounds, the op model: ~12 min
+    python -m benchmarks.at_scale_calibration                # 9 layouts x 5 rounds, the op model: ~15 min
     python -m benchmarks.at_scale_calibration --quick        # a tiny GPT, 12 steps: checks the figures are made
 
 1. Each layout's run: train_gpt through `accelerate launch`, one thread per rank: ddp, zero2, fsdp, tp, pp, cp on
    2 ranks, dp_shard x tp, tp x pp, pp x dp_shard on 4; its median step (forward + backward + optimizer) and the
-   collectives it counted (calls per kind). The layouts run round-robin, --rounds times (3): this VM's speed drifts
+   collectives it counted (calls per kind). The layouts run round-robin, --rounds times (5): this VM's speed drifts
    (the same one-process step took 7.6 ms of forward in one run and 15 ms in the next, minutes apart; a layout's
    step 17-39 % apart between two calibrations, measured), so each layout's step is the median of its rounds,
-   and the table shows their range.
+   and the table shows their range. Five, not three: with nothing else running, a whole round here still ran
+   up to 15 % slow or 18 % fast against the others (the VM's phases last minutes; its steal time stayed under
+   0.1 %), and three rounds' median put ddp at 0.86 in one run of four and 0.93-0.96 in the other three.
 2. The profile, measured after each round's runs, nothing else running, each figure the median of the rounds'
    (a figure measured once moved by up to 2x between measurements minutes apart: tp's redistribute 207-470 us,
    gloo's all-reduce latency 894-1,628 us): one thread's matmul peak and copy bandwidth;
@@ -27,6 +29,11 @@ step from its recorded ops and its collectives, compare.
    by ranks / cores and by what sharing a core costs beyond that, its pipeline's sends in the cores' work, and a
    rank waiting in a pipeline's bubble lends its core to another stage's rank. Nothing of a run's measured time
    enters its prediction.
+4. Other work on the machine: the share of the cores processes other than the launch used during each run (from
+   /proc/stat, less the launch's own CPU time); the table shows each layout's most over its rounds and warns when
+   a run, or the profile's measurement, shared the cores with over 5 % of other work: such a timing reads slow
+   (calibrations run while other work ran here spread a 4-rank layout's rounds by up to a third; alone, by up to
+   11 %).
 Writes <output_dir>/<UTC time>/: calibration.md (the table docs/at_scale.md shows), calibration.json (rows
 {layout, ranks, measured_step_s, predicted_step_s}), this_machine.yaml and this_machine_ops.json (the profile
 planning/hardware.yaml keeps, pasted by hand, with this command), this_machine_rounds.json (each round's
@@ -49,7 +56,7 @@ import torch
 import yaml
 
 from benchmarks import compare_strategies, mfu, op_costs
-from benchmarks.workers import benchmark_parser, dated_folder, write_table
+from benchmarks.workers import benchmark_parser, cpu_clock, dated_folder, others_share, write_table
 from common.gpt import GPT, GPTConfig
 from planning.cost_model import hardware_from, predict_step
 from planning.fake_ranks import run_ranks
@@ -177,7 +184,7 @@ def main(argv: list[str] | None = None) -> int:
         "--output_dir", default="runs/at_scale_calibration", help="a new dated folder is made in it"
     )
     parser.add_argument("--timeout_s", type=float, default=1200, help="per run")
-    parser.add_argument("--rounds", type=int, default=3,
+    parser.add_argument("--rounds", type=int, default=5,
                         help="runs of each layout, round-robin (this VM's speed drifts by tens of percent within "
                              "minutes: the median is compared and the spread shown)")  # fmt: skip
     args = parser.parse_args(argv)
@@ -195,14 +202,18 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"--rounds {args.rounds}: at least 1")
     runs, finished, rows = runs_of(strategies, not args.no_layouts_of_4), [], []
     steps_s: dict[str, list[float]] = {run.label: [] for run in runs}  # each round's median step
-    traced, profiles = [], []
+    # the share of the cores other processes used during each round's run (a disturbed timing reads slow)
+    others: dict[str, list[float | None]] = {run.label: [] for run in runs}
+    traced, profiles, profile_others = [], [], []
     for round_ in range(args.rounds):
         for run in runs:
             if round_ and not steps_s[run.label]:
                 continue  # it failed in the first round
             print(f"round {round_ + 1}/{args.rounds}: {run.label} on {run.ranks} ranks ...", flush=True)
             name = run.label.replace(" ", "_") + (f"_round{round_ + 1}" if round_ else "")
+            before = cpu_clock()
             summary = compare_strategies.run_strategy(run, folder / name, run_args)
+            others[run.label].append(others_share(before, cpu_clock()))
             if "error" in summary:
                 rows.append({"layout": run.label, "error": summary["error"]})
                 continue
@@ -215,7 +226,9 @@ def main(argv: list[str] | None = None) -> int:
             work = load_run(finished[0][1])[2] if finished else Workload(GPTConfig(), 1, 1, "no")
         print(f"round {round_ + 1}/{args.rounds}: measuring this machine: its matmul peak, gloo, the recorded ops ...",
               flush=True)  # fmt: skip
+        before = cpu_clock()
         profiles.append(measure_profile([r for ranks in traced for r in ranks], work, args))
+        profile_others.append(others_share(before, cpu_clock()))
     profile, measured_ops = median_of([p for p, _ in profiles]), median_of([ops for _, ops in profiles])
     profile["description"] += f"; each figure the median of {len(profiles)} rounds"
     # the step beyond its ops fitted from the rounds' median points (each figure's own median need not go through
@@ -233,18 +246,25 @@ def main(argv: list[str] | None = None) -> int:
         layout = Layout(**summary["metrics"]["layout"])
         rows.append({"layout": run.label, "described": layout.describe(), "ranks": layout.world_size,
                      "measured_step_s": measured, "measured_rounds_s": steps_s[run.label],
-                     "predicted_step_s": predicted["step_ms"] / 1000,
+                     "others_share_rounds": others[run.label], "predicted_step_s": predicted["step_ms"] / 1000,
                      "ratio": predicted["step_ms"] / 1000 / measured, "terms_ms": predicted["terms_ms"]})  # fmt: skip
     command = "python -m benchmarks.at_scale_calibration " + " ".join(
         argv if argv is not None else sys.argv[1:]
     )
-    table = markdown(rows, profile, command.strip())
+    table = markdown(rows, profile, command.strip(), profile_others)
     write_table(folder, "calibration", table, rows,
                 also=", this_machine.yaml, this_machine_ops.json, this_machine_rounds.json")  # fmt: skip
     return 0 if all("error" not in r for r in rows) else 1
 
 
-def markdown(rows: list[dict], profile: dict, command: str) -> str:
+BUSY = 0.05  # a run during which other processes used more of the cores than this is flagged
+
+
+def percent(share: float | None) -> str:
+    return "–" if share is None else f"{100 * share:.0f} %"
+
+
+def markdown(rows: list[dict], profile: dict, command: str, profile_others: list | None = None) -> str:
     fit = lambda fits: ", ".join(f"{kind} {f['latency_us']} us + bytes / {f['bandwidth_gbps']} GB/s"  # noqa: E731
                                  for kind, f in fits.items())  # fmt: skip
     fitted = fit(profile["fitted"])
@@ -268,20 +288,21 @@ def markdown(rows: list[dict], profile: dict, command: str) -> str:
         f"forward, {gaps['backward_us_per_op']} and {gaps.get('backward_us_per_mb', 0)} backward, {gaps['step_us']} "
         f"us an optimizer step; two processes on one core: a step {ops.get('shared_core_ratio', 2.0)}x one alone's",
         "",
-        "| layout | ranks | measured step ms (median of rounds; range) | PREDICTED step ms | predicted / measured "
-        "| predicted terms, ms |",
-        "|---|---|---|---|---|---|",
+        "| layout | ranks | measured step ms (median of rounds; range) | cores other processes used (most of "
+        "rounds) | PREDICTED step ms | predicted / measured | predicted terms, ms |",
+        "|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         if "error" in r:
-            lines.append(f"| {r['layout']} | – | {r['error']} | – | – | – |")
+            lines.append(f"| {r['layout']} | – | {r['error']} | – | – | – | – |")
             continue
         terms = ", ".join(
             f"{k} {v:.1f}" for k, v in r["terms_ms"].items() if v >= 0.05 and k != "data_parallel_total"
         )
         spread = r.get("measured_rounds_s") or [r["measured_step_s"]]
+        busy = [x for x in r.get("others_share_rounds", []) if x is not None]
         lines.append(f"| {r['layout']} | {r['ranks']} | {1000 * r['measured_step_s']:.1f} "
-                     f"({1000 * min(spread):.0f}-{1000 * max(spread):.0f}) | "
+                     f"({1000 * min(spread):.0f}-{1000 * max(spread):.0f}) | {percent(max(busy, default=None))} | "
                      f"{1000 * r['predicted_step_s']:.1f} | {r['ratio']:.2f} | {terms} |")  # fmt: skip
     done = [r for r in rows if "ratio" in r]
     if done:
@@ -291,6 +312,13 @@ def markdown(rows: list[dict], profile: dict, command: str) -> str:
         lines += ["", f"predicted / measured: {min(ratios):.2f}-{max(ratios):.2f} ({within} of {len(ratios)} within "
                   f"0.9-1.1); order by measured step: {order('measured_step_s')}; by predicted: "
                   f"{order('predicted_step_s')}"]  # fmt: skip
+    busy = [r["layout"] for r in done if any((x or 0) > BUSY for x in r.get("others_share_rounds", []))]
+    measured = [x for x in profile_others or [] if x is not None]
+    if busy or any(x > BUSY for x in measured):
+        lines += ["", f"WARNING: other processes used over {percent(BUSY)} of the cores while "
+                  + (f"{', '.join(busy)} ran" if busy else "the profile was measured")
+                  + f" (the profile's rounds: {', '.join(percent(x) for x in measured)}): a timing taken beside "
+                  "other work reads slow; run it again with nothing else running"]  # fmt: skip
     return "\n".join(lines) + "\n"
 
 

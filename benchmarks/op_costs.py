@@ -520,17 +520,22 @@ def shared_core_ratio(model_shape: dict, rows: int, rounds: int = 3) -> float:
 
 
 COLLECTIVE_BYTES = [2**k for k in range(14, 23, 2)]  # 16 KB to 4 MB: what a layout's collectives carry here
+# each size's calls: on 2 ranks each one beside a compute alone; on 4 ranks in 4 turns with the compute alone (60
+# calls, timed once, fitted a same-partner all-reduce at 0.4-1.4 ms latency in four runs a minute apart; 240 in
+# turns, averaged over the ranks: 1.3-1.5 ms)
+CALLS_OF_2, CALLS_OF_4, TURNS = 120, 240, 4
 COMPUTE_BETWEEN = 256  # a 256-square matmul (about 0.3 ms here) three times between two collectives
 
 
 def collectives_between_compute(same_group: bool = False) -> list[dict]:
     """gloo's collectives as a training step issues them: each after some compute, the two ranks not in lockstep
     (back to back, as a collectives benchmark times them, a 1 MB all-reduce took 0.75 ms here; after 1 ms of
-    matmuls, 2.9 ms). Per kind and size: the MEAN time of (compute + collective) minus the compute's alone. A
-    step's time is the sum of its collectives, so their mean is what it pays: two ranks' threads (compute and
-    gloo's) on two cores leave a long tail (a 128 KB all-reduce after 1 ms of matmuls: median 1.3 ms, mean 1.9;
-    in a tp run's profile, 95 waits: median 1.2 ms, mean 2.1). The median, used before, dropped it: tp's 19
-    all-reduces a step were priced at 9.6 ms against the 40 ms the profile shows them waiting.
+    matmuls, 2.9 ms). Per kind and size: the MEAN time of (compute + collective) minus the compute's alone, the
+    ranks' figures averaged. A step's time is the sum of its collectives, so their mean is what it pays: two
+    ranks' threads (compute and gloo's) on two cores leave a long tail (a 128 KB all-reduce after 1 ms of
+    matmuls: median 1.3 ms, mean 1.9; in a tp run's profile, 95 waits: median 1.2 ms, mean 2.1). The median,
+    used before, dropped it: tp's 19 all-reduces a step were priced at 9.6 ms against the 40 ms the profile shows
+    them waiting.
 
     On 4 ranks (2 a core) the ranks pair as a 2 x 2 layout's two dimensions: each call with the partner of its
     rank's previous one (`same_group`, as tp's chained all-reduces) or each with the other partner (as FSDP's
@@ -556,7 +561,7 @@ def collectives_between_compute(same_group: bool = False) -> list[dict]:
         for _ in range(3):
             torch.mm(a, b)
 
-    def timed(run=None, calls: int = 60) -> list[float]:
+    def timed(run, calls: int) -> list[float]:
         took = []
         for i in range(calls):
             started = time.perf_counter()
@@ -591,16 +596,21 @@ def collectives_between_compute(same_group: bool = False) -> list[dict]:
             dist.barrier()
             if world <= 2:  # each rank its own core: the compute alone between the collectives
                 both, alone = [], []
-                for _ in range(60):
+                for _ in range(CALLS_OF_2):
                     both += timed(run, 1)
                     alone += timed(None, 1)
-            else:
-                alone = timed(None)
-                dist.barrier()
-                both = timed(run)
+            else:  # in turns, so that the machine's drift reaches both alike
+                both, alone = [], []
+                for _ in range(TURNS):
+                    dist.barrier()
+                    alone += timed(None, CALLS_OF_4 // TURNS)
+                    dist.barrier()
+                    both += timed(run, CALLS_OF_4 // TURNS)
             seconds = max(statistics.mean(both) - statistics.mean(alone), 1e-6)
             rows.append({"op": kind, "bytes": size, "time_us": seconds * 1e6})
-    return rows
+    each = [None] * world  # every rank's figures (a rank's own wait is a step's): their mean
+    dist.all_gather_object(each, rows)
+    return [{**row, "time_us": statistics.mean(r[i]["time_us"] for r in each)} for i, row in enumerate(rows)]
 
 
 def late_receive_us(rounds: int = 60) -> float:

@@ -53,6 +53,34 @@ def run_one_thread_per_rank(command: list[str], log_path: str, timeout_s: float)
     return done
 
 
+def cpu_clock() -> tuple[float, float, float] | None:
+    """Now, for others_share: (CPU seconds every process on this machine has used since boot, /proc/stat's
+    user + nice + system + irq + softirq; CPU seconds this process and its finished children used; wall
+    seconds). None where there is no /proc/stat."""
+    import resource
+    import time
+
+    try:
+        with open("/proc/stat") as handle:
+            user, nice, system, _idle, _iowait, irq, softirq = map(int, handle.readline().split()[1:8])
+    except (OSError, ValueError):
+        return None
+    own = sum(usage.ru_utime + usage.ru_stime
+              for usage in map(resource.getrusage, (resource.RUSAGE_SELF, resource.RUSAGE_CHILDREN)))  # fmt: skip
+    return (user + nice + system + irq + softirq) / os.sysconf("SC_CLK_TCK"), own, time.monotonic()
+
+
+def others_share(before, after) -> float | None:
+    """The share of the machine's cores that processes other than this one and its children (a launch and its
+    ranks, once finished) used between two cpu_clock()s: a timing taken while something else ran on the cores
+    reads slow (here, calibrations run while other work ran spread a 4-rank layout's rounds by up to a third, and
+    by up to 11 % with nothing else running)."""
+    if before is None or after is None:
+        return None
+    machine, own, wall = (a - b for a, b in zip(after, before, strict=True))
+    return max(0.0, machine - own) / max(wall * (os.cpu_count() or 1), 1e-9)
+
+
 def run_for_summary(command: list[str], run_dir, timeout_s: float) -> dict:
     """One experiment launch (run_one_thread_per_rank, its console in <run_dir>.log): the summary.json it
     wrote in run_dir, or {"error": what went wrong}."""

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import os
 from collections import Counter
 from pathlib import Path
 
@@ -362,6 +363,41 @@ def test_the_calibrations_profile_takes_each_figure_as_the_median_of_its_rounds(
     assert merged["ops"]["memory_points"] == [{"bytes": 12288, "gbps": 20.0}]
     assert merged["ops"]["gemm_points"] == [{"shape": [64, 128, 64], "gflops": 20.0}]
     assert median_of([{"op(a)": 3.0, "op(b)": 1.0}, {"op(a)": 5.0}]) == {"op(a)": 4.0}  # timed in both only
+
+
+def test_a_calibration_says_which_runs_other_processes_slowed():
+    """others_share: the machine's CPU seconds between two clocks, less what this process and the launch (its
+    finished children) used, over the cores' seconds; the table shows each layout's most of its rounds and warns, naming
+    the layouts, when it is over 5 % (a timing beside other work reads slow), and not when every run was alone."""
+    from benchmarks.at_scale_calibration import markdown
+    from benchmarks.workers import others_share
+
+    cores = os.cpu_count() or 1
+    # 10 s of wall: the machine used 12 CPU seconds more, the launch's ranks 10 of them
+    assert others_share((100.0, 50.0, 7.0), (112.0, 60.0, 17.0)) == pytest.approx(2 / (10 * cores))
+    assert others_share((100.0, 50.0, 7.0), (109.0, 60.0, 17.0)) == 0.0  # clocks' ticks: never below nothing
+    assert others_share(None, (1.0, 1.0, 1.0)) is None  # no /proc/stat
+    fit = {"all_reduce": {"latency_us": 1000, "bandwidth_gbps": 2.0}}
+    gaps = {"forward_us_per_op": 1, "backward_us_per_op": 1, "step_us": 100}
+    ops = {
+        "op_overhead_us": 2,
+        "eager_gaps": gaps,
+        "dtensor_gaps": {"forward_us_per_op": 10, "backward_us_per_op": 0, "step_us_per_tensor": 4},
+    }
+    profile = {"peak_tflops": {"fp32": 0.2}, "memory_bandwidth_gbps": 15, "fitted": fit, "ops": ops}
+
+    def row(name: str, busy: list) -> dict:
+        return {"layout": name, "ranks": 2, "measured_step_s": 0.02, "measured_rounds_s": [0.02],
+                "others_share_rounds": busy, "predicted_step_s": 0.02, "ratio": 1.0, "terms_ms": {}}  # fmt: skip
+
+    quiet = markdown([row("ddp", [0.0, 0.01]), row("tp", [0.02, None])], profile, "cmd", [0.01])
+    assert "| ddp | 2 | 20.0 (20-20) | 1 % |" in quiet and "WARNING" not in quiet
+    busy = markdown([row("ddp", [0.0, 0.3]), row("tp", [0.02])], profile, "cmd", [0.01, 0.0])
+    assert "| ddp | 2 | 20.0 (20-20) | 30 % |" in busy
+    assert (
+        "WARNING: other processes used over 5 % of the cores while ddp ran (the profile's rounds: 1 %, 0 %)"
+        in busy
+    )
 
 
 def test_the_collective_counter_counts_the_calls_with_a_new_partner():
