@@ -204,7 +204,7 @@ class Config(ResumableArgs, ModelFlags, ParallelArgs, CheckArgs):
 
     def steps_before_profiling(self) -> int:
         """Steps of one-time work, left out of --profile_steps: the first 3 (after the evaluation FSDP2's root
-        stays gathered; DDP rebuilds its buckets in the 2nd; the 3rd is counted) and the --parity_steps snapshot."""
+        stays gathered; DDP rebuilds its buckets in the 2nd: its 3rd is counted) and the --parity_steps snapshot."""
         return max(3, self.budget()["steps"])
 
     def budget(self) -> dict:

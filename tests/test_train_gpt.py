@@ -86,14 +86,16 @@ def test_each_wrong_variant_is_caught(tmp_path, variant, failing):
 @pytest.mark.launch
 @pytest.mark.parametrize(
     ("layout", "steps", "verdict"),
-    [(["--cp", "2"], 2, "PASS"), (["--pp", "2"], 1, "SKIP")],
-    ids=["cp_2_steps", "pp_1_step"],
+    [(["--dp_replicate", "2", "--d_model", "256"], 3, "PASS"), (["--pp", "2"], 1, "SKIP")],
+    ids=["ddp_3_steps", "pp_1_step"],
 )
 def test_a_short_run_counts_a_steady_step_or_says_why_it_cannot(tmp_path, layout, steps, verdict):
     """The bytes sent are counted in the layout's first step free of one-time work: step 1 (the evaluation before
-    it reshards FSDP's root; DDP rebuilds its buckets in step 2), a pipeline's step 2 (its first schedule step
-    votes and sends shapes once). A 2-step cp run passes (it failed on DDP's rebuild broadcast, 268 bytes); a
-    1-step pipeline has no such step and says so: not run, neither pass nor fail."""
+    it reshards FSDP's root), DDP's step 3 (it learns its gradients' order in step 1 and rebuilds its buckets in
+    step 2, with two broadcasts), a pipeline's step 2 (its first schedule step votes and sends shapes once). A
+    3-step DDP run passes and counts DDP's steady buckets: this GPT's 6.9 MB of gradients in two all-reduces (DDP's
+    first bucket holds 1 MB; step 1 sent them in one); a 1-step pipeline has no steady step and says so: not run,
+    neither pass nor fail."""
     args = [
         *GPT_TINY,
         *layout,
@@ -108,6 +110,7 @@ def test_a_short_run_counts_a_steady_step_or_says_why_it_cannot(tmp_path, layout
     check = summary["checks"]["communication_volume"]
     if verdict == "PASS":
         assert check["passed"] is True and "every rank equals its theory" in check["detail"]
+        assert summary["metrics"]["communication"]["counted"]["calls"] == {"all_reduce": 2}
     else:
         assert check["passed"] is None and check["skipped"] and "train at least 2 steps" in check["detail"]
     assert all(c["passed"] for name, c in summary["checks"].items() if name != "communication_volume")
