@@ -3,7 +3,7 @@ the ops each layout's ranks run (fake ranks: the real code on fake tensors), tim
 step from its recorded ops and its collectives, compare.
 
     python -m benchmarks.at_scale_calibration                # 9 layouts x 5 rounds, the op model: ~15 min
-    python -m benchmarks.at_scale_calibration --quick        # a tiny GPT, 12 steps: checks the figures are made
+    python -m benchmarks.at_scale_calibration --quick        # a tiny GPT, 12 steps, 1 round: checks the figures are made
 
 1. Each layout's run: train_gpt through `accelerate launch`, one thread per rank: ddp, zero2, fsdp, tp, pp, cp on
    2 ranks, dp_shard x tp, tp x pp, pp x dp_shard on 4; its median step (forward + backward + optimizer) and the
@@ -184,10 +184,12 @@ def main(argv: list[str] | None = None) -> int:
         "--output_dir", default="runs/at_scale_calibration", help="a new dated folder is made in it"
     )
     parser.add_argument("--timeout_s", type=float, default=1200, help="per run")
-    parser.add_argument("--rounds", type=int, default=5,
+    parser.add_argument("--rounds", type=int, default=None,
                         help="runs of each layout, round-robin (this VM's speed drifts by tens of percent within "
-                             "minutes: the median is compared and the spread shown)")  # fmt: skip
+                             "minutes: the median is compared and the spread shown); default 5, 1 with --quick")  # fmt: skip
     args = parser.parse_args(argv)
+    if args.rounds is None:
+        args.rounds = 1 if args.quick else 5
     strategies = [s for s in args.strategies.split(",") if s]
     unknown = [s for s in strategies if s not in PRESETS]
     if unknown:
