@@ -29,8 +29,8 @@ step from its recorded ops and its collectives, compare.
    by ranks / cores and by what sharing a core costs beyond that, its pipeline's sends in the cores' work, and a
    rank waiting in a pipeline's bubble lends its core to another stage's rank. Nothing of a run's measured time
    enters its prediction.
-4. Other work on the machine: the share of the cores processes other than the launch used during each run (from
-   /proc/stat, less the launch's own CPU time); the table shows each layout's most over its rounds and warns when
+4. Other work on the machine: the share of the cores processes other than the calibration and its launches used
+   during each run (/proc/stat, less their CPU time); the table shows each layout's most over its rounds and warns when
    a run, or the profile's measurement, shared the cores with over 5 % of other work: such a timing reads slow
    (calibrations run while other work ran here spread a 4-rank layout's rounds by up to a third; alone, by up to
    11 %).
