@@ -594,13 +594,12 @@ def collectives_between_compute(same_group: bool = False) -> list[dict]:
                    "reduce_scatter": lambda g: dist.reduce_scatter_tensor(part, whole, group=g),  # noqa: B023
                    "send": lambda g: exchange(whole)}[kind]  # noqa: B023 # fmt: skip
             dist.barrier()
+            both, alone = [], []
             if world <= 2:  # each rank its own core: the compute alone between the collectives
-                both, alone = [], []
                 for _ in range(CALLS_OF_2):
                     both += timed(run, 1)
                     alone += timed(None, 1)
             else:  # in turns, so that the machine's drift reaches both alike
-                both, alone = [], []
                 for _ in range(TURNS):
                     dist.barrier()
                     alone += timed(None, CALLS_OF_4 // TURNS)

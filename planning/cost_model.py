@@ -437,13 +437,15 @@ def traffic_seconds(
             share = t.bytes / by_kind[t.kind] if by_kind[t.kind] else 0
             n_calls = max(1, round(max((calls or {}).get(t.kind, 1) - known.get(t.kind, 0), 1) * share))
         fit = (shared or hw.fitted or {}).get(t.kind)
-        if fit and t.kind in same_group:  # the calls with a new partner at one fit, the others at the other
-            new = (switched or {}).get(t.kind, 1.0)
-            spent = sum(share * (n_calls * f.latency + t.bytes / f.bandwidth)
-                        for share, f in ((new, fit), (1 - new, same_group[t.kind])))  # fmt: skip
-        elif fit:
-            # measured per call on this group size: latency + the message's bytes / the fitted bandwidth
-            spent = 0.0 if t.kind == "recv" else n_calls * fit.latency + t.bytes / fit.bandwidth
+        if fit:  # measured per call on this group size: latency + the message's bytes / the fitted bandwidth
+            at = lambda f: n_calls * f.latency + t.bytes / f.bandwidth  # noqa: B023, E731
+            if t.kind == "recv":
+                spent = 0.0
+            elif t.kind in same_group:  # the calls with a new partner at one fit, the others at the other
+                new = (switched or {}).get(t.kind, 1.0)
+                spent = new * at(fit) + (1 - new) * at(same_group[t.kind])
+            else:
+                spent = at(fit)
         else:
             spent = collective_seconds(t.kind, t.bytes, t.ranks, link_of(layout, dims, hw), n_calls)
         seconds[by] = seconds.get(by, 0.0) + spent
