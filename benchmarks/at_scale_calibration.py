@@ -23,7 +23,8 @@ step from its recorded ops and its collectives, compare.
    (benchmarks/op_costs.py): every op the layouts' fake ranks recorded, timed at its own shapes in two processes
    at once (two ranks on two cores), what a one-process step costs beyond its ops (per op, forward and backward;
    per optimizer step), a redistribute's Python, a DTensor op's (forward, backward, and per DTensor an optimizer
-   step takes), FSDP's hooks per unshard and reduce-scatter, and what two processes sharing a core cost.
+   step takes), FSDP's hooks per unshard and reduce-scatter, cp's attention per functional collective it calls,
+   and what two processes sharing a core cost.
 3. The prediction of each step: predict_step on the run's layout, workload and flags, its recorded ops priced by
    the op model, its counted collectives by the fit; a layout of more ranks than cores has its compute slowed
    by ranks / cores and by what sharing a core costs beyond that, its pipeline's sends in the cores' work, and a
@@ -285,7 +286,8 @@ def markdown(rows: list[dict], profile: dict, command: str, profile_others: list
         f"forward, {dtensor['backward_us_per_op']} backward, {dtensor['step_us_per_tensor']} us a DTensor an optimizer "
         f"step takes; a redistribute "
         f"{ops.get('redistribute_overhead_us', 0)} us beyond its collective, FSDP's hooks "
-        f"{ops.get('fsdp_overhead_us', 0)} us an unshard or reduce-scatter; a step beyond "
+        f"{ops.get('fsdp_overhead_us', 0)} us an unshard or reduce-scatter, cp's attention "
+        f"{ops.get('functional_collective_overhead_us', 0)} us a functional collective; a step beyond "
         f"its ops: {gaps['forward_us_per_op']} us an op and {gaps.get('forward_us_per_mb', 0)} us a MB its ops move "
         f"forward, {gaps['backward_us_per_op']} and {gaps.get('backward_us_per_mb', 0)} backward, {gaps['step_us']} "
         f"us an optimizer step; two processes on one core: a step {ops.get('shared_core_ratio', 2.0)}x one alone's",

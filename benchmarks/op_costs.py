@@ -126,6 +126,10 @@ def measure(spec: dict) -> dict:
             spec["model_shape"], spec["rows"], budget, figures, timed
         )
         dist.barrier()
+        figures["functional_collective_overhead_us"] = functional_collective_overhead_us(
+            spec["model_shape"], spec["rows"], budget, figures, timed
+        )
+        dist.barrier()
         figures["shared_core_ratio"] = shared_core_ratio(spec["model_shape"], spec["rows"])
     return figures
 
@@ -160,7 +164,8 @@ def merged(results: list[dict]) -> dict:
     """Two ranks' measurements as one: each figure their mean (an op either rank could not run: left out)."""
     mean = lambda key: round((results[0][key] + results[1][key]) / 2, 2)  # noqa: E731
     figures = {key: mean(key) for key in ("op_overhead_us", "view_overhead_us", "redistribute_overhead_us",
-                                          "fsdp_overhead_us", "shared_core_ratio") if key in results[0]}  # fmt: skip
+                                          "fsdp_overhead_us", "functional_collective_overhead_us",
+                                          "shared_core_ratio") if key in results[0]}  # fmt: skip
     figures["dtensor_gaps"] = {
         k: round((v + results[1]["dtensor_gaps"][k]) / 2, 2)
         for k, v in results[0].get("dtensor_gaps", {}).items()
@@ -466,6 +471,38 @@ def fsdp_overhead_us(model_shape: dict, rows: int, budget_s: float, figures: dic
     left, recorder = beyond_its_ops(stepping(lambda: lm_loss(model(ids), ids)),
                                     stepping(lambda: lm_loss(plain(ids), ids)), budget_s, figures, timed)  # fmt: skip
     return round(sum(left.values()) / sum(recorder.fsdp_events.values()) * 1e6, 2)
+
+
+def functional_collective_overhead_us(model_shape: dict, rows: int, budget_s: float, figures: dict,
+                                      timed: dict) -> float:  # fmt: skip
+    """What one functional collective called outside a redistribute costs beyond its collective and the ops: cp's
+    all-gathers of K and V (their autograd wrapping and wait, the reduce-scatter of their backward) with the
+    Python of the attention around them (its plan of chunks, its own autograd Function). The GPT of `model_shape`,
+    its attention split by context parallelism as strategies/cp.py splits it over the launch's ranks, on a fake
+    process group, against the same GPT on the same rank's tokens (rows x block / ranks), beyond their ops
+    (beyond_its_ops), per functional collective. A gather of 64 KB and its backward took 161 us beyond a local
+    cat's here; cp's 4-block GPT, ~1 ms forward beyond its ops over its 8 gathers, ~0.05 backward over 8."""
+    from types import SimpleNamespace
+
+    import torch.distributed as dist
+
+    from common.gpt import GPT, GPTConfig, lm_loss
+    from strategies import cp
+    from strategies.layout import Layout
+
+    ranks, block = dist.get_world_size(), model_shape["block_size"]
+    if block % ranks:
+        return 0.0  # no split of this block over the ranks: nothing to measure (the figure prices nothing)
+    torch.manual_seed(0)
+    model, plain = GPT(GPTConfig(**model_shape)), GPT(GPTConfig(**model_shape))
+    balanced = block % (2 * ranks) == 0  # the calibration's runs balance the causal load (two chunks a rank)
+    cp.apply(model, fake_group_mesh(), Layout(cp=ranks), dist.get_rank(),
+             SimpleNamespace(cp_load_balance=balanced, wrong_variant=""))  # fmt: skip
+    ids = torch.randint(0, model_shape["vocab_size"], (rows, block // ranks))
+
+    left, recorder = beyond_its_ops(stepping(lambda: lm_loss(model(ids), ids)),
+                                    stepping(lambda: lm_loss(plain(ids), ids)), budget_s, figures, timed)  # fmt: skip
+    return round(sum(left.values()) / sum(recorder.functional_collectives.values()) * 1e6, 2)
 
 
 # a second process on a rank's core: the GPT's steps, without end, one thread, until killed

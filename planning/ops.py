@@ -45,6 +45,9 @@ NOT_THE_STEP = ("randint",)
 # unshard: its all-gather's copy in; a reduce-scatter: the gradients' chunks copied into its input)
 FSDP_OPS = ("all_gather_copy_in", "split_with_sizes_copy", "chunk_cat")
 FSDP_EVENTS = ("all_gather_copy_in", "chunk_cat")
+# a functional collective's ops (torch.ops._c10d_functional) that are not a collective of their own: its wait, and
+# the wrapping of its result for autograd
+FUNCTIONAL_PLUMBING = ("wait_tensor", "_wrap_tensor_autograd")
 # FlashAttention-2's backward runs five matmuls of the forward's size (Q K^T again, dV, dP, dQ, dK) against its two
 BACKWARD_ATTENTION_FACTOR = 2.5
 
@@ -168,6 +171,7 @@ def describe(func, args: tuple, kwargs: dict, result) -> OpCall | None:
 class OpRecorder(TorchDispatchMode):
     """`with OpRecorder() as ops:` ... then `ops.calls[phase]` (a Counter of OpCall), `ops.dtensor_calls[phase]`
     (DTensor ops) and `ops.dtensor_tensors[phase]` (the DTensors they took), `ops.redistributes[phase]`,
+    `ops.functional_collectives[phase]` (those called outside a redistribute: cp's gathers, ep's all-to-alls),
     `ops.fsdp_events[phase]` and `ops.in_fsdp_hooks[phase]` (those of the calls FSDP2's hooks ran); set
     `ops.phase` as the step moves on (forward, backward, step)."""
 
@@ -178,6 +182,8 @@ class OpRecorder(TorchDispatchMode):
         self.dtensor_calls: Counter = Counter()
         self.dtensor_tensors: Counter = Counter()
         self.redistributes: Counter = Counter()
+        self.functional_collectives: Counter = Counter()
+        self._in_redistribute = 0
         self.fsdp_events: Counter = Counter()
         # the ops FSDP2's hooks run (inside its record_function regions, "FSDP::..."): a launch's DDP, whose
         # reducer is C++, runs none of them where a fake rank's replicate (FSDP2's machinery) does
@@ -202,6 +208,10 @@ class OpRecorder(TorchDispatchMode):
                 )
             return NotImplemented
         result = func(*args, **kwargs)
+        namespace, _, name = str(func.overloadpacket).partition(".")
+        if namespace == "_c10d_functional" and name not in FUNCTIONAL_PLUMBING:
+            if not (self._propagating or self._in_redistribute):
+                self.functional_collectives[self.phase] += 1
         if func is torch.ops.profiler._record_function_enter_new.default:
             self._regions.append(str(args[0]).startswith("FSDP::"))
         elif func.overloadpacket is torch.ops.profiler._record_function_exit and self._regions:
@@ -250,7 +260,11 @@ class OpRecorder(TorchDispatchMode):
         def redistribute(*args, **kwargs):
             if not self._propagating:
                 self.redistributes[self.phase] += 1
-            return original(*args, **kwargs)
+            self._in_redistribute += 1  # its functional collective is priced in the redistribute's overhead
+            try:
+                return original(*args, **kwargs)
+            finally:
+                self._in_redistribute -= 1
 
         for module in modules:
             module.redistribute_local_tensor = redistribute
@@ -277,7 +291,8 @@ class OpRecorder(TorchDispatchMode):
         events."""
         return {"calls": {phase: list(calls.items()) for phase, calls in self.calls.items()},
                 "dtensor_calls": dict(self.dtensor_calls), "dtensor_tensors": dict(self.dtensor_tensors),
-                "redistributes": dict(self.redistributes), "fsdp_events": dict(self.fsdp_events),
+                "redistributes": dict(self.redistributes),
+                "functional_collectives": dict(self.functional_collectives), "fsdp_events": dict(self.fsdp_events),
                 "in_fsdp_hooks": {phase: list(calls.items()) for phase, calls in self.in_fsdp_hooks.items()}}  # fmt: skip
 
 
@@ -304,6 +319,9 @@ class OpModel:
     dtensor_overhead_s: dict | None = None
     redistribute_overhead_s: float = 0.0  # a change of a DTensor's placements, beyond the collective it sends
     fsdp_overhead_s: float = 0.0  # an FSDP unshard or reduce-scatter: its hooks' Python, beyond its ops
+    # a functional collective called outside a redistribute (cp's gathers of K and V), with the Python of the
+    # layer that calls it, beyond the collective and the ops
+    functional_collective_overhead_s: float = 0.0
     measured_s: dict | None = (
         None  # repr(OpCall.replay) -> seconds: the op timed at that very shape (this machine)
     )
@@ -374,15 +392,17 @@ class OpModel:
         redistributes: int = 0,
         fsdp_events: int = 0,
         dtensor_tensors: int = 0,
+        functional_collectives: int = 0,
     ) -> float:
-        """A phase's [(OpCall, count)], DTensor ops (and the DTensors they took), redistributes and FSDP's
-        unshards and reduce-scatters, priced one after another (one stream: eager order), with what the phase
-        costs beyond its ops."""
+        """A phase's [(OpCall, count)], DTensor ops (and the DTensors they took), redistributes, FSDP's unshards
+        and reduce-scatters and the functional collectives called outside a redistribute, priced one after another
+        (one stream: eager order), with what the phase costs beyond its ops."""
         ops = (
             sum(count * self.seconds(call) for call, count in calls)
             + self.dtensor_seconds(phase, dtensor_calls, dtensor_tensors)
             + redistributes * self.redistribute_overhead_s
             + fsdp_events * self.fsdp_overhead_s
+            + functional_collectives * self.functional_collective_overhead_s
         )
         return (
             ops + self.beyond_ops_seconds(phase, calls) + (self.step_overhead_s if phase == "step" else 0.0)
@@ -433,6 +453,7 @@ def op_model_from(profile: dict, peak_flops: dict, memory_bandwidth: float) -> O
         },
         redistribute_overhead_s=spec.get("redistribute_overhead_us", 0.0) * 1e-6,
         fsdp_overhead_s=spec.get("fsdp_overhead_us", 0.0) * 1e-6,
+        functional_collective_overhead_s=spec.get("functional_collective_overhead_us", 0.0) * 1e-6,
         measured_s=measured,
         per_op_overhead_s={
             phase: gaps.get(f"{phase}_us_per_op", 0.0) * 1e-6 for phase in ("forward", "backward")

@@ -167,6 +167,11 @@ def test_the_op_model_prices_by_nearest_measured_shape_by_bandwidth_and_by_table
     assert phased.phase_seconds("forward", [(view, 10)], dtensor_calls=2, redistributes=3) == pytest.approx(
         10e-6 + 10e-6 + 30e-6 + 3 * 4e-4
     )
+    # a functional collective outside a redistribute (cp's gathers): its own overhead, per call
+    called = dataclasses.replace(phased, functional_collective_overhead_s=7e-5)
+    assert called.phase_seconds("backward", [(view, 10)], functional_collectives=8) == pytest.approx(
+        10e-6 + 8 * 7e-5
+    )
     assert phased.phase_seconds("step", [(view, 1)]) == pytest.approx(1e-6 + 1e-4)
     # DTensor's cost per op forward and backward; in the step per DTensor taken (one fused op takes them all)
     assert phased.phase_seconds("backward", [], dtensor_calls=3, dtensor_tensors=9) == pytest.approx(3 * 2e-6)
@@ -194,10 +199,17 @@ def test_a_fake_rank_records_the_matmuls_its_layout_leaves_it():
     model = GPTConfig(n_layer=2, d_model=64, n_head=4, vocab_size=512, block_size=32)
     work, tokens, d = Workload(model, 4), 4 * 32, 64
     whole = 2 * tokens * (2 * 12 * d * d + d * 512)
-    for layout, share in ((Layout(dp_replicate=2), 1), (Layout(tp=2), 2)):
+    for layout, share in ((Layout(dp_replicate=2), 1), (Layout(tp=2), 2), (Layout(cp=2), 2)):
         ops = fake_rank(cfg, layout, work, 0)["ops"]
         forward = sum(c.flops * n for c, n in ops["calls"]["forward"] if c.kind == "gemm")
+        # (cp: each rank projects its half of the tokens; its attention's matmuls are flash's, not counted here)
         assert forward == whole / share, layout
+        # cp's functional collectives (outside a redistribute): K's and V's all-gather a block forward, their
+        # reduce-scatters backward; tp's run inside its redistributes, priced there
+        called = ops["functional_collectives"]
+        assert called == (
+            {"forward": 2 * model.n_layer, "backward": 2 * model.n_layer} if layout.cp > 1 else {}
+        )
         assert {"forward", "backward", "step"} <= set(ops["calls"])
         assert (ops["dtensor_calls"].get("forward", 0) > 0) == (layout.tp > 1)
         # tp's all-reduces are DTensor redistributes (Partial -> Replicate), once forward and once back a block
