@@ -300,8 +300,8 @@ def beyond_its_ops(step, baseline, budget_s: float, figures: dict, timed: dict):
     each a step (`step(recorder)` sets the recorder's phase as it goes and returns each phase's seconds), timed in
     turn (median of 20 each: the VM's drift, tens of percent within a minute, falls on both alike), less the
     difference of their ops as the op model prices them (the timed table, an op no replay can run by its bytes,
-    each op's eager gap, each DTensor op's dispatch as far as dtensor_gaps is measured): ({phase: those seconds},
-    the recorder of one step)."""
+    each op's eager gap but FSDP's hook ops', each DTensor op's dispatch as far as dtensor_gaps is measured):
+    ({phase: those seconds}, the recorder of one step)."""
     from planning.ops import OpRecorder, op_model_from
 
     # the op model of the figures measured so far: ops no replay can run priced by their bytes, each op's eager
@@ -316,6 +316,8 @@ def beyond_its_ops(step, baseline, budget_s: float, figures: dict, timed: dict):
             + sum(count * model.seconds(call) for call, count in calls.items() if call.replay is None
                   and call.kind != "view")
             + model.beyond_ops_seconds(phase, calls.items())
+            # FSDP's hook ops run outside nn.Module and autograd: not the step's gap (OpModel.phase_seconds)
+            - model.beyond_ops_seconds(phase, recorder.in_fsdp_hooks.get(phase, {}).items())
             + model.dtensor_seconds(phase, recorder.dtensor_calls[phase], recorder.dtensor_tensors[phase])
         )  # fmt: skip
 

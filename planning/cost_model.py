@@ -525,7 +525,8 @@ def predict_step(
                                                   ops["redistributes"].get(phase, 0),
                                                   counted["fsdp_events"].get(phase, 0),
                                                   counted["dtensor_tensors"].get(phase, 0),
-                                                  ops.get("functional_collectives", {}).get(phase, 0))
+                                                  ops.get("functional_collectives", {}).get(phase, 0),
+                                                  [] if ddp else ops.get("in_fsdp_hooks", {}).get(phase, []))
                       for phase in ("forward", "backward", "step")}  # fmt: skip
             forward_s, backward_s, optimizer = phases["forward"] / m, phases["backward"] / m, phases["step"]
         else:

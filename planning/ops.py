@@ -393,10 +393,14 @@ class OpModel:
         fsdp_events: int = 0,
         dtensor_tensors: int = 0,
         functional_collectives: int = 0,
+        in_fsdp_hooks=(),
     ) -> float:
         """A phase's [(OpCall, count)], DTensor ops (and the DTensors they took), redistributes, FSDP's unshards
         and reduce-scatters and the functional collectives called outside a redistribute, priced one after another
-        (one stream: eager order), with what the phase costs beyond its ops."""
+        (one stream: eager order), with what the phase costs beyond its ops. `in_fsdp_hooks`: those of the calls
+        FSDP2's hooks ran, priced at their own cost but not at the step's gap beyond its ops (beyond_ops_seconds:
+        nn.Module's calls and autograd's graph, per op of the model): the hooks' Python is what an FSDP event
+        costs (fsdp_overhead_s), measured with these ops so priced."""
         ops = (
             sum(count * self.seconds(call) for call, count in calls)
             + self.dtensor_seconds(phase, dtensor_calls, dtensor_tensors)
@@ -404,9 +408,8 @@ class OpModel:
             + fsdp_events * self.fsdp_overhead_s
             + functional_collectives * self.functional_collective_overhead_s
         )
-        return (
-            ops + self.beyond_ops_seconds(phase, calls) + (self.step_overhead_s if phase == "step" else 0.0)
-        )
+        beyond = self.beyond_ops_seconds(phase, calls) - self.beyond_ops_seconds(phase, in_fsdp_hooks)
+        return ops + beyond + (self.step_overhead_s if phase == "step" else 0.0)
 
     def beyond_ops_seconds(self, phase: str, calls) -> float:
         """What a phase of [(OpCall, count)] costs beyond its ops timed one by one: per op, and per byte its ops

@@ -190,6 +190,10 @@ def test_the_op_model_prices_by_nearest_measured_shape_by_bandwidth_and_by_table
         2 * 5e-6 + 5 * 3e-6 + 2 * 4000 * 1e-9
     )
     assert gapped.phase_seconds("backward", [(add, 2)]) == pytest.approx(2 * 5e-6)  # no backward gap measured
+    # FSDP's hook ops: their own cost, not the step's gap (nn.Module's and autograd's, per op of the model)
+    assert gapped.phase_seconds("forward", [(add, 2), (view, 3)], in_fsdp_hooks=[(add, 1), (view, 3)]) == (
+        pytest.approx(2 * 5e-6 + 1 * (3e-6 + 4000 * 1e-9))
+    )
 
 
 def test_a_fake_rank_records_the_matmuls_its_layout_leaves_it():
