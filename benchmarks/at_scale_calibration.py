@@ -34,7 +34,8 @@ step from its recorded ops and its collectives, compare.
    during each run (/proc/stat, less their CPU time); the table shows each layout's most over its rounds and warns when
    a run, or the profile's measurement, shared the cores with over 5 % of other work: such a timing reads slow
    (calibrations run while other work ran here spread a 4-rank layout's rounds by up to a third; alone, by up to
-   11 %).
+   11 %). It warns too when a layout's rounds are over 1.5x apart with no other work to blame: the VM's own slow,
+   erratic phases (one run here: ddp's rounds 25-61 ms), which the profile follows less than the runs.
 Writes <output_dir>/<UTC time>/: calibration.md (the table docs/at_scale.md shows), calibration.json (rows
 {layout, ranks, measured_step_s, predicted_step_s}), this_machine.yaml and this_machine_ops.json (the profile
 planning/hardware.yaml keeps, pasted by hand, with this command), this_machine_rounds.json (each round's
@@ -261,6 +262,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 BUSY = 0.05  # a run during which other processes used more of the cores than this is flagged
+UNSTEADY = 1.5  # a layout whose slowest round took more than this times its fastest is flagged
 
 
 def percent(share: float | None) -> str:
@@ -323,6 +325,13 @@ def markdown(rows: list[dict], profile: dict, command: str, profile_others: list
                   + (f"{', '.join(busy)} ran" if busy else "the profile was measured")
                   + f" (the profile's rounds: {', '.join(percent(x) for x in measured)}): a timing taken beside "
                   "other work reads slow; run it again with nothing else running"]  # fmt: skip
+    # the VM's own phases (no other process: the column says so) can slow a whole round; rounds of one layout this
+    # far apart (alone here: up to 1.3x; in a slow, erratic phase 1.6-2.4x) make a median that no profile matches
+    unsteady = [r["layout"] for r in done if len(r.get("measured_rounds_s") or []) > 1
+                and max(r["measured_rounds_s"]) > UNSTEADY * min(r["measured_rounds_s"])]  # fmt: skip
+    if unsteady:
+        lines += ["", f"WARNING: the rounds of {', '.join(unsteady)} are over {UNSTEADY}x apart: this machine's speed "
+                  "moved while it ran, more than its profile follows; run it again"]  # fmt: skip
     return "\n".join(lines) + "\n"
 
 

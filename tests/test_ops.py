@@ -384,7 +384,8 @@ def test_the_calibrations_profile_takes_each_figure_as_the_median_of_its_rounds(
 def test_a_calibration_says_which_runs_other_processes_slowed():
     """others_share: the machine's CPU seconds between two clocks, less what this process and the launch (its
     finished children) used, over the cores' seconds; the table shows each layout's most of its rounds and warns, naming
-    the layouts, when it is over 5 % (a timing beside other work reads slow), and not when every run was alone."""
+    the layouts, when it is over 5 % (a timing beside other work reads slow), and not when every run was alone; and
+    warns when a layout's rounds are over 1.5x apart (the machine's own speed moved)."""
     from benchmarks.at_scale_calibration import markdown
     from benchmarks.workers import others_share
 
@@ -414,6 +415,14 @@ def test_a_calibration_says_which_runs_other_processes_slowed():
         "WARNING: other processes used over 5 % of the cores while ddp ran (the profile's rounds: 1 %, 0 %)"
         in busy
     )
+    assert "speed moved" not in quiet + busy  # one round each: nothing to compare
+    # rounds of one layout over 1.5x apart, no other process to blame: the machine's own speed moved
+    unsteady = row("pp", [0.0, 0.0, 0.0])
+    unsteady["measured_rounds_s"] = [0.030, 0.061, 0.049]
+    steady = {**row("tp", [0.0, 0.0]), "measured_rounds_s": [0.040, 0.052]}
+    table = markdown([unsteady, steady], profile, "cmd", [0.0])
+    assert "| pp | 2 | 20.0 (30-61) | 0 % |" in table
+    assert "WARNING: the rounds of pp are over 1.5x apart: this machine's speed moved" in table
 
 
 def test_the_collective_counter_counts_the_calls_with_a_new_partner():
