@@ -306,9 +306,9 @@ def markdown(rows: list[dict], profile: dict, command: str, profile_others: list
             f"{k} {v:.1f}" for k, v in r["terms_ms"].items() if v >= 0.05 and k != "data_parallel_total"
         )
         spread = r.get("measured_rounds_s") or [r["measured_step_s"]]
-        busy = [x for x in r.get("others_share_rounds", []) if x is not None]
+        shares = [x for x in r.get("others_share_rounds", []) if x is not None]
         lines.append(f"| {r['layout']} | {r['ranks']} | {1000 * r['measured_step_s']:.1f} "
-                     f"({1000 * min(spread):.0f}-{1000 * max(spread):.0f}) | {percent(max(busy, default=None))} | "
+                     f"({1000 * min(spread):.0f}-{1000 * max(spread):.0f}) | {percent(max(shares, default=None))} | "
                      f"{1000 * r['predicted_step_s']:.1f} | {r['ratio']:.2f} | {terms} |")  # fmt: skip
     done = [r for r in rows if "ratio" in r]
     if done:

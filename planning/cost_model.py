@@ -518,7 +518,7 @@ def predict_step(
             # (a fake replica's FSDP2 hooks and DTensor parameters are not the launch's DDP: left out)
             counted = {
                 key: {} if ddp else ops.get(key, {})
-                for key in ("dtensor_calls", "fsdp_events", "dtensor_tensors")
+                for key in ("dtensor_calls", "fsdp_events", "dtensor_tensors", "in_fsdp_hooks")
             }
             phases = {phase: hw.ops.phase_seconds(phase, own_calls(ops, phase, ddp),
                                                   counted["dtensor_calls"].get(phase, 0),
@@ -526,7 +526,7 @@ def predict_step(
                                                   counted["fsdp_events"].get(phase, 0),
                                                   counted["dtensor_tensors"].get(phase, 0),
                                                   ops.get("functional_collectives", {}).get(phase, 0),
-                                                  [] if ddp else ops.get("in_fsdp_hooks", {}).get(phase, []))
+                                                  counted["in_fsdp_hooks"].get(phase, []))
                       for phase in ("forward", "backward", "step")}  # fmt: skip
             forward_s, backward_s, optimizer = phases["forward"] / m, phases["backward"] / m, phases["step"]
         else:

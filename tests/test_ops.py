@@ -417,8 +417,7 @@ def test_a_calibration_says_which_runs_other_processes_slowed():
     )
     assert "speed moved" not in quiet + busy  # one round each: nothing to compare
     # rounds of one layout over 1.5x apart, no other process to blame: the machine's own speed moved
-    unsteady = row("pp", [0.0, 0.0, 0.0])
-    unsteady["measured_rounds_s"] = [0.030, 0.061, 0.049]
+    unsteady = {**row("pp", [0.0, 0.0, 0.0]), "measured_rounds_s": [0.030, 0.061, 0.049]}
     steady = {**row("tp", [0.0, 0.0]), "measured_rounds_s": [0.040, 0.052]}
     table = markdown([unsteady, steady], profile, "cmd", [0.0])
     assert "| pp | 2 | 20.0 (30-61) | 0 % |" in table
