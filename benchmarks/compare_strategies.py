@@ -219,7 +219,11 @@ def plot(rows: list[dict], path: Path) -> None:
     stacked(axes[0][1], sent_kinds, lambda r: {k: v / mib for k, v in r["comm_counted"].items()},
             "sent per step by rank 0 (counted)", "MiB")  # fmt: skip
     stacked(
-        axes[1][0], ["forward", "backward", "optimizer"], lambda r: r["step_time_ms"], "median step", "ms"
+        axes[1][0],
+        ["forward", "backward", "clip", "optimizer"],
+        lambda r: r["step_time_ms"],
+        "median step",
+        "ms",
     )
     axes[1][1].barh(names, [r["tokens_per_s"] for r in rows])
     axes[1][1].set_title("training throughput")

@@ -70,6 +70,15 @@ def _nbytes(tree) -> int:
     return sum(t.numel() * t.element_size() for t in tree_flatten(tree)[0] if isinstance(t, torch.Tensor))
 
 
+def group_size_of(args: tuple) -> int | None:
+    """The number of ranks of the process group a c10d op runs on (`group_of`'s group)."""
+    for arg in args:
+        if isinstance(arg, torch.ScriptObject) and arg._type().qualified_name().endswith("ProcessGroup"):
+            return dist.ProcessGroup.unbox(arg).size()
+    name = group_of(args)
+    return dist.distributed_c10d._resolve_process_group(name).size() if name else None
+
+
 def group_of(args: tuple) -> str | None:
     """The name of the process group a c10d op runs on: its ProcessGroup argument's (in-place ops), or the last
     string argument (functional ops take the group's name last: all_reduce(input, op, group_name))."""
@@ -83,13 +92,15 @@ def group_of(args: tuple) -> str | None:
 class CollectiveCounter(TorchDispatchMode):
     """`with CollectiveCounter() as counter: ...` then `counter.calls` and `counter.bytes`, by kind, and
     `counter.switched`: the calls on a process group other than the previous call's (on a CPU with more ranks
-    than cores, a collective with a new partner waits longer: benchmarks/op_costs.collectives_between_compute)."""
+    than cores, a collective with a new partner waits longer: benchmarks/op_costs.collectives_between_compute);
+    `counter.on_groups_of`: per (kind, ranks of the group), the calls and their bytes."""
 
     def __init__(self):
         super().__init__()
         self.calls: Counter = Counter()
         self.bytes: Counter = Counter()
         self.switched: Counter = Counter()
+        self.on_groups_of: dict[tuple[str, int], list[int]] = {}
         self.last_group: str | None = None
 
     def passed(self, group: str) -> None:
@@ -106,7 +117,10 @@ class CollectiveCounter(TorchDispatchMode):
             group = group_of(args)
             self.switched[kind] += self.last_group is not None and group != self.last_group
             self.last_group = group
-            self.bytes[kind] += self._message_bytes(kind, namespace == "c10d", args, result)
+            message = self._message_bytes(kind, namespace == "c10d", args, result)
+            self.bytes[kind] += message
+            sized = self.on_groups_of.setdefault((kind, group_size_of(args) or 1), [0, 0])
+            sized[0], sized[1] = sized[0] + 1, sized[1] + message
         return result
 
     @staticmethod

@@ -55,7 +55,8 @@ def clip_by_global_norm(
         split = tuple(not p.is_replicate() for p in grad.placements) if isinstance(grad, DTensor) else ()
         key = (grad.device_mesh, split) if isinstance(grad, DTensor) else None
         local = grad.to_local() if isinstance(grad, DTensor) else grad
-        squared_sums[key] = squared_sums.get(key, torch.zeros((), device=device)) + local.float().pow(2).sum()
+        squared_sum = local.float().pow(2).sum()
+        squared_sums[key] = squared_sums[key] + squared_sum if key in squared_sums else squared_sum
     total = torch.zeros((), device=device)
     for key, squared_sum in squared_sums.items():
         if key is not None and not local_only:

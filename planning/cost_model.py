@@ -44,7 +44,7 @@ from common.gpt import GPTConfig, parameter_count
 from common.moe import active_parameter_count
 from planning.ops import OpCall, OpModel, op_model_from
 from planning.timeline import rank_of_stage, simulate, step_seconds
-from strategies.layout import DIMS, Layout, Workload, stream_dtype
+from strategies.layout import DIMS, Layout, Traffic, Workload, stream_dtype
 from strategies.pp import SCHEDULES
 from strategies.replicate import replicates_whole_model
 from strategies.theory import gathered_bytes, held_bytes, stage_theories, theory_of
@@ -56,6 +56,8 @@ PROFILES = Path(__file__).with_name("hardware.yaml")
 ELEMENTWISE_D = 12
 ELEMENTWISE_HIDDEN = {"gelu": 2, "swiglu": 5}
 ADAMW_BYTES_PER_PARAMETER = 28
+# the clipping reads each float32 gradient for its squared sum, then reads and writes it to scale it
+CLIP_BYTES_PER_PARAMETER = 12
 # a MoE's row (an assignment of a token to an expert) of width d: gathered in expert order (read, write: 2),
 # regrouped by local expert under ep (2), weighed by the router (2), added back to its token (index_add: 3)
 ELEMENTWISE_MOE_D = 9
@@ -469,6 +471,23 @@ def switched_shares(counted: dict) -> dict | None:
     return {kind: counted["switched"].get(kind, 0) / n for kind, n in counted["calls"].items() if n}
 
 
+def clip_collectives_seconds(counted: dict | None, layout: Layout, hw: Hardware) -> float:
+    """The clipping's all-reduces of its squared sums (common/optim.clip_by_global_norm): as a fake rank counted
+    them (`counted`: planning/fake_ranks' clip_collectives), else one of a float32 a dimension that splits the
+    parameters (the pieces' groups of gradients: dp_shard's, tp's, ep's, and the stages' sum over pp)."""
+    if counted is None:
+        split = [d for d in (*layout.shard_dims, "tp", "ep", "pp") if getattr(layout, d) > 1]
+        traffic = [
+            Traffic("all_reduce", 4, getattr(layout, d), "clip", calls=1) for d in dict.fromkeys(split)
+        ]
+        return traffic_seconds(traffic, layout, hw).get("clip", 0.0)
+    traffic = [
+        Traffic(kind, sent, ranks, "clip", calls=calls)
+        for kind, ranks, calls, sent in counted["on_groups_of"]
+    ]
+    return traffic_seconds(traffic, layout, hw, switched=switched_shares(counted)).get("clip", 0.0)
+
+
 # --------------------------------------------------------------------------------------------- the step
 EXPOSED = ("tp", "cp", "pp", "ep")  # on the critical path of every micro-batch
 # --pp_schedule -> the timeline that prices it: the zero-bubble schedules in torch's own order, their backward
@@ -500,6 +519,7 @@ def predict_step(
     recompute = 1 if args.activation_checkpointing == "full" else 0
     shard = math.prod(getattr(layout, d) for d in layout.shard_dims)
     recorded = {layout.coordinate(r["rank"], "pp"): r["ops"] for r in traced or []}
+    clipped = {layout.coordinate(r["rank"], "pp"): r.get("clip_collectives") for r in traced or []}
     switched = {layout.coordinate(r["rank"], "pp"): switched_shares(r["counted"]) for r in traced or []}
     # ranks beyond the cores are time-sliced: each core's work is its ranks' work, each switch between them dearer
     # than nothing (hw.shared_core_ratio); a rank that waits gives its core to another
@@ -527,19 +547,23 @@ def predict_step(
                                                   counted["dtensor_tensors"].get(phase, 0),
                                                   ops.get("functional_collectives", {}).get(phase, 0),
                                                   counted["in_fsdp_hooks"].get(phase, []))
-                      for phase in ("forward", "backward", "step")}  # fmt: skip
+                      for phase in ("forward", "backward", "clip", "step")}  # fmt: skip
             forward_s, backward_s, optimizer = phases["forward"] / m, phases["backward"] / m, phases["step"]
+            clipping = phases["clip"]
         else:
             forward_s = t.blocks * block + ends_forward_seconds(work, layout, hw, tokens, t.first, t.last)
             backward_s = forward_s * (2 + recompute)
             optimizer = memory_seconds(ADAMW_BYTES_PER_PARAMETER * held / shard, hw)
+            clipping = memory_seconds(CLIP_BYTES_PER_PARAMETER * held / shard, hw)
+        clip_s = clipping * shared_core + clip_collectives_seconds(clipped.get(layout.coordinate(t.rank, "pp")),
+                                                                   layout, hw)  # fmt: skip
         exposed = {dim: comm.get(dim, 0.0) / m for dim in EXPOSED}  # per micro-batch, half in each direction
         waits = sum(exposed[dim] for dim in EXPOSED if dim != "pp") / 2
         # forward and backward at one core a rank (the schedule's order); compute: its share of the cores
         stages.append({"forward": forward_s + waits, "backward": backward_s + waits, "exposed": exposed,
                        "compute": forward_s + backward_s, "waits": 2 * waits, "data_parallel": sum(s for dim, s
                        in comm.items() if dim not in (*EXPOSED, "pp_step")), "pp_step": comm.get("pp_step", 0.0),
-                       "optimizer": optimizer * shared_core, "rank": t.rank})  # fmt: skip
+                       "optimizer": optimizer * shared_core, "clip": clip_s, "rank": t.rank})  # fmt: skip
     slowest = max(stages, key=lambda s: s["forward"] + s["backward"])
     # the cores' bound: every rank's compute over the cores (each stage has world / pp ranks), at least the
     # slowest stage's at a core a rank; with ranks beyond the cores, a rank waiting in the pipeline's bubble
@@ -580,7 +604,8 @@ def predict_step(
     data_parallel_s, optimizer_s = slowest["data_parallel"], slowest["optimizer"]
     exposed_dp_s = max(0.0, data_parallel_s - compute_s) if hw.overlaps_communication else data_parallel_s
     pp_step_s = max(s["pp_step"] for s in stages)  # after the schedule, every stage waiting on it
-    step_s = pipeline_s + pp_step_s + exposed_dp_s + optimizer_s
+    clip_s = max(s["clip"] for s in stages)  # its all-reduce over the stages waits for the slowest
+    step_s = pipeline_s + pp_step_s + exposed_dp_s + clip_s + optimizer_s
     terms = slowest["exposed"]
     global_tokens = work.rows * layout.dp * work.micro_batches * work.model.block_size
     return {
@@ -595,6 +620,7 @@ def predict_step(
             "pp_once_a_step": pp_step_s,
             "data_parallel_exposed": exposed_dp_s,
             "data_parallel_total": data_parallel_s,
+            "clip": clip_s,
             "optimizer": optimizer_s,
         },
         "slowest_rank": slowest["rank"],

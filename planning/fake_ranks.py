@@ -184,6 +184,14 @@ def run_rank(cfg, layout: Layout, work: Workload, rank: int) -> dict:
                     # micro-batches' mean, the tied gradient's all-reduce), as Job.forward_backward does
                     ops.phase = "step"
                     job.after_backward()
+                # the clipping by the global norm, as train_gpt runs it before each optimizer step (at its default
+                # norm, unless the config says another); its all-reduces of a few bytes each counted apart: the
+                # layout's theory of the bytes sent leaves them out, as a run's count does (strategies/checks.py)
+                ops.phase = "clip"
+                job.max_norm = getattr(cfg, "grad_clip", 1.0)
+                with CollectiveCounter() as clipping:
+                    clipping.passed(counter.last_group)
+                    job.clip()
                 # AdamW's first step makes its state (two moments and a count a parameter: 454 ops on a 2-rank
                 # ddp rank of the calibration's GPT against 4 a step after it), one-time work a run's median step
                 # leaves out; the step priced is a second one, on the same gradients
@@ -222,6 +230,13 @@ def run_rank(cfg, layout: Layout, work: Workload, rank: int) -> dict:
             "switched": dict(counter.switched),
         },
         "ops": ops.summary(),
+        "clip_collectives": {  # as "counted", with the calls and bytes per (kind, ranks of the group)
+            "calls": dict(clipping.calls),
+            "switched": dict(clipping.switched),
+            "on_groups_of": [
+                (kind, ranks, calls, sent) for (kind, ranks), (calls, sent) in clipping.on_groups_of.items()
+            ],
+        },
         "sent_theory": sent_bytes(reference, layout, rank, cfg, work, routing),
         "seconds": time.perf_counter() - started,
     }

@@ -173,7 +173,8 @@ class OpRecorder(TorchDispatchMode):
     (DTensor ops) and `ops.dtensor_tensors[phase]` (the DTensors they took), `ops.redistributes[phase]`,
     `ops.functional_collectives[phase]` (those called outside a redistribute: cp's gathers, ep's all-to-alls),
     `ops.fsdp_events[phase]` and `ops.in_fsdp_hooks[phase]` (those of the calls FSDP2's hooks ran); set
-    `ops.phase` as the step moves on (forward, backward, step)."""
+    `ops.phase` as the step moves on (forward, backward, step, clip). On fake tensors a scalar read (`.item()`)
+    reads 1: they hold no data."""
 
     def __init__(self):
         super().__init__()
@@ -207,7 +208,11 @@ class OpRecorder(TorchDispatchMode):
                     if isinstance(t, torch.Tensor)
                 )
             return NotImplemented
-        result = func(*args, **kwargs)
+        if func is torch.ops.aten._local_scalar_dense.default and isinstance(args[0], FakeTensor):
+            # a fake tensor holds no data: a scalar read (.item(): the clipping's norm, an MoE's loads) reads 1
+            result = 1.0 if args[0].dtype.is_floating_point else 1
+        else:
+            result = func(*args, **kwargs)
         namespace, _, name = str(func.overloadpacket).partition(".")
         if namespace == "_c10d_functional" and name not in FUNCTIONAL_PLUMBING:
             if not (self._propagating or self._in_redistribute):

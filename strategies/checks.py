@@ -99,7 +99,9 @@ class Probe(Instruments):
 
     @contextlib.contextmanager
     def watch(self, phase: str):
-        counting = self.step == self.count_step and phase != "optimizer"
+        # the forward's and backward's collectives, which the layout's theory counts (the clipping's all-reduces of
+        # a few bytes each and the optimizer's are not in it)
+        counting = self.step == self.count_step and phase in ("forward", "backward")
         counter = CollectiveCounter() if counting else None
         first_forward = counting and phase == "forward" and "saved_activation_bytes" not in self.held
         saved = SavedActivations() if first_forward and not self.job.forward_is_whole_step else None

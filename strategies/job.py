@@ -94,12 +94,15 @@ class Job:
     def clip(self, local_only: bool = False) -> float:
         """Clip to max_norm (--grad_clip) by the global norm and return it (`local_only`: the mistake of each
         rank clipping by its own piece's norm)."""
-        for piece in self.pieces:
-            piece.before_clip(self)
-        options = {}
-        for piece in self.pieces:
-            options.update(piece.clip_options(self))
-        return clip_by_global_norm(self.model.parameters(), self.max_norm, local_only=local_only, **options)
+        with self.instruments.watch("clip"):
+            for piece in self.pieces:
+                piece.before_clip(self)
+            options = {}
+            for piece in self.pieces:
+                options.update(piece.clip_options(self))
+            return clip_by_global_norm(
+                self.model.parameters(), self.max_norm, local_only=local_only, **options
+            )
 
     def step(self, grad_norm: float | None = None) -> None:
         """AdamW on a step's last micro-batch (Accelerate's prepared optimizer skips the others), then zero."""

@@ -6,6 +6,7 @@ published shapes."""
 from __future__ import annotations
 
 import json
+import math
 
 import pytest
 import torch
@@ -19,12 +20,14 @@ from planning.cost_model import (
     collective_seconds,
     link_of,
     load_hardware,
+    memory_seconds,
     model_flops_per_token,
     predict_step,
 )
 from planning.fake_ranks import every_stage, ranks_that_differ, schedule_order
 from planning.published import MODELS, PUBLISHED_RUNS, model_named
 from strategies.layout import Layout, Workload
+from strategies.theory import stage_theories
 
 TINY = ("--report_to none --model custom --n_layer 4 --d_model 64 --n_head 4 --vocab_size 512 "
         "--block_size 64").split()  # fmt: skip
@@ -202,11 +205,19 @@ def test_the_cost_model_adds_its_terms_as_its_docstring_says():
     # and waits, and the bubble, 1F1B's p - 1 micro-batch times on stages that are alike; then what the data-
     # parallel collectives leave exposed, the pipeline's once-a-step collectives (the loss broadcast, the tied
     # embedding's gradient all-reduced between the first and the last stage: after the schedule, not per
-    # micro-batch) and the optimizer
+    # micro-batch), the clipping by the global norm and the optimizer
     work = terms["compute"] + terms["tp"] + terms["pp_sends"]
-    assert predicted["step_s"] == pytest.approx(
-        work + terms["bubble"] + terms["pp_once_a_step"] + terms["data_parallel_exposed"] + terms["optimizer"]
+    after_schedule = (
+        terms["pp_once_a_step"] + terms["data_parallel_exposed"] + terms["clip"] + terms["optimizer"]
     )
+    assert predicted["step_s"] == pytest.approx(work + terms["bubble"] + after_schedule)
+    # the clipping: each float32 gradient read for its squared sum, then read and written scaled (12 bytes a
+    # parameter a rank holds, on the stage holding most), and one all-reduce of a float32 over each dimension that
+    # splits the parameters (dp_shard 4, tp 8, pp 2), each on the link of the sharding group (across nodes)
+    per_rank = max(sum(math.prod(shape) for _, shape in t.held) for t in stage_theories(reference, layout, args,
+                   Workload(cfg, 4, 1, "bf16"))) / layout.dp_shard  # fmt: skip
+    all_reduces = sum(collective_seconds("all_reduce", 4, n, h100.inter_node) for n in (4, 8, 2))
+    assert terms["clip"] == pytest.approx(memory_seconds(12 * per_rank, h100) + all_reduces)
     untied_cfg = GPTConfig(**{**cfg.__dict__, "tie_weights": False})
     with torch.device("meta"):
         untied_reference = GPT(untied_cfg)

@@ -234,7 +234,8 @@ def test_a_fake_fsdp_rank_records_its_copies_and_counts_its_unshards_and_reduce_
     blocks again and reduce-scatters every unit; FSDP's copies in and out of its buffers are memory ops."""
     cfg = Config(model="custom", n_layer=2, d_model=64, n_head=4, vocab_size=512, block_size=32, world_size=2)
     model = GPTConfig(n_layer=2, d_model=64, n_head=4, vocab_size=512, block_size=32)
-    ops = fake_rank(cfg, Layout(dp_shard=2), Workload(model, 4), 0)["ops"]
+    result = fake_rank(cfg, Layout(dp_shard=2), Workload(model, 4), 0)
+    ops = result["ops"]
     units = 1 + model.n_layer  # the root and each block
     assert ops["fsdp_events"] == {"forward": units, "backward": model.n_layer + units}
     copies = {
@@ -244,9 +245,19 @@ def test_a_fake_fsdp_rank_records_its_copies_and_counts_its_unshards_and_reduce_
     }
     assert set(copies) == {"all_gather_copy_in", "split_with_sizes_copy"}
     assert all(c.kind == "memory" and c.bytes > 0 for c in copies.values())
+    # the clipping by the global norm: each gradient shard's squared sum, the sums all-reduced over the 2 sharding
+    # ranks in one call of a float32 (common/optim groups the gradients by how they are split), each shard scaled
+    with torch.device("meta"):
+        tensors = len(list(GPT(model).parameters()))  # the tied embedding once
+    clipping = Counter()
+    for call, n in ops["calls"]["clip"]:
+        clipping[call.name] += n
+    assert clipping["pow"] == clipping["sum"] == clipping["mul_"] == tensors
+    assert result["clip_collectives"]["on_groups_of"] == [("all_reduce", 2, 1, 4)]
     # a fake replica runs PyTorch's replicate (FSDP2's machinery): one reduction of every parameter, in backward
-    replica = fake_rank(cfg, Layout(dp_replicate=2), Workload(model, 4), 0)["ops"]
-    assert replica["fsdp_events"] == {"backward": 1}  # the whole piece one unit
+    replica = fake_rank(cfg, Layout(dp_replicate=2), Workload(model, 4), 0)
+    assert replica["ops"]["fsdp_events"] == {"backward": 1}  # the whole piece one unit
+    assert replica["clip_collectives"]["on_groups_of"] == []  # every replica's norm already the global one
     assert not dist.is_initialized()
 
 
@@ -265,7 +276,8 @@ def test_a_prediction_from_recorded_ops_is_their_priced_sum():
     # are DTensors
     assert ops["dtensor_tensors"]["step"] > 0
     hooks = {
-        name: Counter(dict(ops["in_fsdp_hooks"].get(name, []))) for name in ("forward", "backward", "step")
+        name: Counter(dict(ops["in_fsdp_hooks"].get(name, [])))
+        for name in ("forward", "backward", "clip", "step")
     }
 
     def phase(name: str) -> float:
@@ -275,6 +287,9 @@ def test_a_prediction_from_recorded_ops_is_their_priced_sum():
     assert predicted["priced"] == "recorded ops"
     assert predicted["terms_s"]["compute"] == pytest.approx(phase("forward") + phase("backward"))
     assert predicted["terms_s"]["optimizer"] == pytest.approx(phase("step"))
+    # a replica clips without a collective: its ops alone
+    assert predicted["terms_s"]["clip"] == pytest.approx(phase("clip"))
+    assert phase("clip") > 0
 
 
 def test_ranks_beyond_the_cores_share_them_and_fill_each_others_pipeline_bubbles():

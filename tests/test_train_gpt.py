@@ -111,6 +111,8 @@ def test_a_short_run_counts_a_steady_step_or_says_why_it_cannot(tmp_path, layout
     if verdict == "PASS":
         assert check["passed"] is True and "every rank equals its theory" in check["detail"]
         assert summary["metrics"]["communication"]["counted"]["calls"] == {"all_reduce": 2}
+        # the step timed phase by phase, the clipping by the global norm one of its own
+        assert set(summary["metrics"]["step_time_ms"]) == {"forward", "backward", "clip", "optimizer"}
     else:
         assert check["passed"] is None and check["skipped"] and "train at least 2 steps" in check["detail"]
     assert all(c["passed"] for name, c in summary["checks"].items() if name != "communication_volume")
