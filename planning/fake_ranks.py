@@ -39,6 +39,7 @@ from planning.ops import OpRecorder
 from strategies.job import Instruments, local_bytes
 from strategies.layout import DIMS, Layout, Workload, chunk_rows, stream_dtype, unique_tensors
 from strategies.parallelize import parallelize, quiet
+from strategies.pp import stage_tokens
 from strategies.theory import gathered_bytes, held_bytes, sent_bytes, theory_of
 
 
@@ -151,7 +152,8 @@ def run_rank(cfg, layout: Layout, work: Workload, rank: int) -> dict:
                             )
                             x, y = job.split_batch(ids, ids)
                             if not first:  # the previous stage's output, as the schedule hands it over
-                                x = torch.empty(*x.shape, work.model.d_model, dtype=stream_dtype(layout, work),
+                                x = torch.empty(x.shape[0], stage_tokens(layout, rank, cfg, x.shape[1]), work.model.d_model,
+                                                dtype=stream_dtype(layout, work),
                                                 requires_grad=True)  # fmt: skip
                             with SavedActivations() as saved, accelerator.autocast():
                                 out = stage(x)

@@ -42,7 +42,7 @@ from torch import nn
 from common.config import flag, require
 from common.gpt import GPT, lm_loss
 from common.moe import forget_counts
-from strategies.layout import Layout, Mistake, Traffic, stream_dtype, unique_tensors
+from strategies.layout import Layout, Mistake, Traffic, chunk_rows, stream_dtype, unique_tensors
 from strategies.piece import Context, Piece, Plan, Theory
 
 MISTAKES = {  # each: what it is, and the runs under which it is one
@@ -148,6 +148,7 @@ class Pipeline:
 
     def __init__(self, gpt: GPT, layout: Layout, rank: int, args, sent_dtype: torch.dtype = torch.float32):
         self.p, self.schedule_name, self.microbatches = layout.pp, args.pp_schedule, args.pp_microbatches
+        self.layout, self.rank, self.args = layout, rank, args
         self.sent_dtype = (
             sent_dtype  # the residual stream's: bf16 under FSDP's bf16 policy (layout.stream_dtype)
         )
@@ -176,6 +177,9 @@ class Pipeline:
 
     def holder(self, stage: int) -> int:
         return holder(stage, self.p, self.schedule_name)
+
+    def sent_tokens(self, sequence: int) -> int:
+        return stage_tokens(self.layout, self.rank, self.args, sequence)
 
     def connect(self, layout: Layout, rank: int, pp_mesh, device, variant: str) -> None:
         """After the other dimensions are applied to the stages: the pipeline's group, the tied ends' groups,
@@ -264,8 +268,8 @@ class Pipeline:
         for s in sorted(self.stage_ids):
             stage = self.stages[self.stage_ids.index(s)]
             if s and self.holder(s - 1) != self.pp_rank:
-                width = self.model.cfg.d_model
-                activation = torch.empty(*x.shape, width, device=x.device, dtype=self.sent_dtype)
+                shape = (x.shape[0], self.sent_tokens(x.shape[1]), self.model.cfg.d_model)
+                activation = torch.empty(*shape, device=x.device, dtype=self.sent_dtype)
                 dist.recv(activation, group=group, group_src=self.holder(s - 1))
             output = stage(x if s == 0 else activation)
             if s == self.n_stages - 1:
@@ -357,6 +361,15 @@ def holding(layout: Layout, rank: int, args, n_layer: int, tied: bool) -> Holdin
     return Holding(blocks, 0 in stage_ids, last, tied and last)
 
 
+def stage_tokens(layout: Layout, rank: int, args, tokens: int) -> int:
+    """The tokens of each sequence a stage sends on, of the `tokens` the rank runs (context parallelism's chunks
+    already): under sequence parallelism the rank's own share of them (strategies/tp.py hands a stage's local
+    tokens over)."""
+    if getattr(args, "sequence_parallel", False) and layout.tp > 1:
+        return chunk_rows(tokens, layout.tp, layout.coordinate(rank, "tp"))
+    return tokens
+
+
 def sent(t: Theory) -> list[Traffic]:
     """The rank's point-to-point bytes of one step: activations and their gradients across each of its stages'
     boundaries with another rank (m each way); the loss's broadcast; the tied gradient's all-reduce (this
@@ -367,7 +380,12 @@ def sent(t: Theory) -> list[Traffic]:
     stage_ids = stages_of(pp_rank, p, schedule)
     n_stages = p * len(stage_ids)
     element = stream_dtype(layout, work).itemsize
-    activation = (work.rows // m) * (work.tokens // work.rows // layout.cp) * work.model.d_model * element
+    activation = (
+        (work.rows // m)
+        * stage_tokens(layout, rank, args, work.tokens // work.rows // layout.cp)
+        * work.model.d_model
+        * element
+    )
     boundaries = sum(
         (s > 0 and holder(s - 1, p, schedule) != pp_rank)
         + (s < n_stages - 1 and holder(s + 1, p, schedule) != pp_rank)

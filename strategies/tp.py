@@ -53,6 +53,7 @@ from torch.distributed.tensor import Partial, Replicate, Shard
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
     PrepareModuleInput,
+    PrepareModuleOutput,
     RowwiseParallel,
     SequenceParallel,
     parallelize_module,
@@ -108,9 +109,9 @@ def refuse(plan: Plan) -> None:
     )
     require(work.model.n_head % layout.tp == 0 and work.model.kv_heads % layout.tp == 0,
             f"{heads} must be divisible by --tp {layout.tp}: each rank must hold whole heads")  # fmt: skip
-    require(not args.sequence_parallel or (layout.pp == 1 and layout.cp == 1),
-            "--sequence_parallel with --pp or --cp: not built (a stage would send, and context parallelism would "
-            "gather, a sequence already split over the tensor-parallel ranks)")  # fmt: skip
+    require(not args.sequence_parallel or layout.cp == 1,
+            "--sequence_parallel with --cp: not built (context parallelism would gather a sequence already split "
+            "over the tensor-parallel ranks)")  # fmt: skip
     require(not (args.sequence_parallel and work.model.n_experts),
             "--sequence_parallel with --n_experts: not built (the experts would route 1/N of the tokens on each "
             "tensor-parallel rank: expert parallelism over tp, torchtitan's etp 1)")  # fmt: skip
@@ -205,7 +206,8 @@ def apply_sequence_parallel(model, tp_mesh) -> None:
     gathered_input = PrepareModuleInput(
         input_layouts=(sequence,), desired_input_layouts=(Replicate(),), use_local_output=False
     )
-    for index, block in enumerate(model.blocks.values()):
+    blocks = list(model.blocks.values())
+    for index, block in enumerate(blocks):
         plan = {
             "ln_1": SequenceParallel(),
             "attn": gathered_input,
@@ -220,9 +222,17 @@ def apply_sequence_parallel(model, tp_mesh) -> None:
             "mlp.fc_out": RowwiseParallel(output_layouts=sequence, use_local_output=False),
         }
         parallelize_module(block, tp_mesh, plan)
-        if index == 0:  # the embeddings' sum enters whole: each rank keeps its own tokens (a slice, no send)
-            parallelize_module(block, tp_mesh, PrepareModuleInput(input_layouts=(Replicate(),),
+        # the embeddings' sum enters whole: each rank keeps its own tokens (a slice, no send); a later pipeline
+        # stage's first block receives the rank's tokens already, as the stage before sent them (its last block
+        # hands over its local tokens): a pipeline sends 1/N of the activation (Megatron's scatter-gather)
+        if index == 0:
+            entering = Replicate() if model.tok_emb is not None else sequence
+            parallelize_module(block, tp_mesh, PrepareModuleInput(input_layouts=(entering,),
                                                                   desired_input_layouts=(sequence,)))  # fmt: skip
+        if index == len(blocks) - 1 and model.head is None:
+            parallelize_module(block, tp_mesh, PrepareModuleOutput(output_layouts=(sequence,),
+                                                                   desired_output_layouts=(sequence,),
+                                                                   use_local_output=True))  # fmt: skip
     _parallelize_ends(
         model,
         tp_mesh,
@@ -257,10 +267,13 @@ def sent(t: Theory) -> list[Traffic]:
         # and the block-0 slice of the embeddings' sum gathers its gradient back
         # the norms' weight gradients come out as partial sums (each rank's own tokens): FSDP (or replicate)
         # all-reduces them over tp before its own reduction, once per step, in the gathered precision
+        # (under a pipeline FSDP sums the micro-batches' unsharded gradients in float32, and all-reduces those)
         norms = (2 * blocks + heads) * work.model.d_model * (1 if work.model.norm == "rmsnorm" else 2)
         fsdp = bool(layout.shard_dims or layout.replicate_dims)
+        norm_element = 4 if layout.pp > 1 else stream
         sizes = {
-            "all_reduce": activation * embeds * stream + fsdp * norms * stream,  # and the embedding's output
+            "all_reduce": activation * embeds * stream
+            + fsdp * norms * norm_element,  # and the embedding's output
             "all_gather": (2 * blocks * (stream + matmul_out) + (embeds + heads) * stream) * activation
             + logits,
             "reduce_scatter": (2 * blocks * (matmul_out + stream) + heads * stream) * activation,

@@ -144,5 +144,14 @@ def test_an_interleaved_schedule_halves_the_bubble_and_a_refused_flag_is_one_lin
     )
     from common.config import UsageError  # run_cli prints it as one line, exit 2
 
-    with pytest.raises(UsageError, match="--sequence_parallel with --pp or --cp: not built"):
-        main([*base, "--sequence_parallel"])  # under a pipeline: the strategies' refusal
+    # sequence parallelism under the pipeline: each stage keeps and sends 1/8 of its tokens between the sub-layers
+    main([*base, "--json"])
+    (plain,) = json.loads(capsys.readouterr().out)
+    main([*base, "--sequence_parallel", "--json"])
+    (split,) = json.loads(capsys.readouterr().out)
+    assert split["sequence_parallel"] and not plain["sequence_parallel"]
+    assert split["peak_gib"] < plain["peak_gib"]
+    with_cp = ["--model", "llama3_8b", "--gpus", "1024", "--pp", "16", "--dp_shard", "4", "--cp", "2", "--tp", "8",
+               "--global_batch", "128", "--sequence_parallel"]  # fmt: skip
+    with pytest.raises(UsageError, match="--sequence_parallel with --cp: not built"):
+        main(with_cp)  # with context parallelism: the strategies' refusal

@@ -305,7 +305,7 @@ def test_context_parallel_ranks_join_the_data_parallel_gradient_group():
     [
         (tp, Layout(tp=4), {}, dataclasses.replace(WORK, model=GPTConfig(n_head=2)),
          "--n_head 2 must be divisible by --tp 4"),
-        (tp, Layout(tp=2, pp=2), {"sequence_parallel": True}, WORK, "--sequence_parallel with --pp or --cp"),
+        (tp, Layout(tp=2, cp=2), {"sequence_parallel": True}, WORK, "--sequence_parallel with --cp: not built"),
         (cp, Layout(cp=2), {}, dataclasses.replace(WORK, model=GPTConfig(block_size=30)),
          "--block_size 30 with --cp 2: .* a multiple of 4"),
         (shard, Layout(dp_shard=2, pp=2), {"reshard_after_forward": "always"}, WORK,

@@ -125,3 +125,20 @@ def test_bf16_under_composed_layouts_sends_each_tensor_in_its_own_dtype(tmp_path
         assert counted["send"] == counted["recv"] == 4 * 32 * 32 * 2
     else:  # each of 4 blocks gathers K and V of the 4 x 32 tokens x 32 wide, bf16, and FSDP its gathered copies
         assert counted["all_gather"] > 4 * 2 * 4 * 32 * 32 * 2
+
+
+@pytest.mark.launch
+def test_sequence_parallelism_in_an_interleaved_pipeline_of_fsdp_ranks_in_bf16(tmp_path):
+    # pp 2 (two stages a rank) x dp_shard 2 x tp 2 with SP: under the pipeline FSDP sums the micro-batches'
+    # unsharded gradients in float32, so the norms' partial gradients are all-reduced over tp in float32, not in
+    # the bf16 they are gathered in without a pipeline: the communication check holds it to the byte
+    args = [*LAYOUT_TINY, "--mixed_precision", "bf16", "--parity_steps_bf16", "4", "--pp", "2", "--dp_shard", "2",
+            "--tp", "2", "--sequence_parallel", "--pp_schedule", "interleaved_1f1b"]  # fmt: skip
+    summary = assert_gpt_passed(fork_launch(main, args, tmp_path / "run", num_processes=8), 8)
+    assert summary["checks"]["matches_single_process"]["passed"]
+    assert summary["checks"]["communication_volume"]["passed"]
+    # rank 0: its 2 blocks' 4 LayerNorms (weight and bias, width 32) in float32; the embedding's output (4
+    # micro-batches of 1 row x 32 tokens x 32, bf16); the tied embedding's gradient with the last stage's rank
+    # (its quarter of 512 x 32, float32)
+    counted = summary["metrics"]["communication"]["counted"]["bytes"]["all_reduce"]
+    assert counted == 4 * 2 * 32 * 4 + 4 * 32 * 32 * 2 + 512 * 32 // 4 * 4

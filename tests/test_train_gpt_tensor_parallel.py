@@ -82,3 +82,20 @@ def test_compiled_blocks_pass_every_check_under_tensor_parallelism(tmp_path):
     args = [*GPT_TINY, "--strategy", "tp", "--compile", "--max_steps", "6", "--parity_steps", "4"]
     summary = assert_gpt_passed(fork_launch(main, args, tmp_path / "run"), 2)
     assert summary["config"]["compile"] is True and summary["metrics"]["first_step_ms"] > 0
+
+
+@pytest.mark.launch
+def test_sequence_parallelism_under_a_pipeline_sends_each_rank_its_own_tokens(tmp_path):
+    """pp 2 x tp 2 with --sequence_parallel: a stage hands the next its last block's local tokens (each
+    tensor-parallel rank its half of the sequence: Megatron's scatter-gather), the next stage's first block takes
+    them as they are; the run matches one process, and every rank holds and sends its theory: half the pipeline's
+    bytes of pp 2 x tp 2 without it."""
+    sends = {}
+    for name, extra in (("tp", []), ("sp", ["--sequence_parallel"])):
+        args = [*GPT_TINY, "--pp", "2", "--tp", "2", "--max_steps", "6", "--parity_steps", "4", "--min_loss_drop",
+                "0", *extra]  # fmt: skip
+        summary = assert_gpt_passed(fork_launch(main, args, tmp_path / name, num_processes=4), 4)
+        assert summary["checks"]["communication_volume"]["passed"]
+        sends[name] = summary["metrics"]["communication"]["counted"]["bytes"]["send"]
+    # 4 micro-batches of 1 row x 32 tokens x width 32 in float32 each way; under SP 16 of the tokens
+    assert sends == {"tp": 4 * 32 * 32 * 4, "sp": 4 * 16 * 32 * 4}
