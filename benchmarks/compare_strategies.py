@@ -47,7 +47,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "--layouts",
         default="",
         help="comma-separated layouts, each degrees joined by ':' (dp_shard=2:tp=2:pp=2), "
-        "launched on their product of ranks",
+        "launched on their product of ranks; ':sequence_parallel' adds tp's --sequence_parallel",
     )
     parser.add_argument(
         "--max_steps", type=int, default=0, help="optimizer steps per run (0: train_gpt's default)"
@@ -75,12 +75,17 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     args.runs = [Run(name, ["--strategy", name], PRESETS[name].ranks, PRESETS[name].launch_config)
                  for name in args.strategies]  # fmt: skip
     for text in (t.strip() for t in args.layouts.split(",") if t.strip()):
+        parts = text.split(":")
+        sequence_parallel = "sequence_parallel" in parts
         try:
-            degrees = {dim: int(n) for dim, n in (part.split("=") for part in text.split(":"))}
+            degrees = {
+                dim: int(n) for dim, n in (part.split("=") for part in parts if part != "sequence_parallel")
+            }
             layout = Layout(**degrees)
         except (TypeError, ValueError):
-            parser.error(f"--layouts: {text!r} is not degrees like dp_shard=2:tp=2 (of {', '.join(DIMS)})")
-        args.runs.append(layout_run(layout, degrees))
+            parser.error(f"--layouts: {text!r} is not degrees like dp_shard=2:tp=2 (of {', '.join(DIMS)}), "
+                         "optionally :sequence_parallel")  # fmt: skip
+        args.runs.append(layout_run(layout, degrees, sequence_parallel))
     if not args.runs:
         parser.error("nothing to run: --strategies and --layouts are both empty")
     if args.max_steps < 0:
@@ -101,10 +106,13 @@ class Run:
     launch_config: str
 
 
-def layout_run(layout: Layout, degrees: dict) -> Run:
+def layout_run(layout: Layout, degrees: dict, sequence_parallel: bool = False) -> Run:
     """A row of a layout given by its degrees: train_gpt's degree flags, on its world size."""
     flags = [item for dim, n in degrees.items() for item in (f"--{dim}", str(n))]
-    return Run(layout.describe().split(" (")[0], flags, layout.world_size, "")
+    label = layout.describe().split(" (")[0]
+    if sequence_parallel:
+        flags, label = [*flags, "--sequence_parallel"], f"{label} + SP"
+    return Run(label, flags, layout.world_size, "")
 
 
 def launch_command(run: Run, run_dir: Path, args: argparse.Namespace) -> list[str]:
@@ -164,7 +172,7 @@ def markdown(rows: list[dict], command: str) -> str:
         f"`{command}`",
         "",
         "| strategy | ranks: layout | checks | loss / param diff vs one process | bytes per rank: params / grads "
-        "/ AdamW | bytes per step, counted = theory (wire per rank) | tokens/s | step ms: fwd / bwd / opt |",
+        "/ AdamW | bytes per step, counted = theory (wire per rank) | tokens/s | step ms: fwd / bwd / clip / opt |",
         "|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
@@ -187,7 +195,7 @@ def markdown(rows: list[dict], command: str) -> str:
             f"| {r['strategy']} | {r['ranks']}: {r['layout']} | {r['checks']} "
             f"| {number(r['loss_diff'])} / {number(r['param_diff'])} "
             f"| {b['params']:,} / {b['grads']:,} / {b['optimizer']:,} | {comm} | {r['tokens_per_s']:,.0f} "
-            f"| {t['forward']:.1f} / {t['backward']:.1f} / {t['optimizer']:.1f} |"
+            f"| {t['forward']:.1f} / {t['backward']:.1f} / {t.get('clip', 0.0):.1f} / {t['optimizer']:.1f} |"
         )
     return "\n".join(lines) + "\n"
 

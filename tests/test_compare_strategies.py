@@ -13,6 +13,7 @@ from benchmarks.compare_strategies import main
     [
         (["--strategies", "ddp,zero4"], "--strategies: ['zero4'] not among"),
         (["--max_steps", "-1"], "--max_steps"),
+        (["--layouts", "tp=2:pp=2:sp"], "--layouts: 'tp=2:pp=2:sp' is not degrees like dp_shard=2:tp=2"),
     ],
 )
 def test_bad_input_is_refused_before_any_run(tmp_path, capsys, args, message):
@@ -64,3 +65,11 @@ def test_the_plot_labels_every_bar_readably_however_long_its_name(tmp_path, monk
     for index, (text, box) in enumerate(boxes):
         for other, other_box in boxes[index + 1 :]:
             assert not box.overlaps(other_box), (text, other)
+
+
+def test_a_layout_with_sequence_parallel_runs_train_gpt_with_it():
+    from benchmarks.compare_strategies import parse_args
+
+    (run,) = parse_args(["--strategies", "", "--layouts", "tp=2:pp=2:sequence_parallel"]).runs
+    assert run.flags == ["--tp", "2", "--pp", "2", "--sequence_parallel"] and run.ranks == 4
+    assert run.label == "pp 2 x tp 2 + SP"
