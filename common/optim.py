@@ -38,12 +38,7 @@ def clip_by_global_norm(
     another rank counts (the tied embedding's copy on the last stage). `local_only` is the classic mistake:
     each rank clips by the norm of its own piece."""
     parameters = list({id(p): p for p in parameters}.values())
-    for param in parameters:  # a partial-sum gradient (sequence parallelism's LayerNorms): summed first
-        grad = param.grad
-        if isinstance(grad, DTensor) and any(p.is_partial() for p in grad.placements):
-            param.grad = grad.redistribute(
-                grad.device_mesh, [Replicate() if p.is_partial() else p for p in grad.placements]
-            )
+    sum_partial_gradients(parameters)
     grads = [p.grad for p in parameters if p.grad is not None]
     skipped = {id(p.grad) for p in counted_elsewhere if p.grad is not None}
     device = (grads[0].to_local() if isinstance(grads[0], DTensor) else grads[0]).device
@@ -67,6 +62,33 @@ def clip_by_global_norm(
     if across is not None and not local_only:
         dist.all_reduce(total, group=across)
     return clip_to(grads, total.sqrt(), max_norm)
+
+
+def sum_partial_gradients(parameters) -> None:
+    """Partial-sum gradients (sequence parallelism's norms: each rank's over its own tokens) summed, as Replicate:
+    those alike (mesh, placements) flattened into one buffer and all-reduced once over each partial dimension,
+    not one redistribute a tensor (18 all-reduces a step on tp 2 with SP of the default GPT, each ~1 ms on gloo).
+    Elementwise the same sums."""
+    alike: dict = {}
+    for param in parameters:
+        grad = param.grad
+        if isinstance(grad, DTensor) and any(p.is_partial() for p in grad.placements):
+            alike.setdefault((grad.device_mesh, tuple(grad.placements)), []).append(param)
+    for (mesh, placements), params in alike.items():
+        summed = [Replicate() if p.is_partial() else p for p in placements]
+        if any(p.is_partial() and p.reduce_op != "sum" for p in placements):  # not sums: DTensor's own way
+            for param in params:
+                param.grad = param.grad.redistribute(mesh, summed)
+            continue
+        locals_ = [param.grad.to_local() for param in params]
+        buffer = torch.cat([local.reshape(-1) for local in locals_])
+        for dim in (dim for dim, p in enumerate(placements) if p.is_partial()):
+            dist.all_reduce(buffer, group=mesh.get_group(dim))
+        for param, local, piece in zip(
+            params, locals_, buffer.split([t.numel() for t in locals_]), strict=True
+        ):
+            param.grad = DTensor.from_local(piece.view_as(local), mesh, summed, run_check=False,
+                                            shape=param.grad.shape, stride=param.grad.stride())  # fmt: skip
 
 
 def clip_to(grads: list, norm: torch.Tensor, max_norm: float) -> float:
