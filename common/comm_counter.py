@@ -70,15 +70,6 @@ def _nbytes(tree) -> int:
     return sum(t.numel() * t.element_size() for t in tree_flatten(tree)[0] if isinstance(t, torch.Tensor))
 
 
-def group_size_of(args: tuple) -> int | None:
-    """The number of ranks of the process group a c10d op runs on (`group_of`'s group)."""
-    for arg in args:
-        if isinstance(arg, torch.ScriptObject) and arg._type().qualified_name().endswith("ProcessGroup"):
-            return dist.ProcessGroup.unbox(arg).size()
-    name = group_of(args)
-    return dist.distributed_c10d._resolve_process_group(name).size() if name else None
-
-
 def group_of(args: tuple) -> str | None:
     """The name of the process group a c10d op runs on: its ProcessGroup argument's (in-place ops), or the last
     string argument (functional ops take the group's name last: all_reduce(input, op, group_name))."""
@@ -119,7 +110,8 @@ class CollectiveCounter(TorchDispatchMode):
             self.last_group = group
             message = self._message_bytes(kind, namespace == "c10d", args, result)
             self.bytes[kind] += message
-            sized = self.on_groups_of.setdefault((kind, group_size_of(args) or 1), [0, 0])
+            ranks = dist.distributed_c10d._resolve_process_group(group).size() if group else 1
+            sized = self.on_groups_of.setdefault((kind, ranks), [0, 0])
             sized[0], sized[1] = sized[0] + 1, sized[1] + message
         return result
 

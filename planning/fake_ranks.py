@@ -152,9 +152,12 @@ def run_rank(cfg, layout: Layout, work: Workload, rank: int) -> dict:
                             )
                             x, y = job.split_batch(ids, ids)
                             if not first:  # the previous stage's output, as the schedule hands it over
-                                x = torch.empty(x.shape[0], stage_tokens(layout, rank, cfg, x.shape[1]), work.model.d_model,
-                                                dtype=stream_dtype(layout, work),
-                                                requires_grad=True)  # fmt: skip
+                                sent = (
+                                    x.shape[0],
+                                    stage_tokens(layout, rank, cfg, x.shape[1]),
+                                    work.model.d_model,
+                                )
+                                x = torch.empty(*sent, dtype=stream_dtype(layout, work), requires_grad=True)
                             with SavedActivations() as saved, accelerator.autocast():
                                 out = stage(x)
                                 out = lm_loss(out, y) / m if last else out
