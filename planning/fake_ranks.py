@@ -154,7 +154,7 @@ def run_rank(cfg, layout: Layout, work: Workload, rank: int) -> dict:
                             if not first:  # the previous stage's output, as the schedule hands it over
                                 sent = (
                                     x.shape[0],
-                                    stage_tokens(layout, rank, cfg, x.shape[1]),
+                                    stage_tokens(layout, rank, job.ctx.plan.traits, x.shape[1]),
                                     work.model.d_model,
                                 )
                                 x = torch.empty(*sent, dtype=stream_dtype(layout, work), requires_grad=True)

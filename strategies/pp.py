@@ -146,9 +146,10 @@ class Pipeline:
     under the GPT's names), for its optimizer, checkpoints and bytes; `stages`: one GPT per stage it holds
     (the same modules), what the schedule runs and the other dimensions are applied to."""
 
-    def __init__(self, gpt: GPT, layout: Layout, rank: int, args, sent_dtype: torch.dtype = torch.float32):
+    def __init__(self, gpt: GPT, layout: Layout, rank: int, args, sent_dtype: torch.dtype = torch.float32,
+                 traits=frozenset()):  # fmt: skip
         self.p, self.schedule_name, self.microbatches = layout.pp, args.pp_schedule, args.pp_microbatches
-        self.layout, self.rank, self.args = layout, rank, args
+        self.layout, self.rank, self.traits = layout, rank, traits
         self.sent_dtype = (
             sent_dtype  # the residual stream's: bf16 under FSDP's bf16 policy (layout.stream_dtype)
         )
@@ -179,7 +180,7 @@ class Pipeline:
         return holder(stage, self.p, self.schedule_name)
 
     def sent_tokens(self, sequence: int) -> int:
-        return stage_tokens(self.layout, self.rank, self.args, sequence)
+        return stage_tokens(self.layout, self.rank, self.traits, sequence)
 
     def connect(self, layout: Layout, rank: int, pp_mesh, device, variant: str) -> None:
         """After the other dimensions are applied to the stages: the pipeline's group, the tied ends' groups,
@@ -361,11 +362,16 @@ def holding(layout: Layout, rank: int, args, n_layer: int, tied: bool) -> Holdin
     return Holding(blocks, 0 in stage_ids, last, tied and last)
 
 
-def stage_tokens(layout: Layout, rank: int, args, tokens: int) -> int:
+SEQUENCE_SPLIT = (
+    "sequence_split_over_tp"  # tp's trait under sequence parallelism: a rank runs its share of tokens
+)
+
+
+def stage_tokens(layout: Layout, rank: int, traits, tokens: int) -> int:
     """The tokens of each sequence a stage sends on, of the `tokens` the rank runs (context parallelism's chunks
-    already): under sequence parallelism the rank's own share of them (strategies/tp.py hands a stage's local
-    tokens over)."""
-    if getattr(args, "sequence_parallel", False) and layout.tp > 1:
+    already): where the plan splits the sequence over tp (its traits: sequence parallelism), the rank's own share
+    of them (strategies/tp.py hands a stage's local tokens over)."""
+    if SEQUENCE_SPLIT in traits:
         return chunk_rows(tokens, layout.tp, layout.coordinate(rank, "tp"))
     return tokens
 
@@ -382,7 +388,7 @@ def sent(t: Theory) -> list[Traffic]:
     element = stream_dtype(layout, work).itemsize
     activation = (
         (work.rows // m)
-        * stage_tokens(layout, rank, args, work.tokens // work.rows // layout.cp)
+        * stage_tokens(layout, rank, t.plan.traits, work.tokens // work.rows // layout.cp)
         * work.model.d_model
         * element
     )
@@ -425,7 +431,7 @@ class PipelineParallel(Piece):
     def apply(self, stages: list, ctx: Context) -> list:
         (gpt,) = stages
         pipeline = ctx.runtime[self.name] = Pipeline(gpt, ctx.layout, ctx.rank, ctx.args,
-                                                     stream_dtype(ctx.layout, ctx.work))  # fmt: skip
+                                                     stream_dtype(ctx.layout, ctx.work), ctx.plan.traits)  # fmt: skip
         ctx.model = pipeline.model
         return list(pipeline.stages)
 
