@@ -286,9 +286,17 @@ def parse_config(
 
 
 def run_cli(main: Callable[[], int]) -> None:
-    """`sys.exit(main())`, turning a UsageError raised inside the run into one line and exit 2."""
+    """`sys.exit(main())`, turning a UsageError raised inside the run into one line and exit 2. With
+    DIST_REHEARSAL set, the whole program runs as a GPU would see its tensors (common/rehearsal.py): what would
+    crash there is one line here, and exit 1."""
+    from common.rehearsal import RehearsalFailure, rehearse_if_asked
+
     try:
-        code = main()
+        with rehearse_if_asked():
+            code = main()
+    except RehearsalFailure as failure:
+        print(f"{os.path.basename(sys.argv[0])}: {failure}", file=sys.stderr)
+        code = 1
     except UsageError as error:
         if int(os.environ.get("RANK", "0")) == 0 or not error.same_on_every_rank:
             print(f"{os.path.basename(sys.argv[0])}: error: {error}", file=sys.stderr)

@@ -72,7 +72,9 @@ def run_experts(moe: MoE, tokens: torch.Tensor, counts: list[int]) -> torch.Tens
     w_gate = local(moe.w_gate) if moe.w_gate is not None else None
     # the tokens' dtype, or autocast's: under FSDP's bf16 policy the tokens are bf16 while ep's experts, which
     # FSDP leaves alone, stay float32; autocast does not cast _grouped_mm's inputs (measured, torch 2.13)
-    dtype = torch.get_autocast_dtype("cpu") if torch.is_autocast_enabled("cpu") else tokens.dtype
+    # (autocast of the tokens' own device type: a GPU run's is cuda's)
+    device_type = tokens.device.type
+    dtype = torch.get_autocast_dtype(device_type) if torch.is_autocast_enabled(device_type) else tokens.dtype
     w_in, w_out = w_in.to(dtype), w_out.to(dtype)
     w_gate = w_gate.to(dtype) if w_gate is not None else None
     rows = tokens.to(dtype)

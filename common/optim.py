@@ -27,7 +27,7 @@ def set_lr(optimizer, lr: float) -> None:
 
 def clip_by_global_norm(
     parameters, max_norm: float, local_only: bool = False, across=None, counted_elsewhere=()
-) -> float:
+) -> torch.Tensor:
     """Clip to the norm of the WHOLE gradient; return that norm. A DTensor gradient's squared sum is
     summed over the mesh dimensions it is split on (Shard) and counted once over those it is copied on
     (Replicate): under FSDP x TP a LayerNorm's gradient is split across the sharding ranks but the same on
@@ -42,18 +42,18 @@ def clip_by_global_norm(
     grads = [p.grad for p in parameters if p.grad is not None]
     skipped = {id(p.grad) for p in counted_elsewhere if p.grad is not None}
     device = (grads[0].to_local() if isinstance(grads[0], DTensor) else grads[0]).device
-    squared_sums: dict = {}  # (mesh, split dims) -> this rank's sum of squares
+    locals_by_key: dict = {}  # (mesh, split dims) -> this rank's local gradients
     for grad in grads:
         if id(grad) in skipped:
             continue
         # not is_replicate(), not is_shard(): FSDP2 over TP splits with _StridedShard, for which is_shard() is False
         split = tuple(not p.is_replicate() for p in grad.placements) if isinstance(grad, DTensor) else ()
         key = (grad.device_mesh, split) if isinstance(grad, DTensor) else None
-        local = grad.to_local() if isinstance(grad, DTensor) else grad
-        squared_sum = local.float().pow(2).sum()
-        squared_sums[key] = squared_sums[key] + squared_sum if key in squared_sums else squared_sum
+        locals_by_key.setdefault(key, []).append(grad.to_local() if isinstance(grad, DTensor) else grad)
     total = torch.zeros((), device=device)
-    for key, squared_sum in squared_sums.items():
+    for key, locals_ in locals_by_key.items():
+        # one multi-tensor kernel for every gradient's norm (on a GPU one launch, not two a tensor), in float32
+        squared_sum = torch.stack(torch._foreach_norm(locals_, 2, dtype=torch.float32)).pow(2).sum()
         if key is not None and not local_only:
             mesh, split = key
             for dim in (dim for dim, is_split in enumerate(split) if is_split):
@@ -91,10 +91,15 @@ def sum_partial_gradients(parameters) -> None:
                                             shape=param.grad.shape, stride=param.grad.stride())  # fmt: skip
 
 
-def clip_to(grads: list, norm: torch.Tensor, max_norm: float) -> float:
-    """Scale `grads` so that the gradient whose norm is `norm` has norm at most max_norm (0: off); the norm."""
+def clip_to(grads: list, norm: torch.Tensor, max_norm: float) -> torch.Tensor:
+    """Scale `grads` so that the gradient whose norm is `norm` has norm at most max_norm (0: off); the norm, a
+    tensor on the gradients' device (read it where it is logged: .item() waits for the device)."""
     if max_norm > 0:
         scale = torch.clamp(max_norm / (norm + 1e-6), max=1.0)  # torch.nn.utils.clip_grad_norm_'s formula
-        for grad in grads:
-            (grad.to_local() if isinstance(grad, DTensor) else grad).mul_(scale)
-    return norm.item()
+        locals_ = [grad.to_local() if isinstance(grad, DTensor) else grad for grad in grads]
+        by_dtype: dict = {}  # a multi-tensor kernel takes one dtype
+        for local in locals_:
+            by_dtype.setdefault(local.dtype, []).append(local)
+        for same in by_dtype.values():
+            torch._foreach_mul_(same, scale)
+    return norm

@@ -180,7 +180,7 @@ def pipeline_bubble(
     timelines: list[list], labels: list[str], from_step: int, title: str, path: str
 ) -> dict | None:
     """A pipeline's bubble, step by step: `timelines[r][k]` is stage-rank r's timed actions in step k, (kind, start,
-    end) with kind F, B or W (forward, backward, weight gradients; perf_counter, one clock for a host's processes).
+    end) with kind F, B or W (forward, backward, weight gradients; seconds from the rank's own step start).
     A step's bubble is 1 - the mean busy time / the step's span. The median step from `from_step` (1-based) on
     is drawn to `path`; None if no step is that late."""
     import statistics

@@ -37,12 +37,12 @@ def train_single_process(
     step. `before_update(i)` (i = 1, 2, ...) runs between backward and the step (clipping, the learning
     rate) and returns a figure (the gradient norm). `autocast`: the context the distributed model runs
     its forward under, if any. Returns each step's loss and figure, and step 1's gradients by name."""
-    if device is not None:
-        model.to(device)
+    device = torch.device("cpu") if device is None else device
+    model.to(device)
     losses, figures, first_gradients = [], [], {}
     for step in range(1, steps + 1):
         micro_batches = [next(global_batches) for _ in range(micro_batches_per_step)]
-        *inputs, target = (torch.cat(parts).to(device or "cpu") for parts in zip(*micro_batches, strict=True))
+        *inputs, target = (torch.cat(parts).to(device) for parts in zip(*micro_batches, strict=True))
         optimizer.zero_grad()
         with autocast():
             loss = loss_fn(model, *inputs, target)
@@ -51,7 +51,8 @@ def train_single_process(
             first_gradients = {
                 n: p.grad.detach().cpu().clone() for n, p in model.named_parameters() if p.grad is not None
             }
-        figures.append(before_update(step) if before_update else None)
+        figure = before_update(step) if before_update else None
+        figures.append(figure.item() if torch.is_tensor(figure) else figure)
         optimizer.step()
         losses.append(loss.item())
     optimizer.zero_grad()

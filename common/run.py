@@ -45,6 +45,7 @@ from common.checkpoint import (
     tidy_checkpoints,
 )
 from common.config import INTERRUPTED_EXIT_CODE, RunArgs, UsageError
+from common.device import backend_for
 from common.reliability import OutputLock, clear_ctrl_c_marks, explain_timeout, is_interrupt, marking_ctrl_c
 from common.runtime import check_distributed, launched_world_size, make_accelerator
 from common.tracking import RunRecorder, resolve_trackers
@@ -170,9 +171,14 @@ class Run:
             self.end_now()
         if self.needs_process_group and not torch.distributed.is_initialized():
             # Experiments about the raw torch.distributed API need a group even in one process, where
-            # Accelerate makes none: a 1-rank gloo group on a port the OS picks.
+            # Accelerate makes none: a 1-rank group of the run's device's backend (gloo for the CPU, NCCL for a
+            # GPU, whose tensors the experiment puts on accelerator.device) on a port the OS picks.
             torch.distributed.init_process_group(
-                "gloo", init_method="tcp://127.0.0.1:0", rank=0, world_size=1
+                backend_for(self.accelerator.device),
+                init_method="tcp://127.0.0.1:0",
+                rank=0,
+                world_size=1,
+                device_id=self.accelerator.device if self.accelerator.device.type != "cpu" else None,
             )
             self.own_group = True
 

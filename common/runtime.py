@@ -62,6 +62,11 @@ def make_accelerator(
         raise UsageError(f"cannot start the run: {error}") from None
     if deepspeed_cpu:
         threads_as_for_multi_cpu()
+    if deepspeed_stage() is not None and accelerator.distributed_type.value != "DEEPSPEED":
+        # a DeepSpeed config with use_cpu: true on a GPU host: Accelerate turns DeepSpeed off, and train_gpt would
+        # still pick DeepSpeed's engine
+        raise UsageError(f"the accelerate config asks for DeepSpeed but Accelerate runs {accelerator.distributed_type.value}"
+                         " (use_cpu: true turns DeepSpeed off on a GPU host): set use_cpu: false")  # fmt: skip
     if accelerator.mixed_precision == "fp16" and accelerator.device.type == "cpu":
         # Accelerate 1.16 accepts fp16 on CPU and silently trains in float32 (measured): refuse instead.
         raise UsageError("--mixed_precision fp16 needs a GPU; on CPU use bf16 or no")

@@ -27,6 +27,7 @@ from tqdm.auto import tqdm
 
 from common.checkpoint import AccelerateCheckpointer, load_checkpoint, save_checkpoint
 from common.config import UsageError
+from common.device import device_time
 from common.reliability import Heartbeat, inject_fault
 
 
@@ -72,7 +73,7 @@ class TrainLoop:
         self.last_interval: dict = {}
         self.latest: dict = {}
         self.first_step_unix_time = None  # benchmarks/startup.py reads it from summary.json
-        self.train_start = self.window_start = time.perf_counter()
+        self.train_start = self.window_start = device_time(self.accelerator.device)
         # the steady state: from the end of the one-time steps (if the run goes on past them) to the end
         self.steady_from_step = self.start_step + one_time_steps
         self.steady_start = self.train_start if one_time_steps == 0 else None
@@ -107,7 +108,7 @@ class TrainLoop:
                 self.in_step = True
             yield next(batches)
         self.progress.close()
-        self.train_end = time.perf_counter()
+        self.train_end = device_time(self.accelerator.device)
         self.train_time_s = self.train_end - self.train_start
 
     def record(self, loss: torch.Tensor, **latest: float) -> None:
@@ -123,14 +124,8 @@ class TrainLoop:
         self.step += 1
         self.in_step = False
         self.first_step_unix_time = self.first_step_unix_time or time.time()
-        if not torch.isfinite(self.window_loss):  # one scalar check per step: stop before training on NaN
-            value = (self.window_loss / self.window_micro_batches).item()
-            raise UsageError(
-                f"loss is {value} at step {self.step} on rank {self.accelerator.process_index}: "
-                "training diverged; lower --lr" + (f" (now {self.cfg.lr})" if hasattr(self.cfg, "lr") else "")
-            )
         if self.step == self.steady_from_step:
-            self.steady_start = time.perf_counter()
+            self.steady_start = device_time(self.accelerator.device)
         self.progress.update(1)
         self.heartbeat.finished(self.step)
         if self.step % self.cfg.log_every == 0 or self.step == self.cfg.max_steps:
@@ -139,6 +134,7 @@ class TrainLoop:
         # every --checkpoint_every steps, and the finished run's final state (torchtitan does the same): its
         # weights can be exported, and a resume with a larger --max_steps continues from the end
         if checkpoint_every and (self.step % checkpoint_every == 0 or self.step == self.cfg.max_steps):
+            self._stop_if_diverged()  # never a checkpoint of a diverged run
             self.state_digests[self.step] = self.checkpointer.digest()
             meta = {
                 "samples_seen": self.samples_seen,
@@ -156,10 +152,25 @@ class TrainLoop:
         samples = micro_batches * self.samples_per_micro_batch
         return samples * (self.tokens_per_sample or 1) / seconds if seconds > 0 else math.nan
 
+    def _stop_if_diverged(self) -> None:
+        """Stop on a non-finite loss since the last log. Checked where the loop reads the device anyway (a log
+        interval, a checkpoint), not every step: on a GPU each read waits for the device."""
+        if not torch.isfinite(self.window_loss):
+            value = (self.window_loss / max(1, self.window_micro_batches)).item()
+            raise UsageError(
+                f"loss is {value} at step {self.step} on rank {self.accelerator.process_index}: "
+                "training diverged; lower --lr" + (f" (now {self.cfg.lr})" if hasattr(self.cfg, "lr") else "")
+            )
+
     def _log_interval(self) -> None:
+        self._stop_if_diverged()
         mean_loss = self.accelerator.reduce(self.window_loss / self.window_micro_batches, "mean").item()
+        # the window's time once the device has run its work (the .item() above waited for it)
         throughput = self._per_second(self.window_micro_batches, time.perf_counter() - self.window_start)
-        self.last_interval = {"loss": mean_loss, f"{self.unit}_per_s": throughput, **self.latest}
+        latest = {
+            name: value.item() if torch.is_tensor(value) else value for name, value in self.latest.items()
+        }
+        self.last_interval = {"loss": mean_loss, f"{self.unit}_per_s": throughput, **latest}
         if self.step < self.cfg.max_steps:  # the last interval goes out with the experiment's final figures
             self.session.log(self.step, self.last_interval)
         self.window_loss.zero_()

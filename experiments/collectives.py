@@ -131,9 +131,11 @@ def verify_op(
         dist.barrier()
         return "every rank passed it"
     if op == "all_reduce":
+        # AVG of integers is the sum divided by n, rounded down (NCCL's integer AVG; gloo refuses it)
+        average = (n * (n + 1) // 2 * base) // n if not dtype.is_floating_point else (n + 1) / 2 * base
         want = {
             "sum": n * (n + 1) / 2 * base,
-            "avg": (n + 1) / 2 * base,
+            "avg": average,
             "max": n * base,
             "min": base,
             "product": math.factorial(n) * base**n,

@@ -134,7 +134,8 @@ def train(cfg: Config, variant: str, gpt_cfg: GPTConfig, batches, accelerator) -
     world, k = accelerator.num_processes, cfg.gradient_accumulation_steps
     first_gradients = {}
     for step in range(cfg.max_steps):
-        micro_batches = [next(batches) for _ in range(k)]
+        # the host's rows to the run's device: the token count is all-reduced (NCCL takes device tensors only)
+        micro_batches = [tuple(t.to(accelerator.device) for t in next(batches)) for _ in range(k)]
         # token_weighted: count the step's real tokens on every rank, once, before any backward
         local_tokens = sum((y != PAD).sum() for _, y in micro_batches).float()
         global_tokens = accelerator.reduce(local_tokens, "sum")
@@ -181,7 +182,10 @@ def run(cfg: Config) -> int:
     corpus = load_corpus(
         "", cfg.vocab_size, cfg.block_size, 0.1, cfg.dist_timeout_s
     )  # built once, under a lock
-    with start_run(cfg, EXPERIMENT, gradient_accumulation_steps=cfg.gradient_accumulation_steps) as session:
+    # float32 whatever the launch config says (multi_gpu_ddp.yaml's bf16): the parity is exact up to float32
+    # rounding only, and the reference trains in float32
+    with start_run(cfg, EXPERIMENT, gradient_accumulation_steps=cfg.gradient_accumulation_steps,
+                   mixed_precision="no") as session:  # fmt: skip
         accelerator = session.accelerator
         rank, world = accelerator.process_index, accelerator.num_processes
         gpt_cfg = GPTConfig(corpus["vocab_size"], cfg.block_size, cfg.n_layer, cfg.n_head, cfg.d_model)

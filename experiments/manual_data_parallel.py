@@ -36,7 +36,6 @@ from __future__ import annotations
 import os
 import statistics
 import sys
-import time
 from dataclasses import dataclass
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -51,6 +50,7 @@ import torch.nn.functional as F
 
 from common.config import RunArgs, flag, parse_config, require_positive, run_cli
 from common.data import iterate_batches, iterate_global_batches, make_regression_dataset, shard_tensors
+from common.device import device_time
 from common.models import build_linear, build_mlp
 from common.reference import max_abs_difference, train_single_process
 from common.run import start_run
@@ -178,8 +178,9 @@ def train_by_hand(cfg: Config, strategy: str, batches, accelerator) -> tuple[tor
     sync = GradientSync(model, strategy, cfg.bucket_mb, cfg.average_gradients)
     optimizer = torch.optim.SGD(model.parameters(), lr=cfg.lr)
     step_times = []
+    device = accelerator.device
     for _ in range(cfg.max_steps):
-        start = time.perf_counter()
+        start = device_time(device)  # after the device's queued work: a step's time, on a GPU too
         for micro in range(cfg.gradient_accumulation_steps):
             # no_sync before the last
             sync.sync_this_micro_batch = micro == cfg.gradient_accumulation_steps - 1
@@ -190,7 +191,7 @@ def train_by_hand(cfg: Config, strategy: str, batches, accelerator) -> tuple[tor
         sync.finish()
         optimizer.step()
         optimizer.zero_grad()
-        step_times.append(time.perf_counter() - start)
+        step_times.append(device_time(device) - start)
     stats = {
         "collectives_per_step": sync.collectives / cfg.max_steps,
         "bytes_per_step": sync.bytes / cfg.max_steps,
@@ -216,7 +217,7 @@ def train_with_ddp(cfg: Config, batches, accelerator) -> tuple[torch.nn.Module, 
             return allreduce_hook(state, bucket)  # DDP's own default: all_reduce(bucket / world_size)
 
         model.register_comm_hook(state=None, hook=counting_allreduce_hook)
-    step_times, start = [], time.perf_counter()
+    step_times, start = [], device_time(accelerator.device)
     while len(step_times) < cfg.max_steps:
         x, y = next(batches)
         with accelerator.accumulate(model):  # DDP's no_sync() on every micro-batch but the last
@@ -224,8 +225,9 @@ def train_with_ddp(cfg: Config, batches, accelerator) -> tuple[torch.nn.Module, 
             optimizer.step()
             optimizer.zero_grad()
         if accelerator.sync_gradients:
-            step_times.append(time.perf_counter() - start)
-            start = time.perf_counter()
+            now = device_time(accelerator.device)
+            step_times.append(now - start)
+            start = now
     stats = {
         "collectives_per_step": counted["collectives"] / cfg.max_steps,
         "bytes_per_step": counted["bytes"] / cfg.max_steps,
@@ -237,9 +239,10 @@ def train_with_ddp(cfg: Config, batches, accelerator) -> tuple[torch.nn.Module, 
 
 def run(cfg: Config) -> int:
     # needs_process_group: in one process, a 1-rank gloo group, so the hand-rolled collectives still run
-    with start_run(
-        cfg, EXPERIMENT, needs_process_group=True, gradient_accumulation_steps=cfg.gradient_accumulation_steps
-    ) as session:
+    # float32 whatever the launch config says (multi_gpu_ddp.yaml's bf16): Accelerate would autocast only the
+    # prepared DDP model, and the hand-rolled replicas and the reference train in float32
+    with start_run(cfg, EXPERIMENT, needs_process_group=True, gradient_accumulation_steps=cfg.gradient_accumulation_steps,
+                   mixed_precision="no") as session:  # fmt: skip
         accelerator = session.accelerator
         dataset, _ = make_regression_dataset(cfg.n_samples, cfg.n_features, cfg.noise_std, cfg.seed)
         rank, world_size = accelerator.process_index, accelerator.num_processes

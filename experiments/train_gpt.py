@@ -60,6 +60,7 @@ import torch
 from common.checkpoint import ResumableArgs
 from common.config import flag, parse_config, require, require_positive, run_cli
 from common.data import iterate_sample_stream, padded_share, shard_rows
+from common.device import planned_device_type
 from common.gpt import (
     GPT,
     PER_RANK_BATCH_SIZE,
@@ -123,8 +124,9 @@ class Config(ResumableArgs, ModelFlags, ParallelArgs, CheckArgs):
                                "resumed run longer, keep its value")  # fmt: skip
     weight_decay: float = flag(0.1, "AdamW weight decay on matrices (not on biases, norms)")
     grad_clip: float = flag(1.0, "clip gradients to this global norm (0: off)")
-    mixed_precision: str = flag("no", "no or bf16 (Accelerate's autocast; FSDP2's MixedPrecisionPolicy under "
-                                "--dp_shard)", choices=("no", "bf16"))  # fmt: skip
+    mixed_precision: str = flag("", "no or bf16 (Accelerate's autocast; FSDP2's MixedPrecisionPolicy under "
+                                "--dp_shard); unset: the launch config's (multi_gpu_ddp.yaml: bf16), else no",
+                                choices=("", "no", "bf16"))  # fmt: skip
     sample_tokens: int = flag(40, "tokens of text generated at the end (0: none)")
     profile_steps: int = flag(0, "torch.profiler traces this many steps (0: off) after the one-time work (the first 3 "
                               "steps and the --parity_steps snapshot) and one warm-up step: <output_dir>/profile/"
@@ -133,6 +135,13 @@ class Config(ResumableArgs, ModelFlags, ParallelArgs, CheckArgs):
 
     def validate(self) -> None:
         super().validate()
+        # unset: what `accelerate launch` was told (its config's mixed_precision reaches every rank as
+        # ACCELERATE_MIXED_PRECISION), resolved here so the layout's theory, the tolerances and config.json agree
+        if not self.mixed_precision:
+            launched = os.environ.get("ACCELERATE_MIXED_PRECISION", "no")
+            require(launched in ("no", "bf16"), f"mixed_precision {launched} (the launch config's): train_gpt "
+                    "trains in no or bf16; set mixed_precision: bf16 in the config or pass --mixed_precision")  # fmt: skip
+            self.mixed_precision = launched
         require_positive(self, "per_rank_batch_size", "gradient_accumulation_steps", "lr", *self.tolerances)
         self.refuse_model(self.model_config())
         require(0 < self.val_fraction < 0.5, f"--val_fraction must be in (0, 0.5), got {self.val_fraction}")
@@ -162,7 +171,7 @@ class Config(ResumableArgs, ModelFlags, ParallelArgs, CheckArgs):
     def workload(self, vocab_size: int = 0) -> Workload:
         """What this run asks of its layout (the pieces' theory and refusals need nothing else of it)."""
         return Workload(self.model_config(vocab_size=vocab_size), self.per_rank_batch_size, self.gradient_accumulation_steps,
-                        self.mixed_precision)  # fmt: skip
+                        self.mixed_precision, planned_device_type())  # fmt: skip
 
     def layout(self) -> Layout:
         return Layout(**{dim: max(1, getattr(self, dim)) for dim in DIMS})

@@ -20,7 +20,6 @@ from __future__ import annotations
 import contextlib
 import resource
 import statistics
-import time
 from dataclasses import dataclass
 from typing import ClassVar
 
@@ -30,6 +29,7 @@ from common.activations import SavedActivations
 from common.checkpoint import load_full_optimizer_state
 from common.comm_counter import CollectiveCounter
 from common.config import flag
+from common.device import device_time
 from common.gpt import build_gpt, lm_loss
 from common.moe import balance
 from common.optim import clip_by_global_norm, set_lr
@@ -105,14 +105,17 @@ class Probe(Instruments):
         counter = CollectiveCounter() if counting else None
         first_forward = counting and phase == "forward" and "saved_activation_bytes" not in self.held
         saved = SavedActivations() if first_forward and not self.job.forward_is_whole_step else None
-        started = time.perf_counter()
+        device = self.job.accelerator.device
+        started = device_time(
+            device
+        )  # the device's time for the phase (on a GPU: its kernels, not their launch)
         with counter or contextlib.nullcontext(), saved or contextlib.nullcontext():
             yield
         if saved:
             self.held["saved_activation_bytes"] = saved.bytes
         if phase == "forward" and "params_between_forward_and_backward" not in self.held:
             self.held["params_between_forward_and_backward"] = self.job.measure_window()
-        self.phase_s[phase] = self.phase_s.get(phase, 0.0) + time.perf_counter() - started
+        self.phase_s[phase] = self.phase_s.get(phase, 0.0) + device_time(device) - started
         if counter and phase == "forward":  # what the pieces' closed forms take as input (an MoE's routing)
             for key, records in self.job.theory_inputs().items():
                 self.collectives.setdefault(key, []).extend(records)
@@ -152,7 +155,8 @@ def check_layout(session, job, probe: Probe, model_cfg, budget: dict, memory_rto
     counted = accelerator.gather_for_metrics([probe.collectives], use_gather_object=True)
     # the first step's time holds a compile's cost (--compile)
     first_step_ms = 1000 * sum(probe.step_times[0].values()) if probe.step_times else None
-    session.metrics.update(step_losses=step_losses, grad_norms=probe.grad_norms, bytes_per_rank=every_rank,
+    grad_norms = [norm.item() if torch.is_tensor(norm) else norm for norm in probe.grad_norms]
+    session.metrics.update(step_losses=step_losses, grad_norms=grad_norms, bytes_per_rank=every_rank,
                            step_time_ms=probe.median_step_time_ms(), first_step_ms=first_step_ms,
                            layout=job.layout.degrees())  # fmt: skip
     if not session.is_main:
@@ -231,8 +235,12 @@ def compare_with_one_process(session, model_cfg, probe: Probe, step_losses, *, s
     (`lr_at(step)`) and clipping. `start_state`: (model state, optimizer state by name or None)."""
     n = probe.parity_steps
     model_state, optimizer_state = start_state
+    device = session.accelerator.device
     model = build_gpt(model_cfg, 0)  # (fork_rng: the process's random state untouched) then the start state
     model.load_state_dict(model_state)
+    # on the device BEFORE the optimizer exists: a resumed run's AdamW state is loaded onto its parameters' device
+    # (fused AdamW takes its moments and step counts where the parameters are)
+    model.to(device)
     optimizer = make_optimizer(model.parameters())
     if optimizer_state:  # a resumed run: AdamW's moments and step counts as loaded
         load_full_optimizer_state(optimizer, model, optimizer_state)
@@ -244,7 +252,6 @@ def compare_with_one_process(session, model_cfg, probe: Probe, step_losses, *, s
             balance(model)
         return clip_by_global_norm(model.parameters(), max_norm)
 
-    device = session.accelerator.device
     reference = train_single_process(
         model, optimizer, global_batches, n, accumulation,
         loss_fn=lambda m, x, y: lm_loss(m(x), y),
@@ -257,7 +264,8 @@ def compare_with_one_process(session, model_cfg, probe: Probe, step_losses, *, s
     # where a run left the reference: the first step past the loss tolerance (a routing flip, a missed reduction)
     first_off = next((i for i, d in enumerate(loss_diffs) if d > budget["loss_atol"]), None)
     norm_diff = max(
-        abs(a - b) / max(b, 1e-12) for a, b in zip(probe.grad_norms[:n], reference["figures"], strict=True)
+        abs(float(a) - b) / max(b, 1e-12)
+        for a, b in zip(probe.grad_norms[:n], reference["figures"], strict=True)
     )
     param_diff = max_abs_difference(probe.at_parity_step, model.state_dict())
     session.metrics.update(

@@ -28,7 +28,6 @@ its few key/value heads before repeating them) and reduce-scatters their gradien
 
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass
 
 import torch
@@ -36,6 +35,7 @@ import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
 
 from common.config import flag, require
+from common.device import device_time
 from common.gpt import grouped
 from strategies.layout import Layout, Mistake, Traffic
 from strategies.piece import Context, Piece, Plan, Theory
@@ -62,6 +62,10 @@ def refuse(plan: Plan) -> None:
     layout, work = plan.layout, plan.work
     if layout.cp == 1:
         return
+    # its attention runs PyTorch's fused CPU kernel and that kernel's backward (flash below): refused here, before
+    # anything starts, on any other device (PyTorch's own context_parallel maps the CUDA kernels)
+    require(work.device_type == "cpu", f"--cp {layout.cp} on {work.device_type}: this context parallelism's attention "
+            "is the CPU kernel's; on GPUs use PyTorch's context_parallel (torch.distributed.tensor.experimental)")  # fmt: skip
     chunks = 2 * layout.cp
     require(work.model.block_size % chunks == 0, f"--block_size {work.model.block_size} with --cp {layout.cp}: the "
             f"sequence is cut into {chunks} equal chunks, so it must be a multiple of {chunks}")  # fmt: skip
@@ -158,14 +162,14 @@ class ContextParallelAttention:
         # (batch, heads, local tokens, head_dim); the local tokens are this rank's chunks, in order
         k_all = funcol.all_gather_single_autograd(k.contiguous(), gather_dim=2, group=self.group)
         v_all = funcol.all_gather_single_autograd(v.contiguous(), gather_dim=2, group=self.group)
-        started = time.perf_counter()
+        started = device_time(q.device)  # after the all-gathers: attention's own time
         plan = plan_for(self.mine, self.holders, q.shape[2] // 2, self.mask_not_shifted)
         k_all, v_all = (
             grouped(q, k_all),
             grouped(q, v_all),
         )  # (grouped-query attention: gathered, then repeated)
         out = ChunkedAttention.apply(q.contiguous(), k_all, v_all, plan, self.merge_without_lse)
-        self.seconds += time.perf_counter() - started
+        self.seconds += device_time(q.device) - started
         return out
 
 

@@ -38,7 +38,6 @@ rank puts every row but those it sends itself: with uneven routing that is not t
 from __future__ import annotations
 
 import math
-import time
 from dataclasses import dataclass
 
 import torch
@@ -47,6 +46,7 @@ import torch.distributed._functional_collectives as funcol
 
 from common import moe
 from common.config import flag, require
+from common.device import device_time
 from common.moe import moe_layers, run_experts
 from strategies.layout import Layout, Mistake, Traffic, chunk_rows, stream_dtype, submesh
 from strategies.piece import Context, Piece, Plan, Theory
@@ -155,7 +155,7 @@ class AllToAll:
 
     def __call__(self, moe, routed: torch.Tensor, counts: list[int]) -> torch.Tensor:
         local_experts = moe.n_experts // self.ep
-        started = time.perf_counter()
+        started = device_time(routed.device)
         sent_counts = torch.tensor(counts, device=routed.device)
         # each peer's counts for this rank's experts, (peer, local expert); tolist() waits for them
         counts_in = funcol.all_to_all_single(sent_counts, None, None, self.group)
@@ -168,7 +168,7 @@ class AllToAll:
         ]
         arrived = funcol.all_to_all_single_autograd(routed, receive, send, self.group)
         arrived = arrived.wait() if hasattr(arrived, "wait") else arrived
-        waited = time.perf_counter() - started
+        waited = device_time(routed.device) - started
         # arrived in (peer, local expert) order: regrouped by local expert, stable, then put back
         expert_of = torch.arange(local_experts, device=routed.device).repeat(self.ep)
         arrivals = torch.tensor(counts_in, device=routed.device)
@@ -179,10 +179,10 @@ class AllToAll:
         back = torch.empty_like(outputs).index_copy(0, by_expert, outputs)
         returned = funcol.all_to_all_single_autograd(back, *((send, receive) if self.swap_back else (receive, send)),
                                                      self.group)  # fmt: skip
-        started = time.perf_counter()
+        started = device_time(routed.device)
         returned = returned.wait() if hasattr(returned, "wait") else returned
         if torch.is_grad_enabled():
-            self.seconds += waited + time.perf_counter() - started
+            self.seconds += waited + device_time(routed.device) - started
             # the rows a rank sends itself (send[me] = receive[me]) cross no wire
             self.routing.append({"sent_rows": sum(send), "received_rows": sum(receive),
                                  "own_rows": send[dist.get_rank(self.group)],

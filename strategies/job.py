@@ -67,8 +67,11 @@ class Job:
 
     def forward_backward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         """One micro-batch: the mean loss over its tokens, its gradients accumulated (a piece that runs the
-        micro-batch itself, a pipeline, runs its schedule's whole step)."""
-        x, y = self.split_batch(x, y)
+        micro-batch itself, a pipeline, runs its schedule's whole step). The batch comes from the host: it goes to
+        the run's device here, for every layout (no wrapper moves it: DDP and FSDP2 move a forward's inputs,
+        never the targets, and a plain module, tp, pp and cp move nothing)."""
+        device = self.accelerator.device
+        x, y = self.split_batch(x.to(device, non_blocking=True), y.to(device, non_blocking=True))
         watch = self.instruments.watch
         for piece in self.pieces:
             piece.before_micro_batch(self)

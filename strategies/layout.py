@@ -157,12 +157,13 @@ def unique_tensors(tensors) -> list:
 class Workload:
     """What a run asks of its layout, all the pieces' theory needs besides their own flags: the model's shape
     (common/gpt.GPTConfig), the rows each data-parallel rank takes per micro-batch, the micro-batches per
-    optimizer step, the precision."""
+    optimizer step, the precision, the device type it trains on (a refusal of what a device cannot run)."""
 
     model: object  # GPTConfig
     rows: int
     micro_batches: int = 1
     mixed_precision: str = "no"
+    device_type: str = "cpu"
 
     @property
     def tokens(self) -> int:

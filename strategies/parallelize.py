@@ -45,8 +45,8 @@ def parallelize(
     # the rank in the process group the mesh is made of: Accelerate's process_index in a launch, the rank a fake
     # process group impersonates in experiments/at_scale.py
     rank, device = dist.get_rank() if dist.is_initialized() else 0, accelerator.device
-    if next(gpt.parameters()).device.type not in (device.type, "meta"):  # meta: made real later (at_scale.py)
-        gpt.to(device)
+    if next(gpt.parameters()).device.type != "meta":  # meta: made real later (at_scale.py)
+        gpt.to(device)  # a no-op where it is already there (the CPU), unconditional so a rehearsal sees it
     mesh = layout.mesh(device.type) if layout.world_size > 1 else None
     ctx = Context(plan, rank, mesh, device, accelerator, stages=[gpt])
     for piece in plan.on:

@@ -32,7 +32,6 @@ when forward, input-backward and weight-backward take equal time (Qi et al. 2024
 
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass
 
 import torch
@@ -40,6 +39,7 @@ import torch.distributed as dist
 from torch import nn
 
 from common.config import flag, require
+from common.device import device_time
 from common.gpt import GPT, lm_loss
 from common.moe import forget_counts
 from strategies.layout import Layout, Mistake, Traffic, chunk_rows, stream_dtype, unique_tensors
@@ -187,7 +187,7 @@ class Pipeline:
         the PipelineStages and the schedule."""
         from torch.distributed import pipelining
 
-        self.groups["pp"] = pp_mesh.get_group()
+        self.groups["pp"], self.device = pp_mesh.get_group(), device
         first, last = self.holder(0), self.holder(self.n_stages - 1)
         if self.tied and first != last and variant != "pp_tied_embedding_not_synced":
             # one group per pair of ends (every other coordinate equal); every rank makes every group (new_group)
@@ -217,9 +217,9 @@ class Pipeline:
         def timed(*args, **kwargs):
             if kind == "F" and not self.step_timelines and not self.timeline:
                 forget_inference_tokens(self.stages)
-            started = time.perf_counter()
+            started = device_time(self.device)  # the device's time: a GPU's kernels, not their launches
             result = action(*args, **kwargs)
-            self.timeline.append((kind, started, time.perf_counter()))
+            self.timeline.append((kind, started, device_time(self.device)))
             return result
 
         return timed
@@ -228,13 +228,16 @@ class Pipeline:
         """One schedule step over the batch: the mean of its micro-batch losses, on every stage-rank."""
         self.timeline = []
         losses: list = []
+        # every action's time from this rank's own step start: one host's clock never compared with another's
+        # (the ranks start a step together, lined up by the last step's loss broadcast over the pipeline)
+        step_start = device_time(self.device)
         self.schedule.step(
             *([x] if self.holds_first else []),
             target=y if self.holds_last else None,
             losses=losses if self.holds_last else None,
             return_outputs=False,
         )
-        self.step_timelines.append(self.timeline)
+        self.step_timelines.append([(kind, s - step_start, e - step_start) for kind, s, e in self.timeline])
         loss = torch.stack(losses).mean().detach() if losses else torch.zeros((), device=x.device)
         return self._from_last_stage(loss)
 
@@ -282,8 +285,8 @@ class Pipeline:
 
     def report(self, session) -> None:
         """The bubble of every step after the one-time work, measured on the first pipeline's stage-ranks (1 -
-        mean busy time / the step's span; perf_counter is one clock for the processes of a host), beside its
-        theory; and the median step's timeline."""
+        mean busy time / the step's span; each rank's times from its own step start, so ranks on other hosts
+        compare), beside its theory; and the median step's timeline."""
         from common.profiling import pipeline_bubble
 
         every_rank = [None] * dist.get_world_size()

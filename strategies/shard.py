@@ -98,7 +98,11 @@ def apply(
         else MixedPrecisionPolicy()
     )
     blocks_apart, wrap_root = zero3(args, layout), args.wrong_variant != "unwrapped_root"
-    if blocks_apart or not wrap_root:
+    # ZeRO-2 as one unit is a CPU choice (nothing overlaps there, and one all-gather pays gloo's latency once);
+    # on a GPU each block is a unit of its own, gathered once and kept, so its all-gather overlaps the block
+    # before it on FSDP2's streams: the same bytes either way
+    zero2_per_block = args.reshard_after_forward == "never" and mesh.device_type != "cpu"
+    if blocks_apart or not wrap_root or zero2_per_block:
         for block in model.blocks.values():
             fully_shard(
                 block, mesh=mesh, reshard_after_forward=blocks_apart, mp_policy=policy, ignored_params=ignored

@@ -226,6 +226,7 @@ def _rank(index: int, main, argv: list[str], codes: str, environment: dict) -> N
     import torch.distributed as dist
 
     from common.config import UsageError
+    from common.rehearsal import RehearsalFailure, rehearse_if_asked
 
     # the ~330,000 objects the fork server imported never become garbage: out of every collection (each
     # gc.collect() at the run's end walked them all, 0.17 s; several a rank, measured)
@@ -239,12 +240,16 @@ def _rank(index: int, main, argv: list[str], codes: str, environment: dict) -> N
     os.dup2(sys.stdout.fileno(), 1)
     os.dup2(sys.stderr.fileno(), 2)
     try:
-        code = main(argv)
+        with rehearse_if_asked():  # DIST_REHEARSAL in `env`: as run_cli does for a launched program
+            code = main(argv)
     except SystemExit as stop:
         code = stop.code
     except UsageError as error:
         print(f"error: {error}", file=sys.stderr)
         code = 2
+    except RehearsalFailure as failure:
+        print(f"error: {failure}", file=sys.stderr)
+        code = 1
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()

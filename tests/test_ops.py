@@ -245,14 +245,18 @@ def test_a_fake_fsdp_rank_records_its_copies_and_counts_its_unshards_and_reduce_
     }
     assert set(copies) == {"all_gather_copy_in", "split_with_sizes_copy"}
     assert all(c.kind == "memory" and c.bytes > 0 for c in copies.values())
-    # the clipping by the global norm: each gradient shard's squared sum, the sums all-reduced over the 2 sharding
-    # ranks in one call of a float32 (common/optim groups the gradients by how they are split), each shard scaled
+    # the clipping by the global norm: every gradient shard's norm in one multi-tensor op, the squared sums
+    # all-reduced over the 2 sharding ranks in one call of a float32 (common/optim groups the gradients by how
+    # they are split), every shard scaled in one multi-tensor op
     with torch.device("meta"):
         tensors = len(list(GPT(model).parameters()))  # the tied embedding once
     clipping = Counter()
     for call, n in ops["calls"]["clip"]:
         clipping[call.name] += n
-    assert clipping["pow"] == clipping["sum"] == clipping["mul_"] == tensors
+    assert clipping["_foreach_norm"] == clipping["_foreach_mul_"] == 1
+    assert "mul_" not in clipping and "pow" in clipping  # no op a gradient; pow squares the stacked norms once
+    multi = {call.name: call for call, _ in ops["calls"]["clip"] if call.name.startswith("_foreach")}
+    assert all(len(call.replay[2][0]) == tensors for call in multi.values())  # every gradient shard in each
     assert result["clip_collectives"]["on_groups_of"] == [("all_reduce", 2, 1, 4)]
     # a fake replica runs PyTorch's replicate (FSDP2's machinery): one reduction of every parameter, in backward
     replica = fake_rank(cfg, Layout(dp_replicate=2), Workload(model, 4), 0)
