@@ -118,6 +118,12 @@ def shard_rows(tensors: tuple[torch.Tensor, ...], rank: int, world_size: int) ->
     return tuple(t[rank * per_rank : (rank + 1) * per_rank] for t in tensors)
 
 
+def on_device(tensors: tuple[torch.Tensor, ...], device) -> tuple[torch.Tensor, ...]:
+    """A batch from the host onto the run's device (a no-op where it already is: the CPU keeps the very tensors,
+    views of the global batch; Accelerate's send_to_device names the CPU cpu:0 and copies them there)."""
+    return tuple(t.to(device, non_blocking=True) for t in tensors)
+
+
 IGNORED_TARGET = -100  # cross_entropy's ignore_index: a target that scores nothing
 
 

@@ -32,6 +32,16 @@ def planned_device_type() -> str:
     return accelerator.type if accelerator is not None else "cpu"
 
 
+def process_device(slot: int) -> torch.device:
+    """The device of a process this program started itself (not a launcher's rank: those get accelerator.device),
+    the `slot`-th of this machine: its own accelerator where torch sees any (slot modulo their count), else the
+    CPU."""
+    if not torch.accelerator.is_available():
+        return torch.device("cpu")
+    accelerator = torch.accelerator.current_accelerator()
+    return torch.device(accelerator.type, slot % torch.accelerator.device_count())
+
+
 def backend_for(device: torch.device | str) -> str:
     """The process-group backend PyTorch uses for tensors on `device` (cpu: gloo, cuda: nccl)."""
     device_type = torch.device(device).type

@@ -316,11 +316,22 @@ def require_trainable(cfg: GPTConfig, batch_size: int, flags: str) -> None:
     MemoryError halfway."""
     import os
 
+    from common.config import require
     from common.data import require_memory
+    from common.device import device_memory_bytes, planned_device_type
 
     local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
-    what = f"{local_ranks} process(es) training a {parameter_count(cfg):,}-parameter model"
-    require_memory(flags.removeprefix("--"), local_ranks * training_bytes(cfg, batch_size), what=what)
+    device_type = planned_device_type()
+    on_device = device_memory_bytes(device_type)
+    if on_device is None:  # the CPU: every process of this machine in its RAM
+        what = f"{local_ranks} process(es) training a {parameter_count(cfg):,}-parameter model"
+        require_memory(flags.removeprefix("--"), local_ranks * training_bytes(cfg, batch_size), what=what)
+        return
+    # a GPU per process: one process's training against its device's memory (free, total)
+    needed, (free, total) = training_bytes(cfg, batch_size), on_device
+    require(needed <= free, f"{flags}: training a {parameter_count(cfg):,}-parameter model would need about "
+            f"{needed / 2**30:.1f} GiB of {device_type} memory a process, the device has {free / 2**30:.1f} of "
+            f"{total / 2**30:.1f} GiB free; use a smaller size")  # fmt: skip
 
 
 def count_parameters(model: nn.Module) -> int:

@@ -64,17 +64,21 @@ def local(weight: torch.Tensor) -> torch.Tensor:
     return weight.to_local() if hasattr(weight, "to_local") else weight
 
 
+def expert_dtype(tokens: torch.Tensor) -> torch.dtype:
+    """The experts' compute dtype: the tokens', or autocast's for the tokens' own device type (a GPU run's is
+    cuda's). Under FSDP's bf16 policy the tokens are bf16 while ep's experts, which FSDP leaves alone, stay float32;
+    autocast does not cast _grouped_mm's inputs (measured, torch 2.13)."""
+    device_type = tokens.device.type
+    return torch.get_autocast_dtype(device_type) if torch.is_autocast_enabled(device_type) else tokens.dtype
+
+
 def run_experts(moe: MoE, tokens: torch.Tensor, counts: list[int]) -> torch.Tensor:
     """Tokens grouped by expert (counts[e] rows for this rank's e-th expert, in order) through their experts: three
     grouped GEMMs (torch._grouped_mm, one kernel for every expert's rows), or, with expert_matmul "loop" or where
     the grouped kernel cannot run, the per-expert loop it is checked against (tests/test_moe.py: equal)."""
     w_in, w_out = local(moe.w_in), local(moe.w_out)
     w_gate = local(moe.w_gate) if moe.w_gate is not None else None
-    # the tokens' dtype, or autocast's: under FSDP's bf16 policy the tokens are bf16 while ep's experts, which
-    # FSDP leaves alone, stay float32; autocast does not cast _grouped_mm's inputs (measured, torch 2.13)
-    # (autocast of the tokens' own device type: a GPU run's is cuda's)
-    device_type = tokens.device.type
-    dtype = torch.get_autocast_dtype(device_type) if torch.is_autocast_enabled(device_type) else tokens.dtype
+    dtype = expert_dtype(tokens)
     w_in, w_out = w_in.to(dtype), w_out.to(dtype)
     w_gate = w_gate.to(dtype) if w_gate is not None else None
     rows = tokens.to(dtype)

@@ -22,6 +22,7 @@ tests name them), speed, and memory (see scripts/gpu_check.sh for the real run).
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import linecache
 import os
@@ -63,6 +64,7 @@ FACTORIES = {
 CROSS_DEVICE = {"copy_", "_copy_from", "_to_copy", "copy", "_foreach_copy_", "index", "index_put_",
                 "_index_put_impl_", "lift_fresh", "_local_scalar_dense", "set_", "detach", "alias", "empty_like",
                 "new_empty", "new_empty_strided", "_has_compatible_shallow_copy_type"}  # fmt: skip
+DEVICE = torch.Tensor.device  # the property: a TorchFunctionMode sees its __get__
 COLLECTIVE_NAMESPACES = ("c10d", "_c10d_functional", "_dtensor")
 LITERAL_AUTOCAST = re.compile(
     r"""(autocast\w*|get_autocast_dtype|set_autocast_\w+)\(\s*(device_type\s*=\s*)?["']"""
@@ -74,6 +76,14 @@ class Marks:
 
     def __init__(self):
         self.host = WeakIdKeyDictionary()
+        # the torch.device objects host tensors handed out (`x.device`, a new object each time): a factory or .to
+        # given one makes a host tensor, as on a GPU. Held, so their ids stay theirs; the oldest dropped past a bound
+        self.host_devices: collections.OrderedDict = collections.OrderedDict()
+
+    def note_host_device(self, device) -> None:
+        self.host_devices[id(device)] = device
+        if len(self.host_devices) > 100_000:
+            self.host_devices.popitem(last=False)
 
     def is_host(self, t: torch.Tensor) -> bool:
         local = getattr(t, "_local_tensor", None)
@@ -93,19 +103,34 @@ def _tensors(tree) -> list[torch.Tensor]:
 
 
 def _where() -> str:
-    """The project's innermost frame that led here (file:line), for the failure's one line."""
-    for frame in reversed(traceback.extract_stack(limit=60)[:-2]):
-        if frame.filename.startswith(ROOT) and frame.name not in ("__torch_dispatch__", "__torch_function__"):
-            return f"{os.path.relpath(frame.filename, ROOT)}:{frame.lineno}"
-    return "(framework code)"
+    """The project's three innermost frames that led here (file:line <- its caller ...), for the one line."""
+    frames = [
+        f"{os.path.relpath(frame.filename, ROOT)}:{frame.lineno}"
+        for frame in reversed(traceback.extract_stack(limit=80)[:-2])
+        if frame.filename.startswith(ROOT) and frame.name not in ("__torch_dispatch__", "__torch_function__")
+    ]
+    return " <- ".join(frames[:3]) or "(framework code)"
 
 
-def _names_host(device) -> bool:
-    """Whether a device argument means the host on a GPU run too: a "cpu" written in the calling line. Any other
-    spelling of the CPU here is the run's device (accelerator.device, a mesh's device_type, a group's device),
-    which a GPU run spells cuda."""
+def _called_by_name(op: str) -> bool:
+    """Whether the Python line that reached `op` names it: a CPU-only kernel called directly (cp's attention), not
+    one that a portable op (scaled_dot_product_attention) picked for CPU tensors, which on a GPU picks its own."""
+    frame = sys._getframe(2)  # out through torch's frames (its op wrappers) and this file's, to the project's
+    while frame is not None and (
+        not frame.f_code.co_filename.startswith(ROOT) or frame.f_code.co_filename == __file__
+    ):
+        frame = frame.f_back
+    return frame is not None and op in linecache.getline(frame.f_code.co_filename, frame.f_lineno)
+
+
+def _names_host(device, marks: Marks) -> bool:
+    """Whether a device argument means the host on a GPU run too: a host tensor's own `.device`, or a "cpu" written
+    in the calling line. Any other spelling of the CPU here is the run's device (accelerator.device, a mesh's
+    device_type, a group's device), which a GPU run spells cuda."""
     if torch.device(device).type != "cpu":
         return False
+    if id(device) in marks.host_devices:
+        return True
     caller = sys._getframe(2)  # _names_host <- __torch_function__ <- the call's own line
     line = linecache.getline(caller.f_code.co_filename, caller.f_lineno)
     return bool(re.search(r"""["']cpu["']|cpu_device""", line))
@@ -132,19 +157,24 @@ class _Dispatch(TorchDispatchMode):
             raise RehearsalFailure(f"rehearsal: {namespace}.{name} got a host tensor {_shape(host[0])} at {_where()}: "
                                    "a GPU run's process group (NCCL) takes device tensors only")  # fmt: skip
         device = [t for t in inputs if not self.marks.is_host(t)]
+        if device and name.endswith(("_for_cpu", "_for_cpu_backward")) and _called_by_name(name):
+            raise RehearsalFailure(f"rehearsal: aten.{name}, a CPU-only kernel, on a device tensor at {_where()}: a "
+                                   "GPU run would fail here, after start-up (refuse it before)")  # fmt: skip
         if host and device and name not in CROSS_DEVICE and any(t.dim() > 0 for t in host):
             big = next(t for t in host if t.dim() > 0)
             raise RehearsalFailure(f"rehearsal: aten.{name} mixes a host tensor {_shape(big)} with a device tensor "
                                    f"{_shape(device[0])} at {_where()}: on a GPU this is a device mismatch")  # fmt: skip
         out = func(*args, **kwargs)
-        if name in ("copy_", "_foreach_copy_", "set_"):
-            return out  # the destination keeps where it lives
+        if name.endswith("_") or name == "set_":
+            return out  # in place (a copy_ included): the tensor written stays where it lives
         if name == "_to_copy" or name in ("lift_fresh", "detach", "alias", "empty_like"):
             on_host = bool(inputs) and self.marks.is_host(inputs[0])  # a dtype change keeps the place
         elif namespace == "aten" and not inputs:
             return out  # a factory's place is decided where it was called (_Function)
         else:
-            on_host = bool(inputs) and not device
+            # where the inputs live; a 0-dim one (a Python number made a tensor in C++) decides nothing
+            deciding = [t for t in inputs if t.dim() > 0] or inputs
+            on_host = all(self.marks.is_host(t) for t in deciding)
         for t in _tensors(out):
             self.marks.set(t, on_host)
         return out
@@ -165,16 +195,19 @@ class _Function(TorchFunctionMode):
             if device is None:
                 on_host = torch.get_default_device().type == "cpu"
             else:
-                on_host = _names_host(device)
+                on_host = _names_host(device, self.marks)
             if func is torch.from_numpy or func is torch.frombuffer:
                 on_host = True
             self.marks.set(out, on_host)
             return out
-        name = getattr(func, "__name__", "")
-        if name == "cpu" or name == "numpy":
+        if getattr(func, "__self__", None) is DEVICE:  # x.device
             out = func(*args, **kwargs)
-            self.marks.set(out, True) if isinstance(out, torch.Tensor) else None
+            if self.marks.is_host(args[0]):
+                self.marks.note_host_device(out)
             return out
+        name = getattr(func, "__name__", "")
+        if name == "cpu" and args and isinstance(args[0], torch.Tensor):
+            return self._moved(args[0], func(*args, **kwargs), True)
         if name == "cuda":
             out = func(*args, **kwargs)
             return self._moved(args[0], out, False)
@@ -188,7 +221,7 @@ class _Function(TorchFunctionMode):
                 return out  # a dtype: stays where it is
             if isinstance(target, torch.Tensor):
                 return self._moved(args[0], out, self.marks.is_host(target))
-            return self._moved(args[0], out, _names_host(target))
+            return self._moved(args[0], out, _names_host(target, self.marks))
         if name == "__set__" and args and isinstance(args[0], torch.Tensor) and len(args) == 2:
             out = func(*args, **kwargs)  # param.data = tensor: the parameter lives where the tensor does
             if isinstance(args[1], torch.Tensor):
@@ -210,7 +243,7 @@ def _literal_autocast(api):
 
     def checked(*args, **kwargs):
         caller = sys._getframe(1)
-        if caller.f_code.co_filename.startswith(ROOT) and "rehearsal" not in caller.f_code.co_filename:
+        if caller.f_code.co_filename.startswith(ROOT) and caller.f_code.co_filename != __file__:
             line = linecache.getline(caller.f_code.co_filename, caller.f_lineno)
             if LITERAL_AUTOCAST.search(line):
                 where = f"{os.path.relpath(caller.f_code.co_filename, ROOT)}:{caller.f_lineno}"
@@ -239,8 +272,9 @@ def rehearse():
         out = module_to(module, *args, **kwargs)
         device = torch._C._nn._parse_to(*args, **kwargs)[0]
         if device is not None:
+            on_host = _names_host(next((a for a in args if isinstance(a, str | torch.device)), device), marks)
             for tensor in [*module.parameters(), *module.buffers()]:
-                marks.set(tensor, False)
+                marks.set(tensor, on_host)
         return out
 
     torch.nn.Module.to = to

@@ -77,6 +77,7 @@ from common.config import (
     run_cli,
 )
 from common.data import iterate_sample_stream
+from common.device import backend_for, process_device
 from common.gpt import GPTConfig, adamw, build_gpt, lm_loss, parameter_count
 from common.moe import local  # a DTensor's local shard (a view: writing it writes it), else the tensor
 from common.run import start_run
@@ -158,6 +159,13 @@ class Config(RunArgs):
             0 <= self.lighthouse_port < 65536,
             f"--lighthouse_port must be in [0, 65535], got {self.lighthouse_port}",
         )
+        processes, devices = (
+            (self.replica_groups + self.failures) * self.dp_shard,
+            torch.accelerator.device_count(),
+        )
+        require(not torch.accelerator.is_available() or processes <= devices, f"{processes} processes (--replica_groups "
+                f"{self.replica_groups} + a spare a failure, x --dp_shard {self.dp_shard}) need a GPU each (NCCL takes "
+                f"one process a GPU); this machine has {devices}")  # fmt: skip
         require(self.wrong_variant in ("", *WRONG_VARIANTS),
                 f"--wrong_variant {self.wrong_variant!r}: known: {', '.join(WRONG_VARIANTS)}")  # fmt: skip
 
@@ -177,14 +185,16 @@ def accumulate(model, parameters, x, y, micro: range, cfg: Config) -> tuple[torc
     micro-batch's loss is its summed token losses / the batch's B x T tokens, so the sum over every micro-batch is
     the batch's mean loss and its gradient, whoever computes which. Under FSDP each rank of a group passes its own
     micro-batches, and the sums are of its shards (FSDP has summed the group's ranks into them)."""
-    total, loss_sum = torch.zeros(sum(local(p).numel() for p in parameters), dtype=torch.float64), 0.0
+    device = parameters[0].device
+    total = torch.zeros(sum(local(p).numel() for p in parameters), dtype=torch.float64, device=device)
+    loss_sum = 0.0
     for m in micro:
         for p in parameters:
             local(p.grad).zero_()
         rows = slice(m * cfg.micro_batch_size, (m + 1) * cfg.micro_batch_size)
-        logits = model(x[rows])
+        logits = model(x[rows].to(device))
         loss = torch.nn.functional.cross_entropy(
-            logits.float().flatten(0, 1), y[rows].flatten(), reduction="sum"
+            logits.float().flatten(0, 1), y[rows].to(device).flatten(), reduction="sum"
         )
         loss = loss / (cfg.global_batch_size * cfg.block_size)
         loss.backward()
@@ -202,6 +212,14 @@ def batch_of(corpus: dict, cfg: Config, step: int):
 
 # ------------------------------------------------------------------------------------------- a replica group
 def replica_group(spare: int, rank: int, cfg: Config, lighthouse: str, run_dir: str) -> None:
+    """A replica group's process (started by the Injector), under the GPU rehearsal when the run is one."""
+    from common.rehearsal import rehearse_if_asked
+
+    with rehearse_if_asked():
+        run_replica(spare, rank, cfg, lighthouse, run_dir)
+
+
+def run_replica(spare: int, rank: int, cfg: Config, lighthouse: str, run_dir: str) -> None:
     """One process's life: get ready (imports, data, model, its group's FSDP ranks: the seconds a cold start
     costs), wait for the injector to give its spare a group's place (<run_dir>/spare<k>.go), join the quorum, heal
     from a peer if behind, train committed steps to the end. Its events go to events/group<g>.<rank>-<pid>.jsonl
@@ -211,7 +229,7 @@ def replica_group(spare: int, rank: int, cfg: Config, lighthouse: str, run_dir: 
     from torch.distributed import PrefixStore, TCPStore
     from torch.distributed.distributed_c10d import ReduceOp
     from torch.utils._pytree import tree_map  # as common/comm_counter.py uses torch's pytree
-    from torchft import Manager, ProcessGroupGloo
+    from torchft import Manager, ProcessGroupGloo, ProcessGroupNCCL
 
     # a Ctrl-C is the launcher's to handle: it ends every process
     signal.signal(signal.SIGINT, signal.SIG_IGN)
@@ -221,6 +239,10 @@ def replica_group(spare: int, rank: int, cfg: Config, lighthouse: str, run_dir: 
     os.dup2(log.fileno(), 2)
     logging.getLogger("torchft").setLevel(logging.ERROR)  # it logs every peer a failure took: expected here
     torch.set_num_threads(1)
+    # this process's device: a GPU of its own where there are GPUs (refused up front if too few), else the CPU
+    device = process_device(spare * cfg.dp_shard + rank)
+    if device.type != "cpu":
+        torch.accelerator.set_device_index(device.index)
     timeout = timedelta(seconds=cfg.step_timeout_s)
     # the group's own store: its FSDP ranks' rendezvous, and its torchft Managers' (rank 0 serves the quorum)
     address = os.path.join(run_dir, f"spare{spare}.store")
@@ -234,11 +256,11 @@ def replica_group(spare: int, rank: int, cfg: Config, lighthouse: str, run_dir: 
             time.sleep(0.01)
         store = TCPStore("127.0.0.1", int(open(address).read()), is_master=False, timeout=timeout)
     corpus = load_corpus("", cfg.vocab_size, cfg.block_size, 0.1, cfg.dist_timeout_s)
-    model = build_gpt(cfg.model_config(corpus["vocab_size"]), cfg.seed)
+    model = build_gpt(cfg.model_config(corpus["vocab_size"]), cfg.seed).to(device)
     if cfg.dp_shard > 1:
-        dist.init_process_group("gloo", store=PrefixStore("fsdp", store), rank=rank, world_size=cfg.dp_shard,
-                                timeout=timedelta(seconds=cfg.dist_timeout_s))  # fmt: skip
-        shard(model, cfg.dp_shard)
+        dist.init_process_group(backend_for(device), store=PrefixStore("fsdp", store), rank=rank,
+                                world_size=cfg.dp_shard, timeout=timedelta(seconds=cfg.dist_timeout_s))  # fmt: skip
+        shard(model, cfg.dp_shard, device.type)
     optimizer = adamw(model.parameters(), cfg.lr, 0.1)
     parameters = list(model.parameters())
     # gradients exist from the start: a group that heals before its first backward has them
@@ -269,7 +291,8 @@ def replica_group(spare: int, rank: int, cfg: Config, lighthouse: str, run_dir: 
                 local(v).copy_(state["model"][k])
         optimizer.load_state_dict(like_parameters(state["optim"], optimizer))
 
-    pg = ProcessGroupGloo(timeout=timeout)  # this rank and the same rank of every other group
+    # this rank and the same rank of every other group: torchft's group of the device's backend (NCCL on GPUs)
+    pg = (ProcessGroupNCCL if backend_for(device) == "nccl" else ProcessGroupGloo)(timeout=timeout)
     allreduce = pg.allreduce
 
     def counted_allreduce(tensors, opts):
@@ -294,21 +317,24 @@ def replica_group(spare: int, rank: int, cfg: Config, lighthouse: str, run_dir: 
             )
         full = {k: v.full_tensor() if hasattr(v, "full_tensor") else v for k, v in model.state_dict().items()}
         if rank == 0:
-            torch.save(full, os.path.join(run_dir, f"group{group}.pt"))
+            torch.save({k: v.cpu() for k, v in full.items()}, os.path.join(run_dir, f"group{group}.pt"))
         gradient_bytes = sum(local(p).numel() for p in parameters) * 8
         say("finished", allreduce_bytes=sent, gradient_bytes=gradient_bytes)
     finally:
         manager.shutdown(wait=False)
 
 
-def shard(model, dp_shard: int) -> None:
+def shard(model, dp_shard: int, device_type: str) -> None:
     """FSDP2 over the group's ranks: each block, then the root. Gradients are reduce-scattered in float64 and
     summed, not averaged (divide factor 1): a unit of dp_shard micro-batches (one per rank) reaches each rank's
     shard as float32(the float64 sum of its micro-batches' gradients), what the one-process reference computes."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
-    mesh, policy = init_device_mesh("cpu", (dp_shard,)), MixedPrecisionPolicy(reduce_dtype=torch.float64)
+    mesh, policy = (
+        init_device_mesh(device_type, (dp_shard,)),
+        MixedPrecisionPolicy(reduce_dtype=torch.float64),
+    )
     for module in [*model.blocks.values(), model]:
         fully_shard(module, mesh=mesh, mp_policy=policy)
         module.set_gradient_divide_factor(1.0)
@@ -389,6 +415,7 @@ def train_ddp(
         positions = rows.double() + batch * cfg.global_batch_size
         tally = torch.stack([torch.tensor(float(len(rows)), dtype=torch.float64), positions.sum(),
                              (positions**2).sum(), torch.tensor(loss_sum, dtype=torch.float64)])  # fmt: skip
+        tally = tally.to(gradients.device)  # all-reduced with the gradients: on the group's device
         if R > 1:
             dist.all_reduce(tally)  # the group's rows, from each of its ranks
         reduce_op = ReduceOp.AVG if cfg.wrong_variant == "average_over_groups" else ReduceOp.SUM
@@ -436,7 +463,8 @@ def train_diloco(cfg: Config, manager, model, inner, corpus, say, group: int) ->
             if manager.current_step() != synced:  # a sync happened (or this group healed to a later one)
                 synced, local_steps = manager.current_step(), 0
             x, y = batch_of(corpus, cfg, synced * cfg.sync_every + local_steps % cfg.sync_every)
-            loss = lm_loss(model(x[rows]), y[rows])
+            device = next(model.parameters()).device
+            loss = lm_loss(model(x[rows].to(device)), y[rows].to(device))
             loss.backward()
             inner.step()  # DiLoCo's hook: on every --sync_every-th, the quorum, the outer step
             inner.zero_grad()
@@ -665,21 +693,22 @@ def train_one_process(cfg: Config, corpus: dict) -> dict:
     accumulated (gradient accumulation): each unit of --dp_shard micro-batches summed in float64 and rounded to
     float32 (what FSDP's float64 reduce-scatter hands a shard), the units added in float64; clipped and stepped as
     the groups do."""
-    model = build_gpt(cfg.model_config(corpus["vocab_size"]), cfg.seed)
+    device = process_device(0)  # the groups' kind of device: the same kernels, the same rounding
+    model = build_gpt(cfg.model_config(corpus["vocab_size"]), cfg.seed).to(device)
     optimizer = adamw(model.parameters(), cfg.lr, 0.1)
     parameters = list(model.parameters())
     for p in parameters:
         p.grad = torch.zeros_like(p)
     for step in range(cfg.max_steps):
         x, y = batch_of(corpus, cfg, step)
-        gradients = torch.zeros(sum(p.numel() for p in parameters), dtype=torch.float64)
+        gradients = torch.zeros(sum(p.numel() for p in parameters), dtype=torch.float64, device=device)
         for unit in range(cfg.global_batch_size // cfg.micro_batch_size // cfg.dp_shard):
             micro = range(unit * cfg.dp_shard, (unit + 1) * cfg.dp_shard)
             gradients += accumulate(model, parameters, x, y, micro, cfg)[0].float().double()
         write_gradients(parameters, gradients)
         clip_gradients(parameters)
         optimizer.step()
-    return model.state_dict()
+    return {name: tensor.cpu() for name, tensor in model.state_dict().items()}
 
 
 @torch.no_grad()

@@ -50,7 +50,7 @@ import torch.nn.functional as F
 from torch.distributed.tensor import DTensor
 
 from common.config import RunArgs, flag, parse_config, require, require_positive, run_cli
-from common.data import concatenate_rank_batches, iterate_batches, shard_rows
+from common.data import concatenate_rank_batches, iterate_batches, on_device, shard_rows
 from common.gpt import GPTConfig, build_gpt
 from common.reference import max_abs_difference, train_single_process
 from common.run import start_run
@@ -135,7 +135,7 @@ def train(cfg: Config, variant: str, gpt_cfg: GPTConfig, batches, accelerator) -
     first_gradients = {}
     for step in range(cfg.max_steps):
         # the host's rows to the run's device: the token count is all-reduced (NCCL takes device tensors only)
-        micro_batches = [tuple(t.to(accelerator.device) for t in next(batches)) for _ in range(k)]
+        micro_batches = [on_device(next(batches), accelerator.device) for _ in range(k)]
         # token_weighted: count the step's real tokens on every rank, once, before any backward
         local_tokens = sum((y != PAD).sum() for _, y in micro_batches).float()
         global_tokens = accelerator.reduce(local_tokens, "sum")

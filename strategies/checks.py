@@ -29,7 +29,7 @@ from common.activations import SavedActivations
 from common.checkpoint import load_full_optimizer_state
 from common.comm_counter import CollectiveCounter
 from common.config import flag
-from common.device import device_time
+from common.device import device_time, peak_memory_bytes
 from common.gpt import build_gpt, lm_loss
 from common.moe import balance
 from common.optim import clip_by_global_norm, set_lr
@@ -150,8 +150,9 @@ def check_layout(session, job, probe: Probe, model_cfg, budget: dict, memory_rto
     bound by the experiment) and returns what it needs."""
     accelerator = session.accelerator
     step_losses = accelerator.reduce(torch.stack(probe.step_losses), "mean").tolist()  # global, per step
-    every_rank = accelerator.gather_for_metrics([probe.held | {"peak_rss_bytes": peak_rss_bytes()}],
-                                                use_gather_object=True)  # fmt: skip
+    # the host's peak, and on a GPU the device's (torch's allocator: max_memory_allocated), beside the theory's bytes
+    peaks = {"peak_rss_bytes": peak_rss_bytes(), "peak_device_bytes": peak_memory_bytes(accelerator.device)}
+    every_rank = accelerator.gather_for_metrics([probe.held | peaks], use_gather_object=True)
     counted = accelerator.gather_for_metrics([probe.collectives], use_gather_object=True)
     # the first step's time holds a compile's cost (--compile)
     first_step_ms = 1000 * sum(probe.step_times[0].values()) if probe.step_times else None
@@ -191,6 +192,12 @@ def check_memory(session, job, reference, every_rank: list[dict], rtol: float) -
         worst <= rtol,
         f"held/theory bytes: {'; '.join(lines)}; worst relative difference {worst:.4f}, tolerance {rtol}",
     )
+    if any(
+        held.get("peak_device_bytes") for held in every_rank
+    ):  # a GPU run: the device's own peak beside it
+        session.print("device memory, peak allocated / held at rest by theory: " + "; ".join(
+            f"rank {rank}: {held['peak_device_bytes'] / 2**20:,.1f} / {sum(theory.values()) / 2**20:,.1f} MiB"
+            for rank, (held, theory) in enumerate(zip(every_rank, theories, strict=True))))  # fmt: skip
 
 
 def check_communication(session, job, reference, every_rank: list[dict]) -> None:

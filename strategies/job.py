@@ -11,7 +11,7 @@ import torch
 from torch.distributed.tensor import DTensor
 
 from common.checkpoint import ShardedCheckpointer
-from common.data import IGNORED_TARGET
+from common.data import IGNORED_TARGET, on_device
 from common.gpt import lm_loss
 from common.optim import clip_by_global_norm
 from strategies.layout import DIMS, unique_tensors
@@ -70,8 +70,7 @@ class Job:
         micro-batch itself, a pipeline, runs its schedule's whole step). The batch comes from the host: it goes to
         the run's device here, for every layout (no wrapper moves it: DDP and FSDP2 move a forward's inputs,
         never the targets, and a plain module, tp, pp and cp move nothing)."""
-        device = self.accelerator.device
-        x, y = self.split_batch(x.to(device, non_blocking=True), y.to(device, non_blocking=True))
+        x, y = self.split_batch(*on_device((x, y), self.accelerator.device))
         watch = self.instruments.watch
         for piece in self.pieces:
             piece.before_micro_batch(self)

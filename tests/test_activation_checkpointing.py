@@ -48,9 +48,9 @@ def test_checkpointed_runs_still_match_one_process_and_send_the_theory(tmp_path,
     if (
         strategy == "fsdp"
     ):  # each rank keeps what one process keeps for its batch (gathered weights are no activation)
-        assert kept == [tiny_gpt_kept_bytes(mode, 2)] * 2 and kept[0] < tiny_gpt_kept_bytes("none", 2)
+        assert kept == [tiny_gpt_kept_bytes(mode)] * 2 and kept[0] < tiny_gpt_kept_bytes("none")
     elif strategy == "tp":  # the checkpoints keep whole (all-reduced) block inputs: as much as one process
-        assert kept == [tiny_gpt_kept_bytes(mode, 1)] * 2
+        assert kept == [tiny_gpt_kept_bytes(mode)] * 2
         calls = summary["metrics"]["communication"]["counted"]["calls"]
         assert calls["all_reduce"] == 4 * 2 + 2 + 2  # + one recomputed attention all-reduce per block
     else:  # pp's forward phase is the whole pipeline step: not counted

@@ -228,7 +228,9 @@ def _file(tmp_path: Path) -> Path:
 def test_a_diverging_run_stops_at_the_first_log_interval_with_a_non_finite_loss(tmp_path, capsys):
     """The loss is read where it is logged (a GPU run waits for the device at each read): the first interval
     holding a non-finite loss stops the run."""
-    finished = ddp_linear(["--lr", "1e30", "--max_steps", "200", "--log_every", "5"], tmp_path / "run", capsys)
+    finished = ddp_linear(
+        ["--lr", "1e30", "--max_steps", "200", "--log_every", "5"], tmp_path / "run", capsys
+    )
     assert finished.returncode == 2 and finished.stderr.strip().count("\n") == 0
     assert "training diverged; lower --lr (now 1e+30)" in finished.stderr and "at step " in finished.stderr
     step = int(finished.stderr.split("at step ")[1].split()[0])
