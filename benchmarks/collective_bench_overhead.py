@@ -21,7 +21,6 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -38,6 +37,7 @@ def worker(args):
     from common.collective_bench import make_bench_call, memcpy_gbps, time_per_call_s
     from common.comm_counter import bus_factor
     from common.config import RunArgs
+    from common.device import device_time
     from common.runtime import make_accelerator
 
     accelerator = make_accelerator(RunArgs(), scratch_folder(args))
@@ -51,10 +51,14 @@ def worker(args):
         dist.barrier()
         fn()
         fn()  # torch.utils.benchmark's warm-up: ranks leave the barrier's skew behind
-        started = time.perf_counter()
+        started = device_time(
+            device
+        )  # the device's time (a GPU's collectives are queued, not done, at return)
         for _ in range(args.iters):
             fn()
-        slowest = torch.tensor([(time.perf_counter() - started) / args.iters], dtype=torch.float64)
+        elapsed = (device_time(device) - started) / args.iters
+        # on the group's device: NCCL takes no host tensor
+        slowest = torch.tensor([elapsed], dtype=torch.float64, device=device)
         dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
         return slowest.item()
 

@@ -92,6 +92,8 @@ def worker(args):
     from common.runtime import make_accelerator
 
     folder = scratch_folder(args)
+    from common.device import device_time
+
     accelerator = make_accelerator(RunArgs(), folder)
     rank, world = accelerator.process_index, accelerator.num_processes
     dataset, _ = make_regression_dataset(1000, 10, 0.1, 0)
@@ -168,14 +170,16 @@ def worker(args):
         # ABBA: a loop's step never always follows the same other loop, so caches and order effects hit all alike
         for name in LOOPS if turn % 2 == 0 else LOOPS[::-1]:
             with lookups_asked_once() if name == "accelerate_cached_lookups" else contextlib.nullcontext():
-                started = time.perf_counter()
+                started = device_time(accelerator.device)  # the device's time for the step, on a GPU too
                 loops[name]()
-                elapsed = time.perf_counter() - started
+                elapsed = device_time(accelerator.device) - started
             if turn >= args.warmup:
                 seconds[name].append(elapsed)
     step_s = {}
     for name in LOOPS:
-        per_step = torch.tensor(seconds[name], dtype=torch.float64)
+        per_step = torch.tensor(
+            seconds[name], dtype=torch.float64, device=accelerator.device
+        )  # NCCL: no host tensors
         dist.all_reduce(per_step, op=dist.ReduceOp.MAX)  # a DDP step is as slow as its slowest rank
         step_s[name] = per_step.median().item()
     if rank == 0:

@@ -15,6 +15,10 @@ A step is the profiler's `ProfilerStep#N` span on the training thread. Inside it
                  at the end of backward is a gap in the trace, not an operator).
 compute + communication - overlapped + idle = the step. On CPU ranks that share cores, "overlapped"
 is two threads taking turns on a core, not free time: compare it with the step, not with zero.
+
+On a GPU the work is the device's, not the training thread's (an operator's CPU span is its kernel launch): where
+the trace holds device spans (kineto's `kernel`, `gpu_memcpy`, `gpu_memset`), compute is the device's kernels,
+communication NCCL's kernels (`nccl*`), and idle the step's time with the device doing neither.
 """
 
 from __future__ import annotations
@@ -25,6 +29,8 @@ import re
 
 COMMUNICATION_OPS = re.compile(r"^(c10d::|_c10d_functional::|c10d_functional::)|wait", re.IGNORECASE)
 COLLECTIVE_SPANS = re.compile(r"^(gloo|nccl):")
+DEVICE_CATEGORIES = ("kernel", "gpu_memcpy", "gpu_memset")  # kineto's device spans (a GPU run's trace)
+DEVICE_COLLECTIVES = re.compile(r"^nccl", re.IGNORECASE)  # NCCL's kernels: ncclDevKernel_AllReduce_...
 
 
 def merged(intervals: list[tuple[float, float]]) -> list[tuple[float, float]]:
@@ -85,6 +91,16 @@ def step_breakdown(trace: dict) -> list[dict]:
     steps = sorted((e for e in spans if e["name"].startswith("ProfilerStep#")), key=lambda e: e["ts"])
     if not steps:
         return []
+    device_spans = [e for e in spans if e.get("cat") in DEVICE_CATEGORIES]
+    if device_spans:  # a GPU run: the device's time, not its launches
+        communication_all = merged(
+            [(e["ts"], e["ts"] + e["dur"]) for e in device_spans if DEVICE_COLLECTIVES.match(e["name"])]
+        )
+        # the other kernels, on their own streams: where they run beside NCCL's, that is overlap
+        compute_all = merged(
+            [(e["ts"], e["ts"] + e["dur"]) for e in device_spans if not DEVICE_COLLECTIVES.match(e["name"])]
+        )
+        return [_step_row(step, compute_all, communication_all) for step in steps]
     training_thread = steps[0]["tid"]
     operators = sorted(
         (e for e in spans if e.get("cat") == "cpu_op" and e["tid"] == training_thread), key=lambda e: e["ts"]
@@ -102,26 +118,26 @@ def step_breakdown(trace: dict) -> list[dict]:
     compute_all = difference(merged([(e["ts"], e["ts"] + e["dur"]) for e in top_level]), issuing)
     collectives = [(e["ts"], e["ts"] + e["dur"]) for e in spans if COLLECTIVE_SPANS.match(e["name"])]
     communication_all = issuing + collectives
-    rows = []
-    for step in steps:
-        window = (step["ts"], step["ts"] + step["dur"])
-        compute = merged(clipped(compute_all, window))
-        communication = merged(clipped(communication_all, window))
-        overlapped = total(intersection(compute, communication))
-        busy = total(compute) + total(communication) - overlapped
-        rows.append(
-            {
-                "step": step["name"].split("#")[1],
-                "step_ms": step["dur"] / 1e3,
-                "compute_ms": total(compute) / 1e3,
-                "communication_ms": total(communication) / 1e3,
-                "overlapped_ms": overlapped / 1e3,
-                "idle_ms": (step["dur"] - busy) / 1e3,
-                "compute_intervals": milliseconds_from(window[0], compute),
-                "communication_intervals": milliseconds_from(window[0], communication),
-            }
-        )
-    return rows
+    return [_step_row(step, compute_all, communication_all) for step in steps]
+
+
+def _step_row(step: dict, compute_all: list, communication_all: list) -> dict:
+    """One profiled step's breakdown from the whole trace's compute and communication intervals."""
+    window = (step["ts"], step["ts"] + step["dur"])
+    compute = merged(clipped(compute_all, window))
+    communication = merged(clipped(communication_all, window))
+    overlapped = total(intersection(compute, communication))
+    busy = total(compute) + total(communication) - overlapped
+    return {
+        "step": step["name"].split("#")[1],
+        "step_ms": step["dur"] / 1e3,
+        "compute_ms": total(compute) / 1e3,
+        "communication_ms": total(communication) / 1e3,
+        "overlapped_ms": overlapped / 1e3,
+        "idle_ms": (step["dur"] - busy) / 1e3,
+        "compute_intervals": milliseconds_from(window[0], compute),
+        "communication_intervals": milliseconds_from(window[0], communication),
+    }
 
 
 def milliseconds_from(origin: float, intervals) -> list[tuple[float, float]]:

@@ -42,6 +42,27 @@ def test_a_hand_made_step_splits_exactly():
     assert row["communication_intervals"] == [(0.030, 0.070)]
 
 
+def test_a_gpu_step_is_split_by_the_devices_kernels_not_the_launches():
+    """On a GPU an operator's CPU span is its launch: the device's kernels are the work, NCCL's the communication."""
+    trace = {
+        "traceEvents": [
+            span("ProfilerStep#7", 0, 100, cat="user_annotation"),
+            span("aten::mm", 0, 2),  # launches: no part of the device's time
+            span("c10d::allreduce_", 3, 1),
+            span("ampere_sgemm_128x64", 10, 30, tid=99, cat="kernel"),  # compute 10-40
+            span(
+                "ncclDevKernel_AllReduce_Sum_f32_RING_LL", 35, 25, tid=100, cat="kernel"
+            ),  # communication 35-60
+            span("Memcpy HtoD (Pageable -> Device)", 70, 10, tid=99, cat="gpu_memcpy"),  # compute 70-80
+        ]
+    }
+    (row,) = step_breakdown(trace)
+    assert row["compute_ms"] == pytest.approx(0.040) and row["communication_ms"] == pytest.approx(0.025)
+    assert row["overlapped_ms"] == pytest.approx(0.005)  # the GEMM beside NCCL's kernel: 35-40
+    assert row["idle_ms"] == pytest.approx(0.040)  # 0-10, 60-70, 80-100
+    assert row["communication_intervals"] == [(0.035, 0.060)]
+
+
 def test_merged_is_a_union():
     assert merged([(5, 7), (0, 2), (1, 3), (7, 9)]) == [(0, 3), (5, 9)]
 

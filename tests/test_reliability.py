@@ -106,9 +106,35 @@ def test_bad_accelerate_config_is_refused_by_the_launcher(tmp_path, config_text)
     assert not Path(tmp_path / "run" / "summary.json").exists()
 
 
-@pytest.mark.launch
-def test_slurm_script_is_valid_bash():
-    subprocess.run(["bash", "-n", str(REPO / "scripts" / "slurm_ddp.sbatch")], check=True)
+@pytest.mark.parametrize("script,experiment", [("slurm_ddp.sbatch", "ddp_linear.py"),
+                                               ("slurm_train_gpt.sbatch", "train_gpt.py")])  # fmt: skip
+def test_a_slurm_script_hands_every_flag_over_whole_and_each_node_its_rank(tmp_path, script, experiment):
+    """The script under stand-ins for srun (two nodes, each its SLURM_NODEID), scontrol and accelerate (which
+    writes the arguments it got, one a line): a flag with a space reaches the experiment as one argument."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    stubs = {
+        "srun": 'while [[ "$1" == --* ]]; do shift; done\nfor node in 0 1; do SLURM_NODEID=$node "$@"; done',
+        "scontrol": "printf 'node-a\\nnode-b\\n'",
+        "accelerate": f'printf "%s\\n" "$@" > {tmp_path}/args.$SLURM_NODEID',
+    }
+    for name, body in stubs.items():
+        (bin_dir / name).write_text(f"#!/bin/bash\n{body}\n")
+        (bin_dir / name).chmod(0o755)
+    env = {**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}", "SLURM_JOB_NODELIST": "node-[a-b]",
+           "SLURM_NNODES": "2", "SLURM_GPUS_ON_NODE": "4"}  # fmt: skip
+    subprocess.run(["bash", str(REPO / "scripts" / script), "--text_files", "a b.txt", "--max_steps", "7"],
+                   cwd=REPO, env=env, check=True, timeout=30)  # fmt: skip
+    for node in (0, 1):
+        args = (tmp_path / f"args.{node}").read_text().splitlines()
+        assert args[args.index("--machine_rank") + 1] == str(node)
+        assert (
+            args[args.index("--num_processes") + 1] == "8"
+            and args[args.index("--main_process_ip") + 1] == "node-a"
+        )
+        assert args[args.index("--max_restarts") + 1] == "0"  # a failure ends the job: resubmitting resumes
+        assert f"experiments/{experiment}" in args and "latest" in args
+        assert args[-4:] == ["--text_files", "a b.txt", "--max_steps", "7"]  # whole, in order, last
 
 
 def test_heartbeats_name_the_rank_that_is_behind(tmp_path):
