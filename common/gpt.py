@@ -339,6 +339,35 @@ def count_parameters(model: nn.Module) -> int:
     return sum(p.numel() for p in {id(p): p for p in model.parameters()}.values())
 
 
+def refuse_gpt(cfg: GPTConfig) -> None:
+    """A GPT no model can have (a zero size, heads that do not divide the width...) refused in one line naming
+    the flag: every experiment that builds the GPT from flags asks this (ModelFlags, fault_tolerance)."""
+    for name in ("vocab_size", "block_size", "n_layer", "n_head", "d_model"):
+        require(getattr(cfg, name) > 0, f"--{name} must be > 0, got {getattr(cfg, name)}")
+    require(cfg.d_model % cfg.n_head == 0, f"--n_head {cfg.n_head} must divide --d_model {cfg.d_model}")
+    require(cfg.n_kv_head >= 0 and cfg.n_head % (cfg.n_kv_head or cfg.n_head) == 0 and cfg.d_ff >= 0,
+            f"--n_kv_head {cfg.n_kv_head} must divide --n_head {cfg.n_head} (0: one per query head); "
+            f"--d_ff {cfg.d_ff} must be >= 0")  # fmt: skip
+    require(cfg.positions != "rope" or cfg.d_model // cfg.n_head % 2 == 0,
+            f"--positions rope turns pairs of channels: the head width --d_model / --n_head = "
+            f"{cfg.d_model // cfg.n_head} must be even")  # fmt: skip
+    require(cfg.n_experts >= 0 and (not cfg.n_experts or 1 <= cfg.top_k <= cfg.n_experts),
+            f"--n_experts {cfg.n_experts} --top_k {cfg.top_k}: need n_experts >= 0, 1 <= top_k <= n_experts")  # fmt: skip
+    require(cfg.n_shared_experts == 0 or (cfg.n_experts and 0 < cfg.n_shared_experts <= 64),
+            f"--n_shared_experts {cfg.n_shared_experts}: shared experts sit beside routed ones (needs "
+            "--n_experts); 0 to 64")  # fmt: skip
+    require(min(cfg.capacity_factor, cfg.aux_loss_coef, cfg.bias_update_rate) >= 0,
+            "--capacity_factor, --aux_loss_coef, --bias_update_rate must be >= 0")  # fmt: skip
+    # bounded: from --n_experts up no expert can be over capacity (c x tokens x k / E >= every token), and a
+    # loss weight or a bias step above 1 is a typo (Switch: 0.01; DeepSeek-V3: 0.001); 1e308 overflowed
+    require(cfg.capacity_factor <= max(cfg.n_experts, 1),
+            f"--capacity_factor {cfg.capacity_factor:g}: at most --n_experts ({max(cfg.n_experts, 1)}), from which "
+            "no token is ever dropped; 0 is dropless")  # fmt: skip
+    require(max(cfg.aux_loss_coef, cfg.bias_update_rate) <= 1,
+            f"--aux_loss_coef {cfg.aux_loss_coef:g}, --bias_update_rate {cfg.bias_update_rate:g}: each must be "
+            "<= 1")  # fmt: skip
+
+
 _DEFAULT = GPTConfig()
 
 
@@ -395,30 +424,7 @@ class ModelFlags:
 
     def refuse_model(self, cfg: GPTConfig) -> None:
         """The model `cfg` (these flags' resolved) refused in one line if no GPT can have it."""
-        for name in ("vocab_size", "block_size", "n_layer", "n_head", "d_model"):
-            require(getattr(cfg, name) > 0, f"--{name} must be > 0, got {getattr(cfg, name)}")
-        require(cfg.d_model % cfg.n_head == 0, f"--n_head {cfg.n_head} must divide --d_model {cfg.d_model}")
-        require(cfg.n_kv_head >= 0 and cfg.n_head % (cfg.n_kv_head or cfg.n_head) == 0 and cfg.d_ff >= 0,
-                f"--n_kv_head {cfg.n_kv_head} must divide --n_head {cfg.n_head} (0: one per query head); "
-                f"--d_ff {cfg.d_ff} must be >= 0")  # fmt: skip
-        require(cfg.positions != "rope" or cfg.d_model // cfg.n_head % 2 == 0,
-                f"--positions rope turns pairs of channels: the head width --d_model / --n_head = "
-                f"{cfg.d_model // cfg.n_head} must be even")  # fmt: skip
-        require(cfg.n_experts >= 0 and (not cfg.n_experts or 1 <= cfg.top_k <= cfg.n_experts),
-                f"--n_experts {cfg.n_experts} --top_k {cfg.top_k}: need n_experts >= 0, 1 <= top_k <= n_experts")  # fmt: skip
-        require(cfg.n_shared_experts == 0 or (cfg.n_experts and 0 < cfg.n_shared_experts <= 64),
-                f"--n_shared_experts {cfg.n_shared_experts}: shared experts sit beside routed ones (needs "
-                "--n_experts); 0 to 64")  # fmt: skip
-        require(min(cfg.capacity_factor, cfg.aux_loss_coef, cfg.bias_update_rate) >= 0,
-                "--capacity_factor, --aux_loss_coef, --bias_update_rate must be >= 0")  # fmt: skip
-        # bounded: from --n_experts up no expert can be over capacity (c x tokens x k / E >= every token), and a
-        # loss weight or a bias step above 1 is a typo (Switch: 0.01; DeepSeek-V3: 0.001); 1e308 overflowed
-        require(cfg.capacity_factor <= max(cfg.n_experts, 1),
-                f"--capacity_factor {cfg.capacity_factor:g}: at most --n_experts ({max(cfg.n_experts, 1)}), from which "
-                "no token is ever dropped; 0 is dropless")  # fmt: skip
-        require(max(cfg.aux_loss_coef, cfg.bias_update_rate) <= 1,
-                f"--aux_loss_coef {cfg.aux_loss_coef:g}, --bias_update_rate {cfg.bias_update_rate:g}: each must be "
-                "<= 1")  # fmt: skip
+        refuse_gpt(cfg)
 
     def record_model(self, cfg: GPTConfig) -> None:
         """The model that runs written back into the flags (config.json records it)."""

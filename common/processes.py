@@ -8,6 +8,7 @@ timeout or an interrupt, and returns only once they are all gone.
 
 from __future__ import annotations
 
+import contextlib
 import signal
 import subprocess
 from dataclasses import dataclass
@@ -22,6 +23,35 @@ class Finished:
     returncode: int  # TIMED_OUT when the timeout ended it
     stdout: str
     stderr: str
+
+
+def end_with(launcher_pid: int, every_s: float = 0.2) -> None:
+    """End this process when the process `launcher_pid` ends, however it ends (a SIGKILL gives it no chance to end
+    its children): the kernel's parent-death signal where the launcher is this process's parent, and a thread that
+    looks every `every_s` (a process started by a fork server has the server for a parent, and waits inside a
+    library, torchft's quorum retries, would never look). For the processes an experiment starts itself."""
+    import ctypes
+    import os
+    import threading
+    import time
+
+    launcher = psutil.Process(launcher_pid)  # its start time too: a pid reused later is not the launcher
+    if os.getppid() == launcher_pid:
+        with contextlib.suppress(OSError, AttributeError):
+            ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+
+    def launcher_alive() -> bool:
+        try:
+            return launcher.is_running() and launcher.status() != psutil.STATUS_ZOMBIE
+        except psutil.NoSuchProcess:
+            return False
+
+    def watch() -> None:
+        while launcher_alive():
+            time.sleep(every_s)
+        os.kill(os.getpid(), signal.SIGKILL)  # as the launcher ended: no cleanup, nothing left behind
+
+    threading.Thread(target=watch, name="end-with-launcher", daemon=True).start()
 
 
 def process_tree(pid: int) -> list[psutil.Process]:

@@ -30,23 +30,37 @@ def train_single_process(
     device=None,
     autocast=nullcontext,
     before_update: Callable[[int], float] | None = None,
+    accumulate: bool = False,
 ) -> dict:
     """Train `model` in place for `steps` steps: each concatenates `micro_batches_per_step` global batches
     (tuples of tensors: inputs first, target last) into ONE batch, one loss over all of it
     (`loss_fn(model, *inputs, target)`, a mean over the batch as the distributed run's is), one optimizer
     step. `before_update(i)` (i = 1, 2, ...) runs between backward and the step (clipping, the learning
     rate) and returns a figure (the gradient norm). `autocast`: the context the distributed model runs
-    its forward under, if any. Returns each step's loss and figure, and step 1's gradients by name."""
+    its forward under, if any. `accumulate`: each global batch its own forward and backward (its loss / the
+    batches a step), for a loss that is not a mean over rows (a mixture of experts' balancing loss, a product of
+    means: the distributed run computes it per global micro-batch). Returns each step's loss and figure, and step
+    1's gradients by name."""
     device = torch.device("cpu") if device is None else device
     model.to(device)
     losses, figures, first_gradients = [], [], {}
     for step in range(1, steps + 1):
         micro_batches = [next(global_batches) for _ in range(micro_batches_per_step)]
-        *inputs, target = (torch.cat(parts).to(device) for parts in zip(*micro_batches, strict=True))
         optimizer.zero_grad()
-        with autocast():
-            loss = loss_fn(model, *inputs, target)
-        loss.backward()
+        if accumulate:
+            micro_losses = []
+            for micro_batch in micro_batches:
+                *inputs, target = (part.to(device) for part in micro_batch)
+                with autocast():
+                    micro_loss = loss_fn(model, *inputs, target)
+                (micro_loss / micro_batches_per_step).backward()
+                micro_losses.append(micro_loss.detach())
+            loss = torch.stack(micro_losses).mean()  # equal micro-batches: the step's mean loss
+        else:
+            *inputs, target = (torch.cat(parts).to(device) for parts in zip(*micro_batches, strict=True))
+            with autocast():
+                loss = loss_fn(model, *inputs, target)
+            loss.backward()
         if step == 1:
             first_gradients = {
                 n: p.grad.detach().cpu().clone() for n, p in model.named_parameters() if p.grad is not None

@@ -28,7 +28,7 @@ import time
 
 import torch
 
-from common.config import UsageError
+from common.config import UsageError, require
 
 CACHE_DIR = os.path.join("runs", ".cache", "text")
 MIN_CHARACTERS = 1000
@@ -229,6 +229,16 @@ def read_token_cache(path: str, data_sha256: str, say_why: bool = False) -> dict
         "tokenizer_sha256": hashlib.sha256(tokenizer_json.encode()).hexdigest(),
     }
     return {**cached, "tokenizer": Tokenizer.from_str(tokenizer_json), "identity": identity}
+
+
+MIN_VOCAB = 260  # the byte-level BPE's 256 bytes, plus merges
+
+
+def require_vocabulary(vocab_size: int) -> None:
+    """A vocabulary the BPE can be trained to, refused in one line otherwise (every experiment on the corpus)."""
+    require(
+        vocab_size >= MIN_VOCAB, f"--vocab_size must be >= {MIN_VOCAB} (256 bytes + merges), got {vocab_size}"
+    )
 
 
 def load_corpus(

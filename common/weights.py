@@ -8,6 +8,8 @@ no step, no data position; a run that starts from them is a new run (a fresh opt
 
 from __future__ import annotations
 
+import functools
+import json
 import os
 
 import torch
@@ -16,6 +18,35 @@ from common.checkpoint import digest_named_values
 from common.config import UsageError
 
 DIGEST_KEY = "weights_sha256"  # in the safetensors file's metadata
+MODEL_KEY = (
+    "model_flags"  # the GPT the weights are: its architecture's flags, JSON (files from a GPT's checkpoint)
+)
+# the flags that make two GPTs of the same tensor shapes different models (--n_head 2 and 4 split the same
+# matrices into other heads); the sizes the shapes already show, and how a model trains, are not among them
+ARCHITECTURE = ("n_layer", "n_head", "n_kv_head", "d_model", "d_ff", "mlp", "norm", "positions", "bias",
+                "tie_weights", "n_experts", "top_k", "n_shared_experts", "router", "route_norm")  # fmt: skip
+
+
+def model_architecture(flags: dict) -> dict:
+    """The architecture's flags among `flags` (a run's trajectory), {} for a run that is not a GPT's."""
+    return {name: flags[name] for name in ARCHITECTURE if name in flags}
+
+
+def refuse_other_model(weights_file: str, flags: dict, what: str) -> None:
+    """UsageError, naming both values, when the weights in `weights_file` were trained as another architecture
+    than `flags` (this run's) asks for. A file that records none (written before it did) is checked by shape only."""
+    from safetensors import safe_open
+
+    with safe_open(weights_file, framework="pt") as handle:
+        recorded = (handle.metadata() or {}).get(MODEL_KEY)
+    if not recorded:
+        return
+    trained = json.loads(recorded)
+    differ = [f"--{name} {trained[name]} (this run: {flags[name]})" for name in ARCHITECTURE
+              if name in trained and name in flags and trained[name] != flags[name]]  # fmt: skip
+    if differ:
+        raise UsageError(f"{what}: these weights were trained as another model: {', '.join(differ)}; give the model "
+                         "flags they were trained with")  # fmt: skip
 
 
 def weights_digest(weights: dict[str, torch.Tensor]) -> str:
@@ -24,15 +55,22 @@ def weights_digest(weights: dict[str, torch.Tensor]) -> str:
 
 def read_weights(weights_file: str, what: str = "") -> tuple[dict[str, torch.Tensor], str]:
     """(the tensors of a safetensors file written by tools.convert_checkpoint to-safetensors, their digest),
-    checked against the digest recorded in it; UsageError naming `what` (the flag) and the file otherwise."""
-    from safetensors import safe_open
-
+    checked against the digest recorded in it; UsageError naming `what` (the flag) and the file otherwise. Read
+    once per file version: a run's flags are checked before it starts and the same tensors load after."""
     said = f"{what} {weights_file}" if what else repr(weights_file)
     if os.path.isdir(weights_file):
         raise UsageError(f"{said} is a folder; it must be a .safetensors file (tools.convert_checkpoint to-safetensors "
                          "writes one from any checkpoint)")  # fmt: skip
     if not os.path.isfile(weights_file):
         raise UsageError(f"{said}: no such file")
+    status = os.stat(weights_file)
+    return _verified(os.path.abspath(weights_file), status.st_size, status.st_mtime_ns, said)
+
+
+@functools.lru_cache(maxsize=1)
+def _verified(weights_file: str, size: int, mtime_ns: int, said: str) -> tuple[dict[str, torch.Tensor], str]:
+    from safetensors import safe_open
+
     try:
         with safe_open(weights_file, framework="pt") as handle:
             metadata = handle.metadata() or {}

@@ -128,7 +128,11 @@ class Config(RunArgs, ModelFlags, ParallelArgs):
         return Workload(self.shape(), rows, 1, self.mixed_precision)
 
     def rank_list(self) -> list[int]:
-        return [int(r) for r in self.ranks.replace(" ", "").split(",") if r] if self.ranks.strip() else []
+        items = [r for r in self.ranks.replace(" ", "").split(",") if r]
+        bad = [r for r in items if not r.isdigit()]
+        require(not bad, f"--ranks {self.ranks!r}: {', '.join(map(repr, bad))} is not a rank (comma-separated whole "
+                "numbers, e.g. 0,7,1023)")  # fmt: skip
+        return [int(r) for r in items]
 
 
 def ops_totals(ops: dict) -> dict:

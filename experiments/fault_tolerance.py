@@ -78,10 +78,10 @@ from common.config import (
 )
 from common.data import iterate_sample_stream
 from common.device import backend_for, process_device
-from common.gpt import GPTConfig, adamw, build_gpt, lm_loss, parameter_count
+from common.gpt import GPTConfig, adamw, build_gpt, lm_loss, parameter_count, refuse_gpt
 from common.moe import local  # a DTensor's local shard (a view: writing it writes it), else the tensor
 from common.run import start_run
-from common.text import load_corpus
+from common.text import load_corpus, require_vocabulary
 
 EXPERIMENT = "fault_tolerance"
 WRONG_VARIANTS = {
@@ -129,6 +129,9 @@ class Config(RunArgs):
 
     def validate(self) -> None:
         super().validate()
+        # the model through train_gpt's own checks, first: nothing starts on a GPT no model can have
+        require_vocabulary(self.vocab_size)
+        refuse_gpt(self.model_config(self.vocab_size))
         require_positive(self, "replica_groups", "dp_shard", "max_steps", "global_batch_size", "micro_batch_size",
                          "sync_every", "lr", "outer_lr", "step_timeout_s", "rejoin_timeout_s", "param_atol")  # fmt: skip
         for name in ("step_timeout_s", "rejoin_timeout_s"):  # a timedelta, a deadline: bounded (a week)
@@ -211,10 +214,16 @@ def batch_of(corpus: dict, cfg: Config, step: int):
 
 
 # ------------------------------------------------------------------------------------------- a replica group
-def replica_group(spare: int, rank: int, cfg: Config, lighthouse: str, run_dir: str) -> None:
-    """A replica group's process (started by the Injector), under the GPU rehearsal when the run is one."""
+def replica_group(
+    spare: int, rank: int, cfg: Config, lighthouse: str, run_dir: str, launcher_pid: int
+) -> None:
+    """A replica group's process (started by the Injector): it ends when the launcher does, however the launcher
+    ends (a SIGKILL included: it would otherwise wait for its go-file or retry torchft's quorum forever); under the
+    GPU rehearsal when the run is one."""
+    from common.processes import end_with
     from common.rehearsal import rehearse_if_asked
 
+    end_with(launcher_pid)
     with rehearse_if_asked():
         run_replica(spare, rank, cfg, lighthouse, run_dir)
 
@@ -518,8 +527,9 @@ class Injector:
 
     def start_spare(self) -> None:
         spare = len(self.spares)
-        self.spares[spare] = Group([self.context.Process(target=replica_group, args=(spare, rank, self.cfg,
-                                    self.lighthouse, self.run_dir)) for rank in range(self.cfg.dp_shard)])  # fmt: skip
+        args = (self.cfg, self.lighthouse, self.run_dir, os.getpid())
+        self.spares[spare] = Group([self.context.Process(target=replica_group, args=(spare, rank, *args))
+                                    for rank in range(self.cfg.dp_shard)])  # fmt: skip
         for process in self.spares[spare].processes:
             process.start()
             self.started_pids.append(process.pid)

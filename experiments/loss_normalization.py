@@ -55,7 +55,7 @@ from common.gpt import GPTConfig, build_gpt
 from common.reference import max_abs_difference, train_single_process
 from common.run import start_run
 from common.runtime import launched_world_size
-from common.text import load_corpus
+from common.text import load_corpus, require_vocabulary
 from strategies.args import ParallelArgs
 from strategies.layout import Layout, Workload
 from strategies.parallelize import parallelize
@@ -98,7 +98,7 @@ class Config(RunArgs):
         require(
             self.d_model % self.n_head == 0, f"--n_head {self.n_head} must divide --d_model {self.d_model}"
         )
-        require(self.vocab_size >= 260, f"--vocab_size must be >= 260, got {self.vocab_size}")
+        require_vocabulary(self.vocab_size)
         require(
             launched_world_size(self) * self.gradient_accumulation_steps >= 2,
             "one rank and one micro-batch average nothing: launch >= 2 ranks or pass --gradient_accumulation_steps >= 2",

@@ -76,9 +76,9 @@ from common.optim import cosine_lr, set_lr
 from common.profiling import StepProfiler, report_profile
 from common.run import start_run
 from common.runtime import launched_world_size
-from common.text import load_corpus
+from common.text import load_corpus, require_vocabulary
 from common.training import TrainLoop
-from common.weights import read_weights, refuse_unfit
+from common.weights import read_weights, refuse_other_model, refuse_unfit
 from strategies.args import ParallelArgs
 from strategies.checks import CheckArgs, Probe, check_layout
 from strategies.layout import DIMS, Layout, Workload
@@ -148,9 +148,14 @@ class Config(ResumableArgs, ModelFlags, ParallelArgs, CheckArgs):
         non_negative = min(self.warmup_steps, self.lr_decay_steps, self.grad_clip, self.weight_decay) >= 0
         require(0 <= self.min_lr_ratio <= 1 and non_negative, "--min_lr_ratio must be in [0, 1]; --warmup_steps, "
                 "--lr_decay_steps, --grad_clip, --weight_decay >= 0")  # fmt: skip
-        require(
-            self.vocab_size >= 260, f"--vocab_size must be >= 260 (256 bytes + merges), got {self.vocab_size}"
-        )
+        require_vocabulary(self.vocab_size)
+        if (
+            self.init_from
+        ):  # readable, its digest verified, trained as this architecture: before anything starts
+            read_weights(
+                self.init_from, "--init_from"
+            )  # (a sweep over --init_from refuses a bad file up front)
+            refuse_other_model(self.init_from, dataclasses.asdict(self), f"--init_from {self.init_from}")
         layout = self.resolve_layout(launched_world_size(self))  # config.json records the degrees that ran
         self.refuse_layout(layout, self.workload(), self.grad_clip)
         require(not self.wrong_variant.startswith("resume_") or self.resume_from_checkpoint,

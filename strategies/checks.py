@@ -31,7 +31,7 @@ from common.comm_counter import CollectiveCounter
 from common.config import flag
 from common.device import device_time, peak_memory_bytes
 from common.gpt import build_gpt, lm_loss
-from common.moe import balance
+from common.moe import balance, moe_layers
 from common.optim import clip_by_global_norm, set_lr
 from common.reference import max_abs_difference, train_single_process
 from strategies.job import Instruments
@@ -259,8 +259,14 @@ def compare_with_one_process(session, model_cfg, probe: Probe, step_losses, *, s
             balance(model)
         return clip_by_global_norm(model.parameters(), max_norm)
 
+    # a balancing loss (a product of two means over a micro-batch's tokens) is computed per global micro-batch by
+    # the run, each its gradient / the micro-batches: the reference accumulates as the run does
+    aux_per_micro_batch = bool(model_cfg.n_experts) and model_cfg.aux_loss_coef > 0 and accumulation > 1
+    if aux_per_micro_batch:
+        for layer in moe_layers(model):
+            layer.aux_loss_scale = 1 / accumulation
     reference = train_single_process(
-        model, optimizer, global_batches, n, accumulation,
+        model, optimizer, global_batches, n, accumulation, accumulate=aux_per_micro_batch,
         loss_fn=lambda m, x, y: lm_loss(m(x), y),
         device=device,
         autocast=lambda: torch.autocast(device.type, dtype=torch.bfloat16, enabled=bf16),

@@ -126,6 +126,7 @@ def test_the_memory_check_catches_a_layout_that_holds_what_its_theory_does_not(t
             "--ep 2: expert parallelism splits experts; the model has none",
         ),
         (["--world_size", "8", "--dp_shard", "8", "--ranks", "8"], "--ranks: 8 is not a rank of 8"),
+        (["--ranks", "0,x"], "--ranks '0,x': 'x' is not a rank (comma-separated whole numbers"),
         (["--model", "custom", "--n_layer", "0"], "--n_layer must be > 0, got 0"),
         (["--model", "llama3_8b", "--n_head", "5"], "--n_head 5 must divide --d_model 4096"),
     ],

@@ -214,6 +214,31 @@ def test_a_weights_only_folder_is_refused_for_what_it_is_and_init_from_starts_fr
     assert "from the initial weights of --init_from" in summary["checks"]["loss_decreased"]["detail"]
 
 
+def test_init_from_weights_of_another_architecture_is_refused_naming_both_values(
+    interrupted, text, tmp_path, capsys
+):
+    """--n_head 2 and --n_head 4 split the same matrices into other heads: the shapes agree, the models do not. The
+    exported file records the architecture it was trained as (from the checkpoint's flags); a run that asks for
+    another is refused in one line, naming both values, before anything is written."""
+    from safetensors import safe_open
+
+    from tools.convert_checkpoint import main as convert
+
+    weights = tmp_path / "model.safetensors"
+    assert (
+        convert(["to-safetensors", str(interrupted["dir"] / "checkpoints" / "step_00000009"), str(weights)])
+        == 0
+    )
+    with safe_open(str(weights), framework="pt") as handle:
+        assert json.loads(handle.metadata()["model_flags"])["n_head"] == 2
+    args = [*CHECKPOINTED, "--text_files", str(text), "--init_from", str(weights), "--max_steps", "3",
+            "--parity_steps", "0", "--n_head", "4"]  # fmt: skip
+    refused = run_in_process(train_gpt, args, tmp_path / "other", capsys)
+    assert refused.returncode == 2 and refused.stderr.strip().count("\n") == 0, refused.stderr
+    assert "these weights were trained as another model: --n_head 2 (this run: 4)" in refused.stderr
+    assert not (tmp_path / "other").exists()
+
+
 def test_the_same_weights_score_the_same_validation_loss_on_1_2_and_4_ranks(
     interrupted, text, tmp_path, capsys
 ):

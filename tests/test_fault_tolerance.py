@@ -168,6 +168,11 @@ def test_bad_input_is_one_line(tmp_path, capsys):
             ),
             (["--step_timeout_s", "1e308"], "--step_timeout_s must be <= 604800"),
             (["--wrong_variant", "nope"], "--wrong_variant 'nope': known:"),
+            # the model through train_gpt's own checks (it ran, or crashed after starting the groups, before)
+            (["--vocab_size", "0"], "--vocab_size must be >= 260 (256 bytes + merges), got 0"),
+            (["--d_model", "0"], "--d_model must be > 0, got 0"),
+            (["--n_head", "3"], "--n_head 3 must divide --d_model 32"),
+            (["--block_size", "0"], "--block_size must be > 0, got 0"),
             (
                 ["--lighthouse_port", str(port)],
                 f"--lighthouse_port {port}: the lighthouse cannot listen there",
@@ -178,3 +183,49 @@ def test_bad_input_is_one_line(tmp_path, capsys):
             code, stderr = run_main_in_process(main, ["--output_dir", str(output_dir), *TINY, *args], capsys)
             assert code == 2 and message in stderr and stderr.strip().count("\n") == 0, (args, stderr)
             assert not output_dir.exists(), args  # refused before anything was written
+
+
+@pytest.mark.launch
+@pytest.mark.parametrize("when", ["before_the_groups_are_placed", "while_they_train"])
+def test_no_process_outlives_a_launcher_killed_by_sigkill(tmp_path, when):
+    """The launcher (and the lighthouse it holds) SIGKILLed, with no chance to end its children: 10 s later none of
+    the processes it started is left (the groups' processes, the spares, the fork server, the resource tracker)."""
+    import contextlib
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    from helpers import REPO, clean_env
+
+    run = tmp_path / "run"
+    command = [sys.executable, str(REPO / "experiments" / "fault_tolerance.py"), "--output_dir", str(run), *TINY,
+               "--max_steps", "400", "--replica_groups", "2", "--failures", "1"]  # fmt: skip
+    launcher = subprocess.Popen(command, cwd=REPO, env=clean_env(HOME=str(tmp_path)), start_new_session=True,
+                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)  # fmt: skip
+    started, descendants = time.monotonic(), []
+    try:
+        while time.monotonic() - started < 90:
+            descendants = psutil.Process(launcher.pid).children(recursive=True)
+            events = list((run / "events").glob("*.jsonl")) if (run / "events").exists() else []
+            ready = len(descendants) >= 4 if when == "before_the_groups_are_placed" else any(
+                '"commit"' in path.read_text() for path in events)  # fmt: skip
+            if ready:
+                break
+            time.sleep(0.2)
+        assert descendants, "the launcher started no process within 90 s"
+        if when == "before_the_groups_are_placed":
+            assert not list(run.glob("spare*.go")), "too late: a group was already placed"
+        os.kill(launcher.pid, signal.SIGKILL)
+        launcher.wait()
+        deadline = time.monotonic() + 10
+        left = descendants
+        while left and time.monotonic() < deadline:
+            left = [p for p in left if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
+            time.sleep(0.2)
+        assert not left, [(p.pid, " ".join(p.cmdline())[:120]) for p in left]
+    finally:  # whatever a failure left (reparented to init: no longer this test's children)
+        for process in descendants:
+            with contextlib.suppress(psutil.NoSuchProcess):
+                process.kill()

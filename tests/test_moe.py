@@ -318,6 +318,20 @@ def test_expert_parallelism_refuses_what_it_cannot_split_in_one_line(degrees, ex
 
 
 @pytest.mark.launch
+@pytest.mark.parametrize("degree", ["dp_replicate", "ep"])
+def test_the_balancing_loss_under_gradient_accumulation_equals_one_process(tmp_path, degree):
+    """The red team's case: the auxiliary loss (a product of two means over a micro-batch's tokens) is computed per
+    global micro-batch, its gradient / the micro-batches; one process accumulates the same micro-batches the same
+    way (before: it took the step as one batch, 8.2e-5 off in the loss, parity failed on every data-parallel
+    layout)."""
+    args = [*GPT_TINY, *MOE, "--gradient_accumulation_steps", "2", f"--{degree}", "2"]
+    summary = assert_gpt_passed(fork_launch(main, args, tmp_path / "run"), 2)
+    assert (
+        summary["checks"]["matches_single_process"]["passed"] and summary["config"]["aux_loss_coef"] == 0.01
+    )
+
+
+@pytest.mark.launch
 def test_expert_parallel_on_two_ranks_passes_every_check_and_counts_the_routing(tmp_path):
     """Top-1 over 8 experts (#45: renormalised, its router learned from noise and failed parity)."""
     args = [*GPT_TINY, "--n_experts", "8", "--top_k", "1", "--aux_loss_coef", "0.01", "--ep", "2",

@@ -71,6 +71,17 @@ def test_unknown_input_is_one_line_and_exit_2(args, message, capsys):
     assert stop.value.code == 2 and message in err and err.strip().count("\n") == 0
 
 
+def test_a_gpu_count_no_layout_can_be_built_from_is_one_line_naming_a_count_that_can(capsys):
+    """131 is prime: past a node for tp, past the layers for pp, and no divisor of the 2,048 sequences: no layout
+    was considered, so that is what is said (not "nothing fits"), with the nearest count that works."""
+    from helpers import run_main_in_process
+
+    code, stderr = run_main_in_process(main, ["--gpus", "131"], capsys)
+    assert code == 2 and stderr.strip().count("\n") == 0, stderr
+    assert "--gpus 131: no layout of llama3_70b can be built from 131 GPUs" in stderr and "e.g. 132" in stderr
+    assert "nothing fits" not in stderr
+
+
 def test_divisors_are_every_divisor_in_order_at_any_size():
     from tools.plan import divisors
 

@@ -144,6 +144,21 @@ def test_bad_sweeps_are_refused(case, tmp_path, monkeypatch):
     assert message in str(refused.value)
 
 
+def test_a_sweep_over_init_from_refuses_a_bad_weights_file_before_any_trial(tmp_path, monkeypatch):
+    """train_gpt checks --init_from as it parses its flags (readable, its digest, its architecture): a sweep over
+    a truncated file is refused before any trial starts, in the trial's own words."""
+    monkeypatch.chdir(REPO)
+    truncated = tmp_path / "truncated.safetensors"
+    truncated.write_bytes(b"\x08\x00\x00\x00")
+    path = tmp_path / "sweep.yaml"
+    path.write_text("program: experiments/train_gpt.py\nmethod: grid\nmetric: {name: val_loss}\n"
+                    f"parameters: {{init_from: {{values: ['{truncated}']}}}}\n")  # fmt: skip
+    with pytest.raises(UsageError) as refused:
+        validate_sweep(str(path))
+    assert f"a trial may run with init_from={truncated}" in str(refused.value)
+    assert "is not a readable safetensors file" in str(refused.value)
+
+
 @pytest.mark.launch
 def test_cli_refuses_a_bad_sweep_with_one_line_and_exit_2(tmp_path):
     path = tmp_path / "bad.yaml"

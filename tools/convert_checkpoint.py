@@ -55,7 +55,7 @@ from common.checkpoint import (
     verify_files,
 )
 from common.config import UsageError
-from common.weights import DIGEST_KEY, read_weights, weights_digest
+from common.weights import DIGEST_KEY, MODEL_KEY, model_architecture, read_weights, weights_digest
 
 
 def checkpoint_format(folder: str) -> str | None:
@@ -74,8 +74,9 @@ def checkpoint_format(folder: str) -> str | None:
 ACCELERATE_MODEL_FILES = ("model.safetensors", "pytorch_model.bin")  # what Accelerate's save_state writes
 
 
-def read_checkpoint(checkpoint: str) -> dict[str, torch.Tensor]:
-    """Every model tensor of a verified checkpoint (a checkpoint folder, or its state/ folder), full size."""
+def read_checkpoint(checkpoint: str) -> tuple[dict[str, torch.Tensor], dict]:
+    """(every model tensor of a verified checkpoint (a checkpoint folder, or its state/ folder), full size; the
+    flags it was trained with, as its step.json records them ({} for a weights-only folder))."""
     folder = os.path.abspath(checkpoint)
     if os.path.basename(folder) == STATE_FOLDER:
         folder = os.path.dirname(folder)
@@ -94,15 +95,16 @@ def read_checkpoint(checkpoint: str) -> dict[str, torch.Tensor]:
         fail(str(error))
     if problem:
         fail(f"{checkpoint!r} cannot be used: {problem}")
+    trained_with = (meta or {}).get("trajectory") or {}
     kind = checkpoint_format(folder)
     print(
         f"convert_checkpoint: {checkpoint}: {kind or 'an unknown'} checkpoint, every file verified",
         flush=True,
     )
     if kind == "deepspeed":
-        return read_deepspeed(folder, checkpoint)
+        return read_deepspeed(folder, checkpoint), trained_with
     if kind == "accelerate":
-        return read_accelerate(folder, checkpoint)
+        return read_accelerate(folder, checkpoint), trained_with
     if kind is None:
         fail(f"{checkpoint!r}: its files are none of dcp (state/), deepspeed (zero_pp_rank_*) or accelerate "
              f"({', '.join(ACCELERATE_MODEL_FILES)})")  # fmt: skip
@@ -120,7 +122,7 @@ def read_checkpoint(checkpoint: str) -> dict[str, torch.Tensor]:
             f"{checkpoint!r}: its tensors do not match the digest it was written with "
             f"({found[:16]}... != {str(expected)[:16]}...)"
         )
-    return model
+    return model, trained_with
 
 
 def read_deepspeed(folder: str, checkpoint: str) -> dict[str, torch.Tensor]:
@@ -177,8 +179,11 @@ def to_safetensors(checkpoint: str, output: str) -> dict[str, torch.Tensor]:
     from safetensors.torch import save_file
 
     refuse_existing(output)
-    weights = read_checkpoint(checkpoint)
-    metadata = {DIGEST_KEY: weights_digest(weights)}  # one key: safetensors writes a map's keys in any order
+    weights, trained_with = read_checkpoint(checkpoint)
+    metadata = {DIGEST_KEY: weights_digest(weights)}
+    architecture = model_architecture(trained_with)
+    if architecture:  # the model the weights are (a GPT's flags): --init_from refuses another one
+        metadata[MODEL_KEY] = json.dumps(architecture, sort_keys=True)
     write_whole(output, lambda temporary: save_file(weights, temporary, metadata=metadata))
     return weights
 

@@ -124,6 +124,15 @@ def divisors(n: int) -> list[int]:
     return small + [n // d for d in reversed(small) if d * d != n]
 
 
+def nearest_buildable(cfg: GPTConfig, gpus: int, gpus_per_node: int, global_batch: int) -> int:
+    """The GPU count nearest `gpus` (above first) that some layout can be built from."""
+    for distance in range(1, gpus):
+        for count in (gpus + distance, gpus - distance):
+            if count > 0 and next(candidates(cfg, count, gpus_per_node, global_batch), None):
+                return count
+    return 1
+
+
 def candidates(cfg: GPTConfig, gpus: int, gpus_per_node: int, global_batch: int):
     """Every (degrees, activation checkpointing) to consider."""
     for tp in (
@@ -279,9 +288,14 @@ def plan(args: PlanArgs) -> int:
         require("refused" not in row, f"{row['layout']}: {row.get('refused')}")
         return print_given(args, row, hardware)
     # a layout that does not fit is not priced: listed by how far over it is
+    layouts = list(candidates(cfg, args.gpus, hardware.gpus_per_node, args.global_batch))
+    # no degrees multiply to --gpus under the rules (a prime past a node and the layers): that, not "nothing fits"
+    require(layouts, f"--gpus {args.gpus:,}: no layout of {args.model} can be built from {args.gpus:,} GPUs (tp divides "
+            f"its {cfg.n_head} heads within a node of {hardware.gpus_per_node}, pp at most its {cfg.n_layer} layers, the "
+            f"data-parallel ranks divide its {args.global_batch:,} sequences a step); use a count those make up, e.g. "
+            f"{nearest_buildable(cfg, args.gpus, hardware.gpus_per_node, args.global_batch):,}")  # fmt: skip
     rows = [evaluate(reference, cfg, degrees, checkpointing, args, hardware, schedule, price_all=False)
-            for degrees, checkpointing, schedule in candidates(cfg, args.gpus, hardware.gpus_per_node,
-                                                                 args.global_batch)]  # fmt: skip
+            for degrees, checkpointing, schedule in layouts]  # fmt: skip
     fitting = sorted((r for r in rows if r.get("fits")), key=lambda r: -r["tokens_per_s"])
     # --json: only what fits. A layout that needs more memory than a GPU has is no plan (and priced, some of them
     # read 70 % MFU and more: nothing the hardware runs)
