@@ -316,7 +316,6 @@ def require_trainable(cfg: GPTConfig, batch_size: int, flags: str) -> None:
     MemoryError halfway."""
     import os
 
-    from common.config import require
     from common.data import require_memory
     from common.device import device_memory_bytes, planned_device_type
 

@@ -235,19 +235,22 @@ def balance(model: nn.Module) -> dict:
     ranks (its `global_counts` hook), the bias moved by bias_update_rate x sign(mean - load) when the rate is > 0,
     the counts reset.
     Returns the step's figures: max / mean tokens per expert (1 = balanced) per layer, the dropped share, and the
-    loads themselves."""
-    imbalance, loads, dropped, assigned = [], [], 0.0, 0.0
+    loads themselves (layer, expert), as tensors on the model's device: read where they are logged (a GPU run waits
+    for the device at each read; every step here would make the step wait)."""
+    imbalance, loads, lost = [], [], []
     for layer in moe_layers(model):
         # the step's loads and dropped assignments, summed over the data-parallel ranks in one all-reduce
         summed = layer.global_counts(torch.cat([layer.tokens_per_expert, layer.dropped.reshape(1)]))
-        counts, lost = summed[:-1], summed[-1].item()
+        counts = summed[:-1]
         if layer.bias_update_rate > 0:
             layer.expert_bias += layer.bias_update_rate * torch.sign(counts.mean() - counts)
-        imbalance.append((counts.max() / counts.mean().clamp(min=1e-9)).item())
-        loads.append(counts.tolist())
-        dropped, assigned = dropped + lost, assigned + counts.sum().item() + lost
+        imbalance.append(counts.max() / counts.mean().clamp(min=1e-9))
+        loads.append(counts)
+        lost.append(summed[-1])
     forget_counts(model)
-    return {"imbalance": imbalance, "loads": loads, "dropped_fraction": dropped / max(assigned, 1.0)}
+    loads_, dropped = torch.stack(loads), torch.stack(lost).sum()
+    return {"imbalance": torch.stack(imbalance), "loads": loads_,
+            "dropped_fraction": dropped / (loads_.sum() + dropped).clamp(min=1.0)}  # fmt: skip
 
 
 @torch.no_grad()
@@ -288,13 +291,15 @@ def report(session, history: list[dict], all_to_all_share: float | None) -> None
     balanced; mean over the blocks), first and last steps, the dropped share, in the summary and a PNG."""
     if not session.is_main or not history:
         return
-    per_step = [sum(h["imbalance"]) / len(h["imbalance"]) for h in history]
+    per_step = torch.stack(
+        [h["imbalance"].mean() for h in history]
+    ).tolist()  # one read of the device, at the end
     window = max(1, len(per_step) // 10)
     first, last = sum(per_step[:window]) / window, sum(per_step[-window:]) / window
-    dropped = sum(h["dropped_fraction"] for h in history) / len(history)
+    dropped = torch.stack([h["dropped_fraction"] for h in history]).mean().item()
     session.metrics["moe"] = {"imbalance_per_step": per_step, "imbalance_first": first, "imbalance_last": last,
-                              "dropped_fraction": dropped, "loads_first_step": history[0]["loads"],
-                              "loads_last_step": history[-1]["loads"],
+                              "dropped_fraction": dropped, "loads_first_step": history[0]["loads"].tolist(),
+                              "loads_last_step": history[-1]["loads"].tolist(),
                               "all_to_all_share_of_step": all_to_all_share}  # fmt: skip
     share = f"; all-to-all {100 * all_to_all_share:.0f}% of the step" if all_to_all_share is not None else ""
     session.print(f"experts: tokens per expert max / mean {first:.2f} (first {window} steps) -> {last:.2f} (last "

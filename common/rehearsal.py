@@ -3,21 +3,23 @@ would live on a GPU, and the first thing that would crash there fails the run he
 
 On a CPU-only machine `accelerator.device` is the CPU, so a batch never moved to it, a reduction of a host
 tensor over NCCL, or an autocast of the wrong device type all run fine, and the first GPU run crashes at step
-1. With DIST_REHEARSAL=1 in the environment, common/run.py runs the whole run under `rehearse()`, which
-tracks one fact per tensor, "on the host", with GPU semantics:
-- made on the host: a factory called without a device (torch.zeros(3), torch.tensor(list), from_numpy), or
-  `.cpu()` / `.to("cpu")`, or an op whose tensor inputs are all on the host;
-- on the device: `.to(device)` / a factory given a torch.device (what `accelerator.device` is), a module's
-  `.to(device)`, and whatever the frameworks make in C++ (DDP's buckets, autograd's gradients) or from
-  device tensors.
-It fails on (RehearsalFailure, naming the op, the shapes and the caller):
+1. With DIST_REHEARSAL=1 in the environment, common/config.run_cli runs the whole program under `rehearse()`
+(tests/helpers' forked ranks and fault_tolerance's groups too), which tracks one fact per tensor, "on the host",
+with GPU semantics:
+- made on the host: a factory called without a device (torch.zeros(3), torch.tensor(list), from_numpy) or given
+  a host tensor's own `.device`, `.cpu()` / `.to("cpu")` (a "cpu" written in the line), a file read by
+  torch.load, an op whose tensor inputs all live there;
+- on the device: `.to(device)` / a factory given any other spelling of the CPU (accelerator.device, a mesh's
+  device type: a GPU run's is cuda), a module's `.to(device)`, whatever the frameworks make in C++ (DDP's
+  buckets, autograd's gradients), anything computed from device tensors.
+It fails on (RehearsalFailure, naming the op, the shapes and the project's lines that reached it):
 - an op that mixes a host tensor with a device tensor (CUDA allows only 0-dim host tensors as scalars, host
   indices for indexing, and copies between the two);
 - a collective given a host tensor (Accelerate's process group on GPUs is NCCL, which has no host tensors);
-- an autocast API called with a literal device type ("cpu"): on a GPU it would cast nothing.
+- an autocast API called with a literal device type ("cpu"): on a GPU it would cast nothing;
+- a CPU-only kernel (`*_for_cpu`) called by name on device tensors: a GPU run fails there, after start-up.
 And `planned_device_type()` (common/device.py) answers "cuda", so what a GPU run refuses before start-up is
-refused here too. What it cannot see: kernels that exist only on CPU but are reached without a refusal (the
-tests name them), speed, and memory (see scripts/gpu_check.sh for the real run).
+refused here too. What it cannot see: speed, memory, NCCL's own behaviour (scripts/gpu_check.sh on a GPU).
 """
 
 from __future__ import annotations

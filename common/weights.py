@@ -32,16 +32,19 @@ def model_architecture(flags: dict) -> dict:
     return {name: flags[name] for name in ARCHITECTURE if name in flags}
 
 
-def refuse_other_model(weights_file: str, flags: dict, what: str) -> None:
-    """UsageError, naming both values, when the weights in `weights_file` were trained as another architecture
-    than `flags` (this run's) asks for. A file that records none (written before it did) is checked by shape only."""
+def recorded_architecture(weights_file: str) -> dict:
+    """The architecture a weights file records it was trained as ({}: none recorded)."""
     from safetensors import safe_open
 
     with safe_open(weights_file, framework="pt") as handle:
         recorded = (handle.metadata() or {}).get(MODEL_KEY)
-    if not recorded:
-        return
-    trained = json.loads(recorded)
+    return json.loads(recorded) if recorded else {}
+
+
+def refuse_other_model(weights_file: str, flags: dict, what: str) -> None:
+    """UsageError, naming both values, when the weights in `weights_file` were trained as another architecture
+    than `flags` (this run's) asks for. A file that records none (written before it did) is checked by shape only."""
+    trained = recorded_architecture(weights_file)
     differ = [f"--{name} {trained[name]} (this run: {flags[name]})" for name in ARCHITECTURE
               if name in trained and name in flags and trained[name] != flags[name]]  # fmt: skip
     if differ:

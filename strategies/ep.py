@@ -409,8 +409,10 @@ class ExpertParallel(Piece):
         if not history:
             return {}
         last = history[-1]
-        return {"expert_imbalance": sum(last["imbalance"]) / len(last["imbalance"]),
-                "expert_dropped_fraction": last["dropped_fraction"]}  # fmt: skip
+        return {
+            "expert_imbalance": last["imbalance"].mean(),
+            "expert_dropped_fraction": last["dropped_fraction"],
+        }
 
     def report(self, job, session) -> None:
         state = job.state(self)

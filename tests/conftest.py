@@ -23,6 +23,7 @@ if os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1") != "1":
 # whole file at a time in collection order (--no-loadscope-reorder in pyproject.toml): a long file handed
 # out last would run alone at the end while the other worker idles. The others keep their order.
 LONGEST_FIRST = (  # measured 2026-12-06 02:46 UTC (pytest --durations=0: each file's tests' seconds summed)
+    "test_rehearsal.py",  # ~100 s (2026-12-07, AMD EPYC VM): every layout and experiment under the rehearsal
     "test_resume.py",  # 84 s
     "test_deepspeed.py",  # 80 s
     "test_benchmarks.py",  # one test of ~70 s: never last

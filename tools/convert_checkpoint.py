@@ -55,7 +55,14 @@ from common.checkpoint import (
     verify_files,
 )
 from common.config import UsageError
-from common.weights import DIGEST_KEY, MODEL_KEY, model_architecture, read_weights, weights_digest
+from common.weights import (
+    DIGEST_KEY,
+    MODEL_KEY,
+    model_architecture,
+    read_weights,
+    recorded_architecture,
+    weights_digest,
+)
 
 
 def checkpoint_format(folder: str) -> str | None:
@@ -95,7 +102,7 @@ def read_checkpoint(checkpoint: str) -> tuple[dict[str, torch.Tensor], dict]:
         fail(str(error))
     if problem:
         fail(f"{checkpoint!r} cannot be used: {problem}")
-    trained_with = (meta or {}).get("trajectory") or {}
+    trained_with = (meta or {}).get("trajectory") or (meta or {}).get("model_flags") or {}
     kind = checkpoint_format(folder)
     print(
         f"convert_checkpoint: {checkpoint}: {kind or 'an unknown'} checkpoint, every file verified",
@@ -208,9 +215,11 @@ def from_safetensors(weights_file: str, checkpoint: str) -> dict[str, torch.Tens
             whole = os.path.join(scratch, "whole.pt")
             torch.save({"model": weights}, whole)
             torch_save_to_dcp(whole, os.path.join(folder, STATE_FOLDER))
-        record = seal(
-            {"format": FORMAT, "model_digest": weights_digest(weights), "files": files_manifest(folder)}
-        )
+        record = {"format": FORMAT, "model_digest": weights_digest(weights), "files": files_manifest(folder)}
+        architecture = recorded_architecture(weights_file)
+        if architecture:  # carried on: the folder's weights are the same model
+            record["model_flags"] = architecture
+        record = seal(record)
         with open(os.path.join(folder, WEIGHTS_FILE), "w") as handle:
             json.dump(record, handle, indent=1)
 
