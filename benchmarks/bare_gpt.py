@@ -18,13 +18,13 @@ import gc
 import json
 import os
 import sys
-import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import torch
 import torch.distributed as dist
 
+from common.device import backend_for, device_time, process_device
 from common.gpt import (
     PER_RANK_BATCH_SIZE,
     GPTConfig,
@@ -54,14 +54,20 @@ def main() -> int:
     args = parser.parse_args()
     if args.max_steps < 1:
         parser.error(f"--max_steps must be >= 1, got {args.max_steps}")
-    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=300))
+    # the rank's own GPU where there are GPUs (as train_gpt runs there), else the CPU
+    device = process_device(int(os.environ.get("LOCAL_RANK", "0")))
+    if device.type != "cpu":
+        torch.accelerator.set_device_index(device.index)
+    dist.init_process_group(backend_for(device), timeout=datetime.timedelta(seconds=300))
     rank, world = dist.get_rank(), dist.get_world_size()
     corpus = load_corpus("", args.vocab_size, args.block_size, 0.1)
     x_all, y_all = corpus["train"]
     config = GPTConfig(corpus["vocab_size"], args.block_size, args.n_layer, args.n_head, args.d_model)
-    model = build_gpt(config, SEED)
+    model = build_gpt(config, SEED).to(device)
     if args.strategy == "ddp":
-        model = torch.nn.parallel.DistributedDataParallel(model)
+        model = torch.nn.parallel.DistributedDataParallel(
+            model, device_ids=[device] if device.type != "cpu" else None
+        )
     else:
         from torch.distributed.fsdp import fully_shard
 
@@ -71,11 +77,12 @@ def main() -> int:
     optimizer = adamw(model.parameters(), LR, WEIGHT_DECAY)
     global_batch = PER_RANK_BATCH_SIZE * world
     order = torch.randperm(len(x_all), generator=torch.Generator().manual_seed(SEED * 100_003))
+    x_all, y_all = x_all.to(device), y_all.to(device)
     dist.barrier()
-    started = time.perf_counter()
+    started = device_time(device)
     for step in range(1, args.max_steps + 1):
         first = ((step - 1) * global_batch) % (len(order) - global_batch)
-        rows = order[first + rank * PER_RANK_BATCH_SIZE : first + (rank + 1) * PER_RANK_BATCH_SIZE]
+        rows = order[first + rank * PER_RANK_BATCH_SIZE : first + (rank + 1) * PER_RANK_BATCH_SIZE].to(device)
         loss = lm_loss(model(x_all[rows]), y_all[rows])
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP)
@@ -84,7 +91,7 @@ def main() -> int:
         optimizer.step()
         optimizer.zero_grad()
     loss_value = loss.item()
-    elapsed = time.perf_counter() - started
+    elapsed = device_time(device) - started
     tokens = args.max_steps * global_batch * args.block_size
     if rank == 0:
         with open(args.output, "w") as handle:

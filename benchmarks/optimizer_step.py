@@ -16,7 +16,6 @@ import gc
 import os
 import statistics
 import sys
-import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -24,33 +23,39 @@ import torch
 import torch.distributed as dist
 from torch.distributed.fsdp import fully_shard
 
+from common.device import backend_for, device_time, process_device
 from common.gpt import PER_RANK_BATCH_SIZE, GPTConfig, build_gpt, lm_loss
 
 
 def step_ms(model, optimizer, x, y) -> float:
-    times = []
+    times, device = [], x.device
     for _ in range(25):
         lm_loss(model(x), y).backward()
-        started = time.perf_counter()
+        started = device_time(device)  # the device's time for the step (a GPU's kernels, not their launches)
         optimizer.step()
-        times.append(time.perf_counter() - started)
+        times.append(device_time(device) - started)
         optimizer.zero_grad(set_to_none=True)
     return 1e3 * statistics.median(times[5:])
 
 
 def main() -> int:
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=120))
+    device = process_device(int(os.environ.get("LOCAL_RANK", "0")))  # the rank's own GPU where there are GPUs
+    if device.type != "cpu":
+        torch.accelerator.set_device_index(device.index)
+    dist.init_process_group(backend_for(device), timeout=datetime.timedelta(seconds=120))
     cfg = GPTConfig()
     generator = torch.Generator().manual_seed(dist.get_rank())
     x, y = (
-        torch.randint(0, cfg.vocab_size, (PER_RANK_BATCH_SIZE, cfg.block_size), generator=generator)
+        torch.randint(0, cfg.vocab_size, (PER_RANK_BATCH_SIZE, cfg.block_size), generator=generator).to(
+            device
+        )
         for _ in "xy"
     )
     rows = []
     for layout in ("plain (ddp's)", "FSDP2 shards"):
         for name, options in (("default", {}), ("foreach", {"foreach": True}), ("fused", {"fused": True})):
-            model = build_gpt(cfg, 0)
+            model = build_gpt(cfg, 0).to(device)
             if layout.startswith("FSDP2"):
                 for block in model.blocks.values():
                     fully_shard(block)

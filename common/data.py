@@ -174,6 +174,7 @@ def iterate_batches(
         epoch, first = divmod(start_batch, batches_per_epoch)
         while True:
             order = torch.randperm(len(x), generator=torch.Generator().manual_seed(seed * 100_003 + epoch))
+            order = order.to(x.device)  # the rows' device: index_select takes no host index for device rows
             if batch_size < 256:  # small batches: one gather per epoch, then slices (views) cost ~1 µs each
                 x_epoch, y_epoch = x[order], y[order]
                 for index in range(first, batches_per_epoch):

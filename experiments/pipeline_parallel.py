@@ -32,7 +32,6 @@ from __future__ import annotations
 import os
 import statistics
 import sys
-import time
 import warnings
 from dataclasses import dataclass
 
@@ -50,6 +49,7 @@ from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGP
 
 from common.config import TrainArgs, UsageError, flag, parse_config, require, require_positive, run_cli
 from common.data import iterate_batches, make_regression_dataset, shard_tensors
+from common.device import device_time
 from common.models import build_mlp
 from common.profiling import plot_timeline
 from common.reference import max_abs_difference, train_single_process
@@ -156,22 +156,26 @@ def cut_stage(model, rank: int, n_stages: int) -> tuple[Stage, list[str]]:
 
 
 class BlockTimer:
-    """Per-stage forward/backward blocks on one clock: forward hooks time forward; backward runs from
-    the backward pre-hook to the last parameter gradient of the stage (the last thing it computes)."""
+    """Per-stage forward/backward blocks, each stage on its own clock from the step's start (`start()`: the ranks
+    leave a barrier together; two hosts' clocks are never compared): forward hooks time forward; backward runs from
+    the backward pre-hook to the last parameter gradient of the stage (the last thing it computes). The times wait
+    for the device (common/device.device_time): on a GPU a hook runs when the kernels are launched, not done."""
 
-    def __init__(self, stage_module: nn.Module):
-        self.blocks = []
-        stage_module.register_forward_pre_hook(
-            lambda *_: self.blocks.append(["F", time.perf_counter(), None])
-        )
-        stage_module.register_forward_hook(lambda *_: self.blocks[-1].__setitem__(2, time.perf_counter()))
-        stage_module.register_full_backward_pre_hook(
-            lambda *_: self.blocks.append(["B", time.perf_counter(), time.perf_counter()])
-        )
+    def __init__(self, stage_module: nn.Module, device):
+        self.blocks, self.origin = [], 0.0
+        now = lambda: device_time(device) - self.origin  # noqa: E731
+        stage_module.register_forward_pre_hook(lambda *_: self.blocks.append(["F", now(), None]))
+        stage_module.register_forward_hook(lambda *_: self.blocks[-1].__setitem__(2, now()))
+        stage_module.register_full_backward_pre_hook(lambda *_: self.blocks.append(["B", now(), now()]))
         for param in stage_module.parameters():
-            param.register_post_accumulate_grad_hook(
-                lambda _p: self.blocks[-1].__setitem__(2, time.perf_counter())
-            )
+            param.register_post_accumulate_grad_hook(lambda _p: self.blocks[-1].__setitem__(2, now()))
+        self.now = now
+
+    def start(self) -> None:
+        """A new step: no blocks yet, its clock at 0."""
+        self.blocks.clear()
+        self.origin = 0.0
+        self.origin = self.now()
 
 
 def run_step(schedule, rank: int, n_stages: int, x, y):
@@ -293,7 +297,7 @@ def run(cfg: Config) -> int:
 
 def measure_bubbles(cfg: Config, make_schedule, stage_module, batches, rank: int, n_stages: int, session):
     """For each m: warm up once, then time bubble_steps steps; bubble = 1 - mean stage busy time / makespan."""
-    timer = BlockTimer(stage_module)
+    timer = BlockTimer(stage_module, session.accelerator.device)
     rows, timeline = [], None
     if session.is_main and cfg.bubble_values():
         session.print(f"{'m':>4}{'measured bubble':>17}{'GPipe theory':>14}{'step ms':>10}")
@@ -307,10 +311,9 @@ def measure_bubbles(cfg: Config, make_schedule, stage_module, batches, rank: int
         for _ in range(cfg.bubble_steps):
             x, y = next(batches)
             dist.barrier()
-            timer.blocks.clear()
+            timer.start()  # each rank's times from here: the barrier lines the ranks up, on any host
             run_step(schedule, rank, n_stages, x, y)
             every_stage = [None] * n_stages
-            # perf_counter is one clock for all processes of a host
             dist.all_gather_object(every_stage, timer.blocks)
             start = min(b[1] for blocks in every_stage for b in blocks)
             makespan = max(b[2] for blocks in every_stage for b in blocks) - start

@@ -10,7 +10,15 @@ import pytest
 import torch
 import yaml
 
-from experiments import collectives, ddp_linear, loss_normalization, manual_data_parallel, train_gpt
+from experiments import (
+    collectives,
+    ddp_linear,
+    loss_normalization,
+    manual_data_parallel,
+    model_parallel,
+    pipeline_parallel,
+    train_gpt,
+)
 from helpers import GPT_TINY, REPO, assert_gpt_passed, fork_launch, launch
 
 REHEARSAL = {"DIST_REHEARSAL": "1"}
@@ -51,14 +59,18 @@ def test_rehearsal_passes_deepspeed_zero2(tmp_path):
 
 
 @pytest.mark.launch
-@pytest.mark.parametrize("experiment,args", [
-    (ddp_linear, ["--max_steps", "150"]),
-    (collectives, ["--ops", "all_reduce,all_gather_into_tensor,reduce_scatter_tensor,send_recv,all_to_all_single"]),
-    (manual_data_parallel, ["--max_steps", "10"]),
-    (loss_normalization, []),
-], ids=["ddp_linear", "collectives", "manual_data_parallel", "loss_normalization"])  # fmt: skip
-def test_rehearsal_passes_every_other_experiment(tmp_path, experiment, args):
-    finished = fork_launch(experiment.main, ["--report_to", "none", *args], tmp_path / "run", env=REHEARSAL)
+@pytest.mark.parametrize("experiment,ranks,args", [
+    (ddp_linear, 2, ["--max_steps", "150"]),
+    (collectives, 2, ["--ops", "all_reduce,all_gather_into_tensor,reduce_scatter_tensor,send_recv,all_to_all_single"]),
+    (manual_data_parallel, 2, ["--max_steps", "10"]),
+    (loss_normalization, 2, []),
+    (pipeline_parallel, 2, ["--bubble_steps", "2"]),  # it found iterate_batches' host index for device rows
+    (model_parallel, 1, ["--device_map", "auto"]),
+], ids=["ddp_linear", "collectives", "manual_data_parallel", "loss_normalization", "pipeline_parallel",
+        "model_parallel"])  # fmt: skip
+def test_rehearsal_passes_every_other_experiment(tmp_path, experiment, ranks, args):
+    finished = fork_launch(experiment.main, ["--report_to", "none", *args], tmp_path / "run", num_processes=ranks,
+                           env=REHEARSAL)  # fmt: skip
     assert finished.returncode == 0 and "rehearsal" not in finished.stderr, finished.stderr[-3000:]
     assert finished.summary["passed"]
 

@@ -67,51 +67,31 @@ def gpt(name: str, gpus: int, degrees: dict, flags: list[str], steps: int, confi
                  gpt_flags=flags)  # fmt: skip
 
 
+def experiment(name: str, gpus: int, script: str, *flags: str) -> Check:
+    """An experiment with its own defaults (and `flags`), on `gpus` GPUs."""
+    return Check(name, gpus, [*launcher(gpus, script), "--report_to", "none", *flags])
+
+
+# the experiments other than train_gpt, on one GPU and on two, each with its own defaults
+PLAIN = ("ddp_linear", "collectives", "manual_data_parallel", "loss_normalization")
+PYTEST_GPU_TIER = [sys.executable, "-m", "pytest", "-m", "gpu", "-q", "-p", "no:cacheprovider", "-n", "0",
+                   "tests/test_gpu.py"]  # fmt: skip
+
+
 def checks(max_steps: int) -> list[Check]:
     """Every check, the fewest GPUs first."""
     moe = ["--n_experts", "4", "--top_k", "2"]
     one = [
-        Check("ddp_linear", 1, [*launcher(1, "ddp_linear.py"), "--report_to", "none"]),
-        Check("collectives", 1, [*launcher(1, "collectives.py"), "--report_to", "none"]),
-        Check("manual_data_parallel", 1, [*launcher(1, "manual_data_parallel.py"), "--report_to", "none"]),
-        Check("loss_normalization", 1, [*launcher(1, "loss_normalization.py"), "--report_to", "none"]),
-        Check(
-            "model_parallel",
-            1,
-            [*launcher(1, "model_parallel.py"), "--report_to", "none", "--device_map", "auto"],
-        ),
+        *(experiment(name, 1, f"{name}.py") for name in PLAIN),
+        experiment("model_parallel", 1, "model_parallel.py", "--device_map", "auto"),
         gpt("train_gpt_float32", 1, {}, ["--mixed_precision", "no"], max_steps),
         gpt("train_gpt_bf16", 1, {}, ["--mixed_precision", "bf16"], max_steps),
         gpt("train_gpt_moe_bf16", 1, {}, [*moe, "--mixed_precision", "bf16"], max_steps),
-        Check(
-            "pytest_gpu_tier",
-            1,
-            [
-                sys.executable,
-                "-m",
-                "pytest",
-                "-m",
-                "gpu",
-                "-q",
-                "-p",
-                "no:cacheprovider",
-                "-n",
-                "0",
-                "tests/test_gpu.py",
-            ],
-            writes_summary=False,
-        ),  # fmt: skip
+        Check("pytest_gpu_tier", 1, PYTEST_GPU_TIER, writes_summary=False),
     ]
     two = [
-        Check("ddp_linear_2", 2, [*launcher(2, "ddp_linear.py"), "--report_to", "none"]),
-        Check("collectives_2", 2, [*launcher(2, "collectives.py"), "--report_to", "none"]),
-        Check("manual_data_parallel_2", 2, [*launcher(2, "manual_data_parallel.py"), "--report_to", "none"]),
-        Check("loss_normalization_ddp_2", 2, [*launcher(2, "loss_normalization.py"), "--report_to", "none"]),
-        Check(
-            "loss_normalization_fsdp_2",
-            2,
-            [*launcher(2, "loss_normalization.py"), "--report_to", "none", "--strategy", "fsdp"],
-        ),  # fmt: skip
+        *(experiment(f"{name}_2", 2, f"{name}.py") for name in PLAIN),
+        experiment("loss_normalization_fsdp_2", 2, "loss_normalization.py", "--strategy", "fsdp"),
         gpt("train_gpt_ddp", 2, {"dp_replicate": 2}, [], max_steps),
         gpt("train_gpt_fsdp", 2, {"dp_shard": 2}, [], max_steps),
         gpt("train_gpt_zero2", 2, {"dp_shard": 2}, ["--reshard_after_forward", "never"], max_steps),
