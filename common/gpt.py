@@ -155,11 +155,19 @@ def norm(cfg: GPTConfig) -> nn.Module:
     return nn.RMSNorm(cfg.d_model, eps=1e-5) if cfg.norm == "rmsnorm" else nn.LayerNorm(cfg.d_model)
 
 
+def shared_experts(cfg: GPTConfig) -> nn.Module | None:
+    """A mixture of experts' shared experts (DeepSeek's n_shared_experts, always on beside the routed ones): one MLP
+    n_shared_experts x hidden wide, without biases; None without them."""
+    if not cfg.n_shared_experts:
+        return None
+    return MLP(dataclasses.replace(cfg, d_ff=cfg.n_shared_experts * cfg.hidden, bias=False, n_experts=0))
+
+
 class Block(nn.Module):
     def __init__(self, cfg: GPTConfig):
         super().__init__()
         self.ln_1, self.attn = norm(cfg), CausalSelfAttention(cfg)
-        self.ln_2, self.mlp = norm(cfg), MoE(cfg) if cfg.n_experts else MLP(cfg)
+        self.ln_2, self.mlp = norm(cfg), MoE(cfg, shared_experts(cfg)) if cfg.n_experts else MLP(cfg)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = x + self.attn(self.ln_1(x))

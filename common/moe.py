@@ -59,9 +59,10 @@ class AttachAuxLoss(torch.autograd.Function):
         return grad_output, torch.full_like(aux_loss, ctx.scale), None
 
 
-def local(weight: torch.Tensor) -> torch.Tensor:
-    """This rank's experts of a stacked weight (expert parallelism makes it a DTensor split on dim 0)."""
-    return weight.to_local() if hasattr(weight, "to_local") else weight
+def local(tensor: torch.Tensor) -> torch.Tensor:
+    """A DTensor's local piece (this rank's experts of a stacked weight under expert parallelism, FSDP2's shard,
+    tensor parallelism's), or the tensor itself."""
+    return tensor.to_local() if hasattr(tensor, "to_local") else tensor
 
 
 def expert_dtype(tokens: torch.Tensor) -> torch.dtype:
@@ -120,7 +121,7 @@ class MoE(nn.Module):
     # token counts, and the bias, which every rank moves alike from the summed counts
     rank_local_buffers = ("expert_bias", "tokens_per_expert", "dropped")
 
-    def __init__(self, cfg):
+    def __init__(self, cfg, shared: nn.Module | None = None):
         super().__init__()
         d, hidden, experts = cfg.d_model, cfg.hidden, cfg.n_experts
         self.n_experts, self.top_k, self.router_kind = experts, cfg.top_k, cfg.router
@@ -131,7 +132,10 @@ class MoE(nn.Module):
         self.router = nn.Linear(d, experts, bias=False)
         # DeepSeek's shared experts: n always-on experts beside the routed ones, one dense MLP n x hidden wide
         # (no biases, as the routed experts); data-parallel like the rest of the model, never sent anywhere
-        self.shared = shared_experts(cfg) if cfg.n_shared_experts else None
+        if (shared is not None) != bool(cfg.n_shared_experts):  # the model that builds it makes them
+            raise ValueError(f"n_shared_experts {cfg.n_shared_experts} needs the shared experts handed in "
+                             "(common/gpt.shared_experts), and only then")  # fmt: skip
+        self.shared = shared
         self.w_in = nn.Parameter(torch.empty(experts, d, hidden))
         self.w_gate = nn.Parameter(torch.empty(experts, d, hidden)) if cfg.mlp == "swiglu" else None
         self.w_out = nn.Parameter(torch.empty(experts, hidden, d))
@@ -214,15 +218,6 @@ class MoE(nn.Module):
         share = global_counts / global_counts.sum()
         probabilities = scores if self.router_kind == "softmax" else scores / scores.sum(-1, keepdim=True)
         return self.aux_loss_coef * self.n_experts * (share * probabilities.mean(0)).sum()
-
-
-def shared_experts(cfg) -> nn.Module:
-    """The shared experts of a block: common/gpt.py's MLP, n_shared_experts x hidden wide, without biases."""
-    import dataclasses
-
-    from common.gpt import MLP  # here, not above: common/gpt.py imports this module
-
-    return MLP(dataclasses.replace(cfg, d_ff=cfg.n_shared_experts * cfg.hidden, bias=False, n_experts=0))
 
 
 def moe_layers(model: nn.Module) -> list[MoE]:

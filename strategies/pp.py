@@ -41,7 +41,7 @@ from torch import nn
 from common.config import flag, require
 from common.device import device_time
 from common.gpt import GPT, lm_loss
-from common.moe import forget_counts
+from common.moe import forget_counts, local
 from strategies.layout import Layout, Mistake, Traffic, chunk_rows, stream_dtype, unique_tensors
 from strategies.piece import Context, Piece, Plan, Theory
 
@@ -316,11 +316,6 @@ class Pipeline:
 
 
 STEADY_FROM = 3  # the bubble leaves out the first two steps (one-time work: shapes, buffers, warm-up)
-
-
-def local(tensor: torch.Tensor) -> torch.Tensor:
-    """A DTensor's local piece (FSDP2's shard, tensor parallelism's), or the tensor."""
-    return tensor.to_local() if hasattr(tensor, "to_local") else tensor
 
 
 def bubble_theory(schedule: str, p: int, m: int) -> float | None:

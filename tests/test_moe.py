@@ -12,7 +12,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from common.gpt import GPT, GPTConfig, count_parameters, lm_loss, parameter_count
+from common.gpt import GPT, GPTConfig, count_parameters, lm_loss, parameter_count, shared_experts
 from common.moe import MoE, balance, moe_layers
 from experiments.train_gpt import main
 from helpers import (
@@ -44,7 +44,8 @@ def by_definition(moe: MoE, x: torch.Tensor) -> torch.Tensor:
 @pytest.mark.parametrize(("router", "mlp", "shared"), [("softmax", "gelu", 0), ("sigmoid", "swiglu", 2)])
 def test_the_moe_block_is_its_definition_token_by_token(router, mlp, shared):
     torch.manual_seed(0)
-    moe = MoE(GPTConfig(d_model=16, n_experts=4, top_k=2, router=router, mlp=mlp, n_shared_experts=shared))
+    cfg = GPTConfig(d_model=16, n_experts=4, top_k=2, router=router, mlp=mlp, n_shared_experts=shared)
+    moe = MoE(cfg, shared_experts(cfg))
     for weight in (moe.w_in, moe.w_gate, moe.w_out):
         if weight is not None:
             torch.nn.init.normal_(weight, std=0.2)
