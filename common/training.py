@@ -107,19 +107,37 @@ class TrainLoop:
                 self.heartbeat.entering(self.step + 1)
                 self.in_step = True
             yield next(batches)
+        self._close()
+
+    def steps(self, batches, micro_batches_per_step: int):
+        """Each optimizer step's micro-batches from `batches` (a list of them), until --max_steps steps are done:
+        for a trainer that owns a whole step (strategies/job.Job.train_step), recorded by `record_step`."""
+        while self.step < self.cfg.max_steps:
+            self.heartbeat.entering(self.step + 1)
+            yield [next(batches) for _ in range(micro_batches_per_step)]
+        self._close()
+
+    def _close(self) -> None:
         self.progress.close()
         self.train_end = device_time(self.accelerator.device)
         self.train_time_s = self.train_end - self.train_start
 
-    def record(self, loss: torch.Tensor, **latest: float) -> None:
+    def record_step(self, losses: list, **latest) -> None:
+        """After an optimizer step (all its micro-batches): each micro-batch's loss, the step's other figures."""
+        for index, loss in enumerate(losses):
+            last = index == len(losses) - 1
+            self.record(loss, ends_step=last, **(latest if last else {}))
+
+    def record(self, loss: torch.Tensor, ends_step: bool | None = None, **latest: float) -> None:
         """After each micro-batch: the loss window; after each optimizer step everything else.
+        `ends_step`: whether this micro-batch is its step's last (None: Accelerate's sync_gradients says so).
         `latest` (e.g. lr=..., grad_norm=...) goes into the next interval's record as its last value (None:
         not known at this micro-batch)."""
         self.latest.update({name: value for name, value in latest.items() if value is not None})
         self.window_loss += loss.detach()
         self.window_micro_batches += 1
         self.samples_seen += self.samples_per_micro_batch
-        if not self.accelerator.sync_gradients:
+        if not (self.accelerator.sync_gradients if ends_step is None else ends_step):
             return
         self.step += 1
         self.in_step = False

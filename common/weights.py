@@ -27,6 +27,20 @@ ARCHITECTURE = ("n_layer", "n_head", "n_kv_head", "d_model", "d_ff", "mlp", "nor
                 "tie_weights", "n_experts", "top_k", "n_shared_experts", "router", "route_norm")  # fmt: skip
 
 
+def write_safetensors(weights: dict[str, torch.Tensor], path: str, metadata: dict[str, str]) -> None:
+    """safetensors' file, its header's keys in sorted order: safetensors writes its metadata map in any order
+    (a hash map's), and the same weights and metadata must make the same bytes (a round trip is bitwise). The
+    tensors' offsets count from the data's start, so the header may be rewritten; it stays padded to 8 bytes."""
+    from safetensors.torch import save
+
+    written = save(weights, metadata=metadata)
+    length = int.from_bytes(written[:8], "little")
+    header = json.dumps(json.loads(written[8 : 8 + length]), sort_keys=True, separators=(",", ":")).encode()
+    header += b" " * (-len(header) % 8)
+    with open(path, "wb") as handle:
+        handle.write(len(header).to_bytes(8, "little") + header + written[8 + length :])
+
+
 def model_architecture(flags: dict) -> dict:
     """The architecture's flags among `flags` (a run's trajectory), {} for a run that is not a GPT's."""
     return {name: flags[name] for name in ARCHITECTURE if name in flags}

@@ -72,7 +72,7 @@ from common.gpt import (
     sample_text,
 )
 from common.moe import active_parameter_count
-from common.optim import cosine_lr, set_lr
+from common.optim import cosine_lr
 from common.profiling import StepProfiler, report_profile
 from common.run import start_run
 from common.runtime import launched_world_size
@@ -299,22 +299,14 @@ def run(cfg: Config) -> int:
         profiler = StepProfiler(cfg.profile_steps, os.path.join(session.output_dir, "profile"), rank,
                                 accelerator.device.type, max(3, budget["steps"]))  # fmt: skip
         with profiler:
-            for x, y in loop.micro_batches(batches):
-                # Accelerate's accumulate(): DDP's no_sync and loss / k on all but a step's last micro-batch
-                with accelerator.accumulate(job.model):
-                    lr = lr_at(loop.step + 1)
-                    set_lr(job.optimizer, lr)  # before backward: DeepSpeed steps inside it
-                    loss = job.forward_backward(x, y)
-                    grad_norm = (
-                        job.clip(local_only=variant == "local_grad_norm")
-                        if accelerator.sync_gradients
-                        else None
-                    )
-                    job.step(grad_norm)
-                loop.record(loss, lr=lr, grad_norm=grad_norm,
-                            **(job.step_figures() if accelerator.sync_gradients else {}))  # fmt: skip
-                if accelerator.sync_gradients:
-                    profiler.step()
+            # the job owns a step: its micro-batches (Accelerate's accumulate()), the clipping, AdamW
+            for micro_batches in loop.steps(batches, work.micro_batches):
+                lr = lr_at(loop.step + 1)
+                result = job.train_step(micro_batches, lr, local_only=variant == "local_grad_norm")
+                while not result.committed:  # a step that did not count: the same batch again
+                    result = job.train_step(micro_batches, lr, local_only=variant == "local_grad_norm")
+                loop.record_step(result.losses, lr=lr, grad_norm=result.grad_norm, **result.figures)
+                profiler.step()
         if cfg.profile_steps:
             report_profile(session, profiler.breakdown(), f"{layout.describe()}: each rank's median profiled step",
                            f"--profile_steps {cfg.profile_steps}: nothing profiled; this run trained too few steps")  # fmt: skip

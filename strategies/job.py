@@ -1,11 +1,13 @@
 """A rank's part of a parallelized GPT at run time (what strategies/parallelize.py returns, and what DeepSpeed's
-engine becomes in strategies/deepspeed.py): one micro-batch's forward and backward, the clipping by the global
-norm, the optimizer step, the evaluation, the checkpointer, and the bytes it really holds beside its theory.
+engine becomes in strategies/deepspeed.py): a training step (`train_step`: its micro-batches' forwards and
+backwards, the clipping by the global norm, the optimizer step), the evaluation, the checkpointer, and the bytes it
+really holds beside its theory. (experiments/at_scale.py's fake ranks still drive its parts by hand: issue #67.)
 """
 
 from __future__ import annotations
 
 import contextlib
+from dataclasses import dataclass, field
 
 import torch
 from torch.distributed.tensor import DTensor
@@ -13,7 +15,7 @@ from torch.distributed.tensor import DTensor
 from common.checkpoint import ShardedCheckpointer
 from common.data import IGNORED_TARGET, on_device
 from common.gpt import lm_loss
-from common.optim import clip_by_global_norm
+from common.optim import clip_by_global_norm, set_lr
 from strategies.layout import DIMS, unique_tensors
 from strategies.piece import Context, Theory
 
@@ -26,6 +28,18 @@ class Instruments:
 
     def after_step(self, job, loss: torch.Tensor, grad_norm: float) -> None:
         pass
+
+
+@dataclass
+class StepResult:
+    """What one optimizer step did: each micro-batch's loss (a tensor on the device: read where it is logged), the
+    global gradient norm it clipped by, what the pieces add to the logged metrics, and whether the step counted
+    (a step that did not is trained again on the same batch; the loop's step and samples seen stay)."""
+
+    losses: list
+    grad_norm: torch.Tensor | None
+    figures: dict = field(default_factory=dict)
+    committed: bool = True
 
 
 class Job:
@@ -64,6 +78,20 @@ class Job:
         for piece in self.pieces:
             x, y = piece.split_batch(self, x, y)
         return x, y
+
+    def train_step(self, micro_batches: list, lr: float, local_only: bool = False) -> StepResult:
+        """One optimizer step over its micro-batches (each (x, y) of this rank's rows, from the host): under
+        Accelerate's accumulate() each micro-batch's forward and backward (DDP's no_sync and loss / k on all but the
+        last), then on the last the clipping by the global norm (`local_only`: the mistake of clipping by each rank's
+        own piece) and AdamW at learning rate `lr` (set before the backward: DeepSpeed steps inside it)."""
+        losses, grad_norm = [], None
+        for x, y in micro_batches:
+            with self.accelerator.accumulate(self.model):
+                set_lr(self.optimizer, lr)
+                losses.append(self.forward_backward(x, y))
+                grad_norm = self.clip(local_only=local_only) if self.accelerator.sync_gradients else None
+                self.step(grad_norm)
+        return StepResult(losses, grad_norm, self.step_figures())
 
     def forward_backward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         """One micro-batch: the mean loss over its tokens, its gradients accumulated (a piece that runs the

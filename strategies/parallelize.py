@@ -1,9 +1,9 @@
 """One parallelize: a layout applied to the GPT, each dimension's piece in the canonical order.
 
     job = parallelize(gpt, layout, args, work, accelerator, make_optimizer, max_norm)
-    loss = job.forward_backward(x, y)        # one micro-batch (a pipeline: the schedule's whole step)
-    norm = job.clip()                        # the GLOBAL gradient norm, on a step's last micro-batch
-    job.step(norm)                           # AdamW on what each rank holds
+    result = job.train_step(micro_batches, lr)   # one optimizer step: each micro-batch's forward and backward (a
+                                                 # pipeline: the schedule's whole step), the clipping by the GLOBAL
+                                                 # norm, AdamW on what each rank holds
 
 The order is the registry's (strategies/registry.py), torchtitan's: the pipeline split first (each rank keeps
 its stages, each a GPT holding None for what it does not run), then on each stage tensor parallelism -> context

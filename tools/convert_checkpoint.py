@@ -62,6 +62,7 @@ from common.weights import (
     read_weights,
     recorded_architecture,
     weights_digest,
+    write_safetensors,
 )
 
 
@@ -183,15 +184,13 @@ def read_dcp(folder: str, checkpoint: str) -> dict:
 
 
 def to_safetensors(checkpoint: str, output: str) -> dict[str, torch.Tensor]:
-    from safetensors.torch import save_file
-
     refuse_existing(output)
     weights, trained_with = read_checkpoint(checkpoint)
     metadata = {DIGEST_KEY: weights_digest(weights)}
     architecture = model_architecture(trained_with)
     if architecture:  # the model the weights are (a GPT's flags): --init_from refuses another one
         metadata[MODEL_KEY] = json.dumps(architecture, sort_keys=True)
-    write_whole(output, lambda temporary: save_file(weights, temporary, metadata=metadata))
+    write_whole(output, lambda temporary: write_safetensors(weights, temporary, metadata))
     return weights
 
 
