@@ -1,4 +1,4 @@
-"""This machine's op model (planning/ops.py's OpModel), measured: the matmuls and attention kernels at the shapes the
+"""This machine's op model (planning/op_model.py's OpModel), measured: the matmuls and attention kernels at the shapes the
 layouts run (as the fake ranks recorded them), an elementwise op's bandwidth by size, and what eager PyTorch and
 DTensor cost per op dispatched, and gloo's collectives as a step issues them. Measured as the ranks run: two
 ranks under torchrun (benchmarks/workers.spawn), one thread each, so the two share the cores, the caches and the
@@ -302,7 +302,8 @@ def beyond_its_ops(step, baseline, budget_s: float, figures: dict, timed: dict):
     difference of their ops as the op model prices them (the timed table, an op no replay can run by its bytes,
     each op's eager gap but FSDP's hook ops', each DTensor op's dispatch as far as dtensor_gaps is measured):
     ({phase: those seconds}, the recorder of one step)."""
-    from planning.ops import OpRecorder, op_model_from
+    from planning.op_model import op_model_from
+    from planning.ops import OpRecorder
 
     # the op model of the figures measured so far: ops no replay can run priced by their bytes, each op's eager
     # gap, DTensor's cost

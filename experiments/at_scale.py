@@ -239,7 +239,7 @@ def report(
                       f"{gb(a2a)} GiB a rank per step (counted = theory); the prediction assumes it too")  # fmt: skip
         session.metrics.update(all_to_all_bytes_per_rank=a2a)
     calls = results[0]["counted"]["calls"]
-    # each stage's recorded ops, priced by the hardware's op model (planning/ops.py)
+    # each stage's recorded ops, priced by the hardware's op model (planning/op_model.py)
     traced = every_stage(reference, layout, cfg, work, results)
     prediction = predict_step(reference, layout, cfg, work, hardware, calls, traced)
     flops = (

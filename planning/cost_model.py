@@ -1,5 +1,5 @@
 """A step-time predictor for any layout on any hardware profile (planning/hardware.yaml): each op priced by the
-profile's op model (planning/ops.py), an alpha-beta time per collective, the pipeline as its schedule runs it
+profile's op model (planning/op_model.py), an alpha-beta time per collective, the pipeline as its schedule runs it
 (planning/timeline.py), put together under overlap assumptions written out below. It is a PREDICTION, labelled
 as one wherever it is shown, and set beside published runs (docs/at_scale.md) and beside the runs this machine
 really measures (benchmarks/at_scale_calibration.py).
@@ -42,7 +42,8 @@ from common.comm_counter import bus_factor
 from common.config import require
 from common.gpt import GPTConfig, parameter_count
 from common.moe import active_parameter_count
-from planning.ops import OpCall, OpModel, op_model_from
+from planning.op_model import OpModel, op_model_from
+from planning.ops import OpCall
 from planning.timeline import rank_of_stage, simulate, step_seconds
 from strategies.layout import DIMS, Layout, Traffic, Workload, stream_dtype
 from strategies.pp import SCHEDULES
@@ -80,7 +81,7 @@ class Hardware:
     intra_node: Link
     inter_node: Link
     overlaps_communication: bool
-    ops: OpModel  # what an op costs (planning/ops.py); a profile without `ops:`: the roofline at its datasheet's
+    ops: OpModel  # what an op costs (planning/op_model.py); a profile without `ops:`: the roofline at its datasheet's
     fitted: dict | None = (
         None  # kind -> Link measured for a whole call (this_machine): latency + bytes / bandwidth
     )
@@ -509,7 +510,7 @@ def predict_step(
     """The predicted seconds of one optimizer step, term by term (the module docstring), for the undistributed
     GPT `reference` (its shapes; a meta-device model will do) under `layout`. With `traced` (fake ranks' results,
     planning/fake_ranks.run_ranks: the ops each rank recorded), a stage's compute and optimizer are its recorded
-    ops priced by the hardware's op model (planning/ops.py) instead of the closed form."""
+    ops priced by the hardware's op model (planning/op_model.py) instead of the closed form."""
 
     per_stage = stage_theories(reference, layout, args, work)  # each pipeline stage's first rank, by theory
     m = args.pp_microbatches if layout.pp > 1 else work.micro_batches

@@ -1,5 +1,5 @@
-"""The ops a step runs (planning/ops.py's OpRecorder) and what each costs (its OpModel): hand-computed cases, and
-the recorder on a real fake rank against the GPT's own matmul count."""
+"""The ops a step runs (planning/ops.py's OpRecorder) and what each costs (planning/op_model.py's OpModel):
+hand-computed cases, and the recorder on a real fake rank against the GPT's own matmul count."""
 
 from __future__ import annotations
 
@@ -19,7 +19,8 @@ from common.gpt import GPT, GPTConfig
 from experiments.at_scale import Config
 from planning.cost_model import PROFILES, hardware_names, load_hardware, predict_step
 from planning.fake_ranks import playing, run_rank
-from planning.ops import OpCall, OpModel, OpRecorder, replay
+from planning.op_model import OpModel
+from planning.ops import OpCall, OpRecorder, replay
 from strategies.layout import Layout, Workload
 
 
