@@ -59,6 +59,12 @@ def launcher(gpus: int, script: str, config: str = MULTI_GPU) -> list[str]:
             program]  # fmt: skip
 
 
+def fault_tolerance(name: str, gpus: int, failures: int) -> Check:
+    """Two replica groups and a spare a failure, each process on a GPU of its own (the experiment starts them)."""
+    return Check(name, gpus, [*launcher(1, "fault_tolerance.py"), "--report_to", "none", "--replica_groups", "2",
+                              "--failures", str(failures)])  # fmt: skip
+
+
 def gpt(name: str, gpus: int, degrees: dict, flags: list[str], steps: int, config: str = MULTI_GPU) -> Check:
     """train_gpt under `degrees`, at_scale beside it (DeepSpeed's engine has no fake-rank run: none beside it)."""
     args = [f"--{dim}={n}" for dim, n in degrees.items()]
@@ -104,38 +110,12 @@ def checks(max_steps: int) -> list[Check]:
             [*launcher(2, "train_gpt.py"), "--report_to", "none", "--cp", "2"],
             expect="refused",
             refusal="--cp 2 on cuda",
-        ),  # fmt: skip
+        ),
         gpt("deepspeed_zero2", 2, {}, [], max_steps, config=DEEPSPEED),
-        Check(
-            "fault_tolerance_nccl",
-            2,
-            [
-                sys.executable,
-                "experiments/fault_tolerance.py",
-                "--report_to",
-                "none",
-                "--replica_groups",
-                "2",
-                "--failures",
-                "0",
-            ],
-        ),  # fmt: skip
+        fault_tolerance("fault_tolerance_nccl", 2, failures=0),
     ]
     more = [
-        Check(
-            "fault_tolerance_nccl_failure",
-            3,
-            [
-                sys.executable,
-                "experiments/fault_tolerance.py",
-                "--report_to",
-                "none",
-                "--replica_groups",
-                "2",
-                "--failures",
-                "1",
-            ],
-        ),  # fmt: skip
+        fault_tolerance("fault_tolerance_nccl_failure", 3, failures=1),  # the spare takes the third GPU
         gpt("train_gpt_fsdp2_tp2", 4, {"dp_shard": 2, "tp": 2}, [], max_steps),
     ]
     return one + two + more
