@@ -303,8 +303,6 @@ def run(cfg: Config) -> int:
             for micro_batches in loop.steps(batches, work.micro_batches):
                 lr = lr_at(loop.step + 1)
                 result = job.train_step(micro_batches, lr, local_only=variant == "local_grad_norm")
-                while not result.committed:  # a step that did not count: the same batch again
-                    result = job.train_step(micro_batches, lr, local_only=variant == "local_grad_norm")
                 loop.record_step(result.losses, lr=lr, grad_norm=result.grad_norm, **result.figures)
                 profiler.step()
         if cfg.profile_steps:

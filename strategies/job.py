@@ -33,13 +33,11 @@ class Instruments:
 @dataclass
 class StepResult:
     """What one optimizer step did: each micro-batch's loss (a tensor on the device: read where it is logged), the
-    global gradient norm it clipped by, what the pieces add to the logged metrics, and whether the step counted
-    (a step that did not is trained again on the same batch; the loop's step and samples seen stay)."""
+    global gradient norm it clipped by, and what the pieces add to the logged metrics."""
 
     losses: list
     grad_norm: torch.Tensor | None
     figures: dict = field(default_factory=dict)
-    committed: bool = True
 
 
 class Job:
