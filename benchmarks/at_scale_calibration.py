@@ -60,8 +60,9 @@ import yaml
 from benchmarks import compare_strategies, mfu, op_costs
 from benchmarks.workers import benchmark_parser, cpu_clock, dated_folder, others_share, write_table
 from common.gpt import GPT, GPTConfig
-from planning.cost_model import hardware_from, predict_step
+from planning.cost_model import predict_step
 from planning.fake_ranks import run_ranks
+from planning.hardware import hardware_from
 from strategies.args import PRESETS
 from strategies.layout import Layout, Workload
 

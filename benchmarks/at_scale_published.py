@@ -155,7 +155,7 @@ def as_ran_table() -> list[str]:
     import torch
 
     from common.gpt import GPT
-    from planning.cost_model import load_hardware
+    from planning.hardware import load_hardware
     from tools.plan import PlanArgs, evaluate
 
     lines = ["| run | layout | checkpointing | estimated peak GiB | fits 80 GiB | PREDICTED TFLOP/s per GPU | published "

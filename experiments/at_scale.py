@@ -56,13 +56,9 @@ if __name__ == "__main__":  # Ctrl-C during the imports below: one line, exit 13
 from common.config import RunArgs, flag, parse_config, require, run_cli
 from common.gpt import GPTConfig, ModelFlags, parameter_count
 from common.run import start_run
-from planning.cost_model import (
-    hardware_names,
-    load_hardware,
-    model_flops_per_token,
-    predict_step,
-)
+from planning.cost_model import model_flops_per_token, predict_step
 from planning.fake_ranks import every_stage, meta_gpt, ranks_that_differ, run_ranks
+from planning.hardware import hardware_names, load_hardware
 from planning.published import MODELS, PUBLISHED_RUNS, model_named
 from strategies.args import ParallelArgs
 from strategies.layout import DIMS, Layout, Workload

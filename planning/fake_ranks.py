@@ -34,7 +34,7 @@ from common.comm_counter import CollectiveCounter
 from common.config import UsageError
 from common.gpt import GPT, GPTConfig, adamw, lm_loss
 from common.moe import moe_layers
-from planning.cost_model import activation_bytes, memory_estimate
+from planning.memory import activation_bytes, memory_estimate
 from planning.ops import OpRecorder
 from strategies.job import Instruments, local_bytes
 from strategies.layout import DIMS, Layout, Workload, chunk_rows, stream_dtype, unique_tensors

@@ -26,6 +26,18 @@ class Action:
 
 
 SPLIT = ("zbv", "interleaved_zero_bubble")  # the schedules that run a backward as I then W
+# --pp_schedule -> the timeline that prices it: the zero-bubble schedules in torch's own order, their backward
+# split in two; dualpipev (its forwards and backwards of two micro-batches overlapped) as 1F1B, an upper bound
+TIMELINE_OF = {"gpipe": "gpipe", "1f1b": "1f1b", "interleaved_1f1b": "interleaved_1f1b",
+               "interleaved_zero_bubble": "interleaved_zero_bubble", "zbv": "zbv"}  # fmt: skip
+
+
+def stages_per_rank(schedule: str) -> int:
+    """The model chunks a stage rank holds under `schedule` (strategies/pp.py's SCHEDULES) as the timeline runs
+    it: interleaving's and the zero-bubble schedules', else one."""
+    from strategies.pp import SCHEDULES
+
+    return SCHEDULES[schedule][1] if TIMELINE_OF.get(schedule, "1f1b") != "1f1b" else 1
 
 
 def stage_of_rank(rank: int, chunk: int, p: int) -> int:

@@ -15,16 +15,11 @@ from common.gpt import GPT, GPTConfig, parameter_count
 from common.moe import active_parameter_count
 from experiments.at_scale import Config, main
 from helpers import run_in_process, run_main_in_process
-from planning.cost_model import (
-    activation_bytes,
-    collective_seconds,
-    link_of,
-    load_hardware,
-    memory_seconds,
-    model_flops_per_token,
-    predict_step,
-)
+from planning.communication import collective_seconds, link_of
+from planning.cost_model import memory_seconds, model_flops_per_token, predict_step
 from planning.fake_ranks import every_stage, ranks_that_differ, schedule_order
+from planning.hardware import load_hardware
+from planning.memory import activation_bytes
 from planning.published import MODELS, PUBLISHED_RUNS, model_named
 from strategies.layout import Layout, Workload
 from strategies.theory import stage_theories

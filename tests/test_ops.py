@@ -17,8 +17,9 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 
 from common.gpt import GPT, GPTConfig
 from experiments.at_scale import Config
-from planning.cost_model import PROFILES, hardware_names, load_hardware, predict_step
+from planning.cost_model import predict_step
 from planning.fake_ranks import playing, run_rank
+from planning.hardware import PROFILES, hardware_names, load_hardware
 from planning.op_model import OpModel
 from planning.ops import OpCall, OpRecorder, replay
 from strategies.layout import Layout, Workload
@@ -328,7 +329,8 @@ def test_ranks_beyond_the_cores_share_them_and_fill_each_others_pipeline_bubbles
     assert terms(pipelined, 2, ratio=3.0)["compute"] == pytest.approx(1.5 * shared["compute"])
     # on shared cores every send of a rank is in the cores' work (one each micro-batch, of 4), and each receive
     # it posts late; on its own cores, the two hops of the first and the last micro-batch
-    from planning.cost_model import stage_theories, traffic_seconds
+    from planning.communication import traffic_seconds
+    from planning.cost_model import stage_theories
 
     sends = max(traffic_seconds(t.traffic, pipelined, dataclasses.replace(hw, cores=2))["pp"]
                 for t in stage_theories(reference, pipelined, cfg, work))  # fmt: skip
@@ -344,7 +346,8 @@ def test_ranks_beyond_the_cores_share_them_and_fill_each_others_pipeline_bubbles
 def test_collectives_of_ranks_beyond_the_cores_take_the_fit_measured_so_and_the_pipelines_run_once_a_step():
     """this_machine's two fits: gloo on 2 ranks, and on 4 ranks in pairs (2 a core); a layout takes the one of its
     case. A pipeline's sends are per micro-batch (pp); its loss broadcast and tied all-reduce once a step."""
-    from planning.cost_model import Link, traffic_seconds
+    from planning.communication import traffic_seconds
+    from planning.hardware import Link
     from strategies.layout import Traffic
 
     hw = dataclasses.replace(load_hardware("this_machine"), cores=2,
@@ -486,7 +489,7 @@ def test_a_launchs_ddp_is_priced_without_the_ops_a_fake_ranks_replicate_runs_in_
     """A fake world's replicas run PyTorch's replicate (FSDP2's machinery), a launch's run DDP (its reducer C++):
     the ops recorded inside FSDP2's hooks (its record_function regions) are left out of a DDP layout's price, not
     the model's own (every matmul stays); a layout that really runs FSDP keeps them."""
-    from planning.cost_model import own_calls
+    from planning.communication import own_calls
 
     cfg = Config(model="custom", n_layer=2, d_model=64, n_head=4, vocab_size=512, block_size=32, world_size=2)
     work = Workload(GPTConfig(n_layer=2, d_model=64, n_head=4, vocab_size=512, block_size=32), 4)

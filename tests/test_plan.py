@@ -124,7 +124,8 @@ def test_an_interleaved_schedule_halves_the_bubble_and_a_refused_flag_is_one_lin
     import torch
 
     from common.gpt import GPT
-    from planning.cost_model import load_hardware, predict_step
+    from planning.cost_model import predict_step
+    from planning.hardware import load_hardware
     from planning.published import MODELS
     from strategies.layout import Layout, Workload
     from tools.plan import Candidate

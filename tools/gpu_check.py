@@ -267,7 +267,7 @@ def main(argv: list[str] | None = None) -> int:
               "commands", file=sys.stderr)  # fmt: skip
         return 2
     sys.path.insert(0, REPO)
-    from planning.cost_model import load_hardware
+    from planning.hardware import load_hardware
 
     hardware = profile_for(card, args.hardware)
     peak_flops = load_hardware(hardware).peak_flops

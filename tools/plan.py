@@ -18,7 +18,7 @@ with and without full activation checkpointing (sequence parallelism where it ca
 same refusals train_gpt and experiments/at_scale.py apply (strategies/: a layout they cannot run is rejected
 with their one line), then:
   memory  each pipeline stage's first rank's bytes at its busiest moment, by theory and estimate
-          (planning/cost_model.memory_estimate: parameters, AdamW, FSDP's gathered copies and gradient sums, the
+          (planning/memory.memory_estimate: parameters, AdamW, FSDP's gathered copies and gradient sums, the
           activations in flight); it fits when every stage's is within the profile's memory;
   speed   the step predicted by planning/cost_model.predict_step (a PREDICTION: a roofline and alpha-beta
           collectives under stated overlap assumptions).
@@ -41,13 +41,9 @@ import torch
 
 from common.config import UsageError, flag, parse_config, require, run_cli
 from common.gpt import GPT, GPTConfig, parameter_count
-from planning.cost_model import (
-    hardware_names,
-    load_hardware,
-    memory_estimate,
-    model_flops_per_token,
-    predict_step,
-)
+from planning.cost_model import model_flops_per_token, predict_step
+from planning.hardware import hardware_names, load_hardware
+from planning.memory import memory_estimate
 from planning.published import MODELS, model_named
 from strategies.args import ParallelArgs
 from strategies.layout import DIMS, Layout, Workload
