@@ -51,9 +51,8 @@ def worker(args):
         dist.barrier()
         fn()
         fn()  # torch.utils.benchmark's warm-up: ranks leave the barrier's skew behind
-        started = device_time(
-            device
-        )  # the device's time (a GPU's collectives are queued, not done, at return)
+        # the device's time (a GPU's collectives are queued, not done, at return)
+        started = device_time(device)
         for _ in range(args.iters):
             fn()
         elapsed = (device_time(device) - started) / args.iters

@@ -177,9 +177,8 @@ def worker(args):
                 seconds[name].append(elapsed)
     step_s = {}
     for name in LOOPS:
-        per_step = torch.tensor(
-            seconds[name], dtype=torch.float64, device=accelerator.device
-        )  # NCCL: no host tensors
+        # on the group's device: NCCL takes no host tensors
+        per_step = torch.tensor(seconds[name], dtype=torch.float64, device=accelerator.device)
         dist.all_reduce(per_step, op=dist.ReduceOp.MAX)  # a DDP step is as slow as its slowest rank
         step_s[name] = per_step.median().item()
     if rank == 0:

@@ -286,9 +286,8 @@ def report(session, history: list[dict], all_to_all_share: float | None) -> None
     balanced; mean over the blocks), first and last steps, the dropped share, in the summary and a PNG."""
     if not session.is_main or not history:
         return
-    per_step = torch.stack(
-        [h["imbalance"].mean() for h in history]
-    ).tolist()  # one read of the device, at the end
+    # one read of the device, at the end
+    per_step = torch.stack([h["imbalance"].mean() for h in history]).tolist()
     window = max(1, len(per_step) // 10)
     first, last = sum(per_step[:window]) / window, sum(per_step[-window:]) / window
     dropped = torch.stack([h["dropped_fraction"] for h in history]).mean().item()

@@ -167,7 +167,7 @@ class _Dispatch(TorchDispatchMode):
             raise RehearsalFailure(f"rehearsal: aten.{name} mixes a host tensor {_shape(big)} with a device tensor "
                                    f"{_shape(device[0])} at {_where()}: on a GPU this is a device mismatch")  # fmt: skip
         out = func(*args, **kwargs)
-        if name.endswith("_") or name == "set_":
+        if name.endswith("_"):
             return out  # in place (a copy_ included): the tensor written stays where it lives
         if name == "_to_copy" or name in ("lift_fresh", "detach", "alias", "empty_like"):
             on_host = bool(inputs) and self.marks.is_host(inputs[0])  # a dtype change keeps the place

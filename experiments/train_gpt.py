@@ -149,12 +149,10 @@ class Config(ResumableArgs, ModelFlags, ParallelArgs, CheckArgs):
         require(0 <= self.min_lr_ratio <= 1 and non_negative, "--min_lr_ratio must be in [0, 1]; --warmup_steps, "
                 "--lr_decay_steps, --grad_clip, --weight_decay >= 0")  # fmt: skip
         require_vocabulary(self.vocab_size)
-        if (
-            self.init_from
-        ):  # readable, its digest verified, trained as this architecture: before anything starts
-            read_weights(
-                self.init_from, "--init_from"
-            )  # (a sweep over --init_from refuses a bad file up front)
+        # --init_from readable, its digest verified, trained as this architecture: before anything starts (so a
+        # sweep over --init_from refuses a bad file before any trial)
+        if self.init_from:
+            read_weights(self.init_from, "--init_from")
             refuse_other_model(self.init_from, dataclasses.asdict(self), f"--init_from {self.init_from}")
         layout = self.resolve_layout(launched_world_size(self))  # config.json records the degrees that ran
         self.refuse_layout(layout, self.workload(), self.grad_clip)

@@ -106,9 +106,8 @@ class Probe(Instruments):
         first_forward = counting and phase == "forward" and "saved_activation_bytes" not in self.held
         saved = SavedActivations() if first_forward and not self.job.forward_is_whole_step else None
         device = self.job.accelerator.device
-        started = device_time(
-            device
-        )  # the device's time for the phase (on a GPU: its kernels, not their launch)
+        # the device's time for the phase (on a GPU: its kernels, not their launch)
+        started = device_time(device)
         with counter or contextlib.nullcontext(), saved or contextlib.nullcontext():
             yield
         if saved:
@@ -192,9 +191,8 @@ def check_memory(session, job, reference, every_rank: list[dict], rtol: float) -
         worst <= rtol,
         f"held/theory bytes: {'; '.join(lines)}; worst relative difference {worst:.4f}, tolerance {rtol}",
     )
-    if any(
-        held.get("peak_device_bytes") for held in every_rank
-    ):  # a GPU run: the device's own peak beside it
+    # a GPU run: the device's own peak beside the theory's bytes
+    if any(held.get("peak_device_bytes") for held in every_rank):
         session.print("device memory, peak allocated / held at rest by theory: " + "; ".join(
             f"rank {rank}: {held['peak_device_bytes'] / 2**20:,.1f} / {sum(theory.values()) / 2**20:,.1f} MiB"
             for rank, (held, theory) in enumerate(zip(every_rank, theories, strict=True))))  # fmt: skip

@@ -250,9 +250,8 @@ def _rank(index: int, main, argv: list[str], codes: str, environment: dict) -> N
     except RehearsalFailure as failure:
         print(f"error: {failure}", file=sys.stderr)
         code = 1
-    except (
-        Exception
-    ):  # a rank that crashed (another rank's failure cut its collective): its traceback, exit 1
+    except Exception:
+        # a rank that crashed (another rank's failure cut its collective): its traceback, exit 1
         import traceback
 
         traceback.print_exc()

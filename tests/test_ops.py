@@ -256,9 +256,8 @@ def test_a_fake_fsdp_rank_records_its_copies_and_counts_its_unshards_and_reduce_
     for call, n in ops["calls"]["clip"]:
         clipping[call.name] += n
     assert clipping["_foreach_norm"] == clipping["_foreach_mul_"] == 1
-    assert (
-        "mul_" not in clipping and "pow" in clipping
-    )  # no op a gradient; pow squares the stacked norms once
+    # no op a gradient; pow squares the stacked norms once
+    assert "mul_" not in clipping and "pow" in clipping
     multi = {call.name: call for call, _ in ops["calls"]["clip"] if call.name.startswith("_foreach")}
     assert all(len(call.replay[2][0]) == tensors for call in multi.values())  # every gradient shard in each
     assert result["clip_collectives"]["on_groups_of"] == [("all_reduce", 2, 1, 4)]

@@ -194,9 +194,8 @@ def test_rehearsal_catches_a_resumed_reference_whose_optimizer_state_stayed_on_h
                         env=REHEARSAL)  # fmt: skip
     assert_gpt_passed(first, 2)  # dp_replicate under the rehearsal: every check passes
     resumed = [*args, "--resume_from_checkpoint", str(tmp_path / "first" / "checkpoints" / "step_00000002")]
-    assert_gpt_passed(
-        fork_launch(train_gpt.main, resumed, tmp_path / "fixed", env=REHEARSAL), 2
-    )  # fixed: passes
+    fixed = fork_launch(train_gpt.main, resumed, tmp_path / "fixed", env=REHEARSAL)
+    assert_gpt_passed(fixed, 2)  # the fixed code passes
     finished = fork_launch(
         train_gpt_loading_optimizer_state_on_host, resumed, tmp_path / "run", env=REHEARSAL
     )
