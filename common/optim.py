@@ -26,7 +26,7 @@ def set_lr(optimizer, lr: float) -> None:
 
 
 def clip_by_global_norm(
-    parameters, max_norm: float, local_only: bool = False, across=None, counted_elsewhere=()
+    parameters, max_norm: float, local_only: bool = False, across=None, counted_elsewhere=(), exact: bool = False
 ) -> torch.Tensor:
     """Clip to the norm of the WHOLE gradient; return that norm. A DTensor gradient's squared sum is
     summed over the mesh dimensions it is split on (Shard) and counted once over those it is copied on
@@ -36,7 +36,8 @@ def clip_by_global_norm(
     the same on every rank and count once. `across`: a process group whose ranks hold different parameters
     (a pipeline's stage-ranks): their sums are summed over it; `counted_elsewhere`: parameters whose gradient
     another rank counts (the tied embedding's copy on the last stage). `local_only` is the classic mistake:
-    each rank clips by the norm of its own piece."""
+    each rank clips by the norm of its own piece. `exact`: the squares summed in float64 (each a float32's square,
+    exact there), so the norm of a sharded gradient is the whole one's to the last float32 bit of the scale."""
     parameters = list({id(p): p for p in parameters}.values())
     sum_partial_gradients(parameters)
     grads = [p.grad for p in parameters if p.grad is not None]
@@ -50,10 +51,13 @@ def clip_by_global_norm(
         split = tuple(not p.is_replicate() for p in grad.placements) if isinstance(grad, DTensor) else ()
         key = (grad.device_mesh, split) if isinstance(grad, DTensor) else None
         locals_by_key.setdefault(key, []).append(grad.to_local() if isinstance(grad, DTensor) else grad)
-    total = torch.zeros((), device=device)
+    total = torch.zeros((), device=device, dtype=torch.float64 if exact else torch.float32)
     for key, locals_ in locals_by_key.items():
-        # one multi-tensor kernel for every gradient's norm (on a GPU one launch, not two a tensor), in float32
-        squared_sum = torch.stack(torch._foreach_norm(locals_, 2, dtype=torch.float32)).pow(2).sum()
+        if exact:
+            squared_sum = torch.stack([local.double().pow(2).sum() for local in locals_]).sum()
+        else:
+            # one multi-tensor kernel for every gradient's norm (on a GPU one launch, not two a tensor), in float32
+            squared_sum = torch.stack(torch._foreach_norm(locals_, 2, dtype=torch.float32)).pow(2).sum()
         if key is not None and not local_only:
             mesh, split = key
             for dim in (dim for dim, is_split in enumerate(split) if is_split):
@@ -95,7 +99,8 @@ def clip_to(grads: list, norm: torch.Tensor, max_norm: float) -> torch.Tensor:
     """Scale `grads` so that the gradient whose norm is `norm` has norm at most max_norm (0: off); the norm, a
     tensor on the gradients' device (read it where it is logged: .item() waits for the device)."""
     if max_norm > 0:
-        scale = torch.clamp(max_norm / (norm + 1e-6), max=1.0)  # torch.nn.utils.clip_grad_norm_'s formula
+        # torch.nn.utils.clip_grad_norm_'s formula, in the gradients' float32 (a float64 norm's scale rounded once)
+        scale = torch.clamp(max_norm / (norm + 1e-6), max=1.0).float()
         locals_ = [grad.to_local() if isinstance(grad, DTensor) else grad for grad in grads]
         by_dtype: dict = {}  # a multi-tensor kernel takes one dtype
         for local in locals_:

@@ -31,6 +31,7 @@ def train_single_process(
     autocast=nullcontext,
     before_update: Callable[[int], float] | None = None,
     accumulate: bool = False,
+    exact_shares: int = 0,
 ) -> dict:
     """Train `model` in place for `steps` steps: each concatenates `micro_batches_per_step` global batches
     (tuples of tensors: inputs first, target last) into ONE batch, one loss over all of it
@@ -39,15 +40,20 @@ def train_single_process(
     rate) and returns a figure (the gradient norm). `autocast`: the context the distributed model runs
     its forward under, if any. `accumulate`: each global batch its own forward and backward (its loss / the
     batches a step), for a loss that is not a mean over rows (a mixture of experts' balancing loss, a product of
-    means: the distributed run computes it per global micro-batch). Returns each step's loss and figure, and step
-    1's gradients by name."""
+    means: the distributed run computes it per global micro-batch). `exact_shares`: exact accumulation over that many
+    data-parallel ranks (strategies/job.py): each global batch cut into their shares, each share's gradient (its
+    loss / every share of the step) on its own, a batch's shares summed in float64 and rounded to float32 (what
+    FSDP's float64 reduce-scatter hands a shard), the batches added in float64 and rounded once. Returns each
+    step's loss and figure, and step 1's gradients by name."""
     device = torch.device("cpu") if device is None else device
     model.to(device)
     losses, figures, first_gradients = [], [], {}
     for step in range(1, steps + 1):
         micro_batches = [next(global_batches) for _ in range(micro_batches_per_step)]
         optimizer.zero_grad()
-        if accumulate:
+        if exact_shares:
+            loss = exact_accumulation(model, micro_batches, exact_shares, loss_fn, device, autocast)
+        elif accumulate:
             micro_losses = []
             for micro_batch in micro_batches:
                 *inputs, target = (part.to(device) for part in micro_batch)
@@ -71,6 +77,31 @@ def train_single_process(
         losses.append(loss.item())
     optimizer.zero_grad()
     return {"losses": losses, "figures": figures, "first_gradients": first_gradients}
+
+
+def exact_accumulation(model, micro_batches, shares: int, loss_fn, device, autocast) -> torch.Tensor:
+    """train_single_process's `exact_shares`: the gradients left in the parameters, the step's mean loss returned."""
+    parameters = [p for p in model.parameters() if p.requires_grad]
+    divisor, total, losses = len(micro_batches) * shares, None, []
+    for micro_batch in micro_batches:
+        unit = None
+        for share in range(shares):
+            rows = len(micro_batch[0]) // shares
+            *inputs, target = (part[share * rows : (share + 1) * rows].to(device) for part in micro_batch)
+            for p in parameters:
+                p.grad = None
+            with autocast():
+                loss = loss_fn(model, *inputs, target)
+            (loss / divisor).backward()
+            gradients = torch.cat([p.grad.reshape(-1) for p in parameters]).double()
+            unit = gradients if unit is None else unit + gradients
+            losses.append(loss.detach())
+        total = unit.float().double() if total is None else total + unit.float().double()
+    offset = 0
+    for p in parameters:
+        p.grad = total[offset : offset + p.numel()].view_as(p).float()
+        offset += p.numel()
+    return torch.stack(losses).mean()
 
 
 def named_tensors(source) -> dict:

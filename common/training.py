@@ -50,6 +50,9 @@ class TrainLoop:
         self.session, self.cfg, self.accelerator = session, session.cfg, session.accelerator
         self.model, self.optimizer = model, optimizer
         self.samples_per_micro_batch, self.tokens_per_sample = samples_per_micro_batch, tokens_per_sample
+        # samples an optimizer step trains over every rank (`steps` says it for a trainer that owns a step)
+        self.samples_per_step = samples_per_micro_batch * getattr(session.cfg, "gradient_accumulation_steps", 1)
+        self.steps_redone = 0
         self.unit = "tokens" if tokens_per_sample else "samples"
         self.checkpointer = checkpointer or AccelerateCheckpointer(self.accelerator, model, optimizer)
         self.step = self.start_step = session.start_step
@@ -69,7 +72,7 @@ class TrainLoop:
             total=self.cfg.max_steps, initial=self.step, desc=session.experiment, disable=not session.is_main
         )
         self.window_loss = torch.zeros((), device=self.accelerator.device)
-        self.window_micro_batches, self.in_step = 0, False
+        self.window_micro_batches, self.window_samples, self.in_step = 0, 0, False
         self.last_interval: dict = {}
         self.latest: dict = {}
         self.first_step_unix_time = None  # benchmarks/startup.py reads it from summary.json
@@ -109,12 +112,25 @@ class TrainLoop:
             yield next(batches)
         self._close()
 
-    def steps(self, batches, micro_batches_per_step: int):
-        """Each optimizer step's micro-batches from `batches` (a list of them), until --max_steps steps are done:
-        for a trainer that owns a whole step (strategies/job.Job.train_step), recorded by `record_step`."""
+    def steps(self, batch_at, micro_batches_per_step: int, begin_step=None):
+        """Each optimizer step's micro-batches, `batch_at(position)`: the list of them from that sample of the data,
+        until --max_steps steps are done: for a trainer that owns a whole step (strategies/job.Job.train_step),
+        recorded by `record_step`. `begin_step(step)`, asked before each: (the step to train, which global batch,
+        None: the next in the data) or None: none can start now, ask again. A trainer may move the run (a replica
+        group healed from a peer is at the peer's step, and reads that step's batch)."""
+        self.samples_per_step = self.samples_per_micro_batch * micro_batches_per_step
         while self.step < self.cfg.max_steps:
+            begun = begin_step(self.step) if begin_step else (self.step, None)
+            if begun is None:
+                continue
+            step, batch = begun
+            if step != self.step:
+                self.progress.update(step - self.step)
+                self.step, self.samples_seen = step, step * self.samples_per_step
+                if step >= self.cfg.max_steps:
+                    break
             self.heartbeat.entering(self.step + 1)
-            yield [next(batches) for _ in range(micro_batches_per_step)]
+            yield batch_at(self.samples_seen if batch is None else batch * self.samples_per_step)
         self._close()
 
     def _close(self) -> None:
@@ -122,21 +138,28 @@ class TrainLoop:
         self.train_end = device_time(self.accelerator.device)
         self.train_time_s = self.train_end - self.train_start
 
-    def record_step(self, losses: list, **latest) -> None:
-        """After an optimizer step (all its micro-batches): each micro-batch's loss, the step's other figures."""
+    def record_step(self, losses: list, committed: bool = True, **latest) -> None:
+        """After an optimizer step (all its micro-batches): each micro-batch's loss, the step's other figures. A step
+        that did not count (`committed` False: a replica group's quorum lost a peer in it) moves nothing: the same
+        step is trained again on the same batch."""
+        if not committed:
+            self.steps_redone += 1
+            return
         for index, loss in enumerate(losses):
             last = index == len(losses) - 1
-            self.record(loss, ends_step=last, **(latest if last else {}))
+            self.record(loss, ends_step=last, samples=self.samples_per_step if last else 0, **(latest if last else {}))
 
-    def record(self, loss: torch.Tensor, ends_step: bool | None = None, **latest: float) -> None:
+    def record(self, loss: torch.Tensor, ends_step: bool | None = None, samples: int | None = None, **latest: float) -> None:
         """After each micro-batch: the loss window; after each optimizer step everything else.
         `ends_step`: whether this micro-batch is its step's last (None: Accelerate's sync_gradients says so).
         `latest` (e.g. lr=..., grad_norm=...) goes into the next interval's record as its last value (None:
-        not known at this micro-batch)."""
+        not known at this micro-batch). `samples`: what it trained over every rank (None: a global micro-batch)."""
         self.latest.update({name: value for name, value in latest.items() if value is not None})
+        samples = self.samples_per_micro_batch if samples is None else samples
         self.window_loss += loss.detach()
         self.window_micro_batches += 1
-        self.samples_seen += self.samples_per_micro_batch
+        self.window_samples += samples
+        self.samples_seen += samples
         if not (self.accelerator.sync_gradients if ends_step is None else ends_step):
             return
         self.step += 1
@@ -156,6 +179,7 @@ class TrainLoop:
             self.state_digests[self.step] = self.checkpointer.digest()
             meta = {
                 "samples_seen": self.samples_seen,
+            "steps_redone": self.steps_redone,
                 "world_size": self.accelerator.num_processes,
                 "layout": {name: getattr(self.cfg, name) for name in self.cfg.layout_flags},
                 "trajectory": self.cfg.trajectory(self.accelerator.num_processes),
@@ -166,8 +190,7 @@ class TrainLoop:
                             self.checkpointer.save)  # fmt: skip
         inject_fault(self.cfg, self.step, self.accelerator.process_index)
 
-    def _per_second(self, micro_batches: int, seconds: float) -> float:
-        samples = micro_batches * self.samples_per_micro_batch
+    def _per_second(self, samples: int, seconds: float) -> float:
         return samples * (self.tokens_per_sample or 1) / seconds if seconds > 0 else math.nan
 
     def _stop_if_diverged(self) -> None:
@@ -184,7 +207,7 @@ class TrainLoop:
         self._stop_if_diverged()
         mean_loss = self.accelerator.reduce(self.window_loss / self.window_micro_batches, "mean").item()
         # the window's time once the device has run its work (the .item() above waited for it)
-        throughput = self._per_second(self.window_micro_batches, time.perf_counter() - self.window_start)
+        throughput = self._per_second(self.window_samples, time.perf_counter() - self.window_start)
         latest = {
             name: value.item() if torch.is_tensor(value) else value for name, value in self.latest.items()
         }
@@ -192,14 +215,13 @@ class TrainLoop:
         if self.step < self.cfg.max_steps:  # the last interval goes out with the experiment's final figures
             self.session.log(self.step, self.last_interval)
         self.window_loss.zero_()
-        self.window_micro_batches, self.window_start = 0, time.perf_counter()
+        self.window_micro_batches, self.window_samples, self.window_start = 0, 0, time.perf_counter()
 
     def metrics(self, final_state: tuple[dict, dict] | None = None) -> dict:
         """Figures for summary.json: throughput, where the run resumed, state digests. `final_state`: the
         full state at the end if the caller already gathered it (else gathered here: a collective)."""
-        accumulation = getattr(self.cfg, "gradient_accumulation_steps", 1)
         steps_run = self.step - self.start_step
-        loop_rate = self._per_second(steps_run * accumulation, self.train_time_s) if steps_run else math.nan
+        loop_rate = self._per_second(steps_run * self.samples_per_step, self.train_time_s) if steps_run else math.nan
         steady_steps = self.step - self.steady_from_step
         steady = self.steady_start is not None and steady_steps > 0
         figures = {
@@ -208,13 +230,14 @@ class TrainLoop:
             "first_step_unix_time": self.first_step_unix_time,
             # the steady state's rate (the whole loop's when the run is not longer than its one-time steps)
             f"{self.unit}_per_s": self._per_second(
-                steady_steps * accumulation, self.train_end - self.steady_start
+                steady_steps * self.samples_per_step, self.train_end - self.steady_start
             )
             if steady
             else loop_rate,
             f"loop_{self.unit}_per_s": loop_rate,
             "steady_steps": steady_steps if steady else steps_run,
             "samples_seen": self.samples_seen,
+            "steps_redone": self.steps_redone,
             "state_digests": {str(step): digest for step, digest in self.state_digests.items()},
             "final_state_digest": self.checkpointer.digest(final_state),
         }

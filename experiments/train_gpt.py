@@ -199,8 +199,10 @@ class Config(ResumableArgs, ModelFlags, ParallelArgs, CheckArgs):
         return trajectory
 
     def global_batch_size(self) -> int:
-        """Samples per optimizer step: per-rank rows x accumulation x data-parallel ranks."""
-        return self.per_rank_batch_size * self.gradient_accumulation_steps * self.layout().dp
+        """Samples per optimizer step: per-rank rows x accumulation x data-parallel ranks (x the replica groups of
+        a fault-tolerant run, which share it)."""
+        groups = self.replica_groups if self.fault_tolerant else 1
+        return self.per_rank_batch_size * self.gradient_accumulation_steps * self.layout().dp * groups
 
     def resume_hint(self, difference: str) -> str:
         """Said after a refused resume's difference, where the fix is not obvious."""
@@ -250,11 +252,15 @@ def run(cfg: Config) -> int:
         # (4 blocks per rank x 2 data-parallel ranks = 8 blocks of 64 tokens); the tp, cp and pp ranks of a
         # data-parallel rank read the same rows. The position is in samples, so a resume at another world size
         # continues at the same place.
-        start_sample = 0 if variant == "resume_without_data_position" else session.samples_seen
+        skipped = session.samples_seen if variant == "resume_without_data_position" else 0
         data_rank = 0 if variant == "same_data_on_every_rank" else layout.dp_rank(rank)
         global_rows = cfg.per_rank_batch_size * layout.dp
-        stream = iterate_sample_stream(*corpus["train"], global_rows, cfg.seed, start_sample)
-        batches = (shard_rows(batch, data_rank, layout.dp) for batch in stream)
+
+        def batch_at(position: int, micro_batches: int) -> list:
+            """A step's global micro-batches from sample `position` of the stream, this rank's rows of each."""
+            stream = iterate_sample_stream(*corpus["train"], global_rows, cfg.seed, position - skipped)
+            return [shard_rows(next(stream), data_rank, layout.dp) for _ in range(micro_batches)]
+
         # every validation row counts, on any layout: a data-parallel rank's share, padded to the others' size with
         # rows that score nothing (the loss is a property of the weights, not of the layout)
         val_rows = padded_share(corpus["val"], layout.dp_rank(rank), layout.dp)
@@ -298,11 +304,14 @@ def run(cfg: Config) -> int:
                                 accelerator.device.type, max(3, budget["steps"]))  # fmt: skip
         with profiler:
             # the job owns a step: its micro-batches (Accelerate's accumulate()), the clipping, AdamW
-            for micro_batches in loop.steps(batches, work.micro_batches):
+            # (a fault-tolerant replica group: its share of each step, a step redone when a peer died in it)
+            step_batch = functools.partial(batch_at, micro_batches=job.units_per_step)
+            for micro_batches in loop.steps(step_batch, job.units_per_step, begin_step=job.begin_step):
                 lr = lr_at(loop.step + 1)
                 result = job.train_step(micro_batches, lr, local_only=variant == "local_grad_norm")
-                loop.record_step(result.losses, lr=lr, grad_norm=result.grad_norm, **result.figures)
-                profiler.step()
+                loop.record_step(result.losses, result.committed, lr=lr, grad_norm=result.grad_norm, **result.figures)
+                if result.committed:
+                    profiler.step()
         if cfg.profile_steps:
             report_profile(session, profiler.breakdown(), f"{layout.describe()}: each rank's median profiled step",
                            f"--profile_steps {cfg.profile_steps}: nothing profiled; this run trained too few steps")  # fmt: skip
@@ -321,7 +330,8 @@ def run(cfg: Config) -> int:
                       f"than {min_drop}")  # fmt: skip
         replay = lambda: dict(start_state=loop.resumed_full_state or (initial_state, None), global_batches=replayed(),  # noqa: E731
                               lr_at=lr_at, make_optimizer=cfg.make_optimizer, max_norm=cfg.grad_clip,
-                              accumulation=work.micro_batches, bf16=cfg.mixed_precision == "bf16")  # fmt: skip
+                              accumulation=job.units_per_step, bf16=cfg.mixed_precision == "bf16",
+                              exact_shares=layout.dp if job.exact else 0)  # fmt: skip
         check_layout(session, job, probe, model_cfg, budget, cfg.memory_rtol, replay)
         final_state = checkpointer.full_state()  # every tensor whole, on the main process (a collective)
         corpus_facts = {

@@ -90,9 +90,12 @@ class Probe(Instruments):
         self.parity_steps = min(parity_steps, max_steps - start_step)  # a resumed run may have fewer left
         self.parity_step = start_step + self.parity_steps
         # the job's first step free of one-time work, if this run gets that far (None: no step is counted)
-        self.count_step = start_step + job.steady_step if start_step + job.steady_step <= max_steps else None
+        # which of this process's steps is counted (its first free of one-time work), if it trains that many: by
+        # this process's own count (a healed replica group's steps are numbered from its peer's)
+        self.count_at = job.steady_step if start_step + job.steady_step <= max_steps else None
         self.held: dict = {}
         self.step_losses, self.grad_norms, self.at_parity_step = [], [], None
+        self.recorded_steps: list[int] = []  # the step of each loss and norm
         self.collectives = {"calls": {}, "bytes": {}}
         self.phase_s: dict[str, float] = {}  # this step's seconds per phase, over its micro-batches
         self.step_times: list[dict] = []
@@ -101,7 +104,7 @@ class Probe(Instruments):
     def watch(self, phase: str):
         # the forward's and backward's collectives, which the layout's theory counts (the clipping's all-reduces of
         # a few bytes each and the optimizer's are not in it)
-        counting = self.step == self.count_step and phase in ("forward", "backward")
+        counting = self.counting and phase in ("forward", "backward")
         counter = CollectiveCounter() if counting else None
         first_forward = counting and phase == "forward" and "saved_activation_bytes" not in self.held
         saved = SavedActivations() if first_forward and not self.job.forward_is_whole_step else None
@@ -123,9 +126,23 @@ class Probe(Instruments):
                 self.collectives["calls"][kind] = self.collectives["calls"].get(kind, 0) + counter.calls[kind]
                 self.collectives["bytes"][kind] = self.collectives["bytes"].get(kind, 0) + counter.bytes[kind]
 
-    def after_step(self, job, loss: torch.Tensor, grad_norm: float) -> None:
+    @property
+    def counting(self) -> bool:
+        return self.count_at is not None and len(self.recorded_steps) + 1 == self.count_at
+
+    def recount(self, committed: bool) -> None:
+        """The step now counted is not the one its theory describes (a step not committed, one trained by fewer
+        replica groups than a full quorum): forget what it sent and count the next one instead."""
+        if self.counting:
+            self.collectives = {"calls": {}, "bytes": {}}
+            self.count_at += committed
+
+    def after_step(self, job, loss: torch.Tensor, grad_norm: float, step: int | None = None) -> None:
+        if step is not None:  # a piece moved the run (a group healed from a peer): its steps before were not here
+            self.step = step
         if "params" not in self.held:
             self.held.update(job.measure_held())
+        self.recorded_steps.append(self.step)
         self.step_losses.append(loss)
         self.grad_norms.append(grad_norm)
         self.step_times.append(self.phase_s)
@@ -163,13 +180,17 @@ def check_layout(session, job, probe: Probe, model_cfg, budget: dict, memory_rto
         return
     reference = build_gpt(model_cfg, 0)  # the undistributed model the theory is written for (its shapes)
     check_memory(session, job, reference, every_rank, memory_rtol)
-    if job.layout.world_size > 1 and probe.count_step is None:
+    if job.layout.world_size > 1 and (probe.count_at is None or len(probe.step_losses) < probe.count_at):
         session.skip_check("communication_volume", f"this run trains {len(probe.step_losses)} step(s) and none is free of "
                            f"one-time work (the layout's first steady step is step {job.steady_step} of a run): train "
                            f"at least {job.steady_step} steps to count the bytes sent")  # fmt: skip
     elif job.layout.world_size > 1:
         check_communication(session, job, reference, counted)
-    if job.layout.world_size > 1 and probe.at_parity_step is not None:
+    unlike = [why for piece in job.pieces if (why := getattr(piece, "unlike_one_process", lambda plan: "")(job.ctx.plan))]
+    if unlike:
+        session.skip_check("matches_single_process", unlike[0])
+        session.skip_check("grad_norm_is_global", unlike[0])
+    elif (job.layout.world_size > 1 or job.gate) and probe.at_parity_step is not None:
         compare_with_one_process(session, model_cfg, probe, step_losses, budget=budget, **replay())
 
 
@@ -233,11 +254,13 @@ def check_communication(session, job, reference, every_rank: list[dict]) -> None
 
 
 def compare_with_one_process(session, model_cfg, probe: Probe, step_losses, *, start_state, global_batches, lr_at,
-                             make_optimizer, max_norm: float, accumulation: int, bf16: bool, budget: dict) -> None:  # fmt: skip
+                             make_optimizer, max_norm: float, accumulation: int, bf16: bool, budget: dict,
+                             exact_shares: int = 0) -> None:  # fmt: skip
     """This run's first parity steps (from its start, or from the checkpoint it resumed) against the same steps
     in ONE process (common/reference.py), from the same state, on the same global batches: each step one batch
     holding every rank's micro-batches, one mean loss over all its tokens, the same AdamW, schedule
-    (`lr_at(step)`) and clipping. `start_state`: (model state, optimizer state by name or None)."""
+    (`lr_at(step)`) and clipping. `start_state`: (model state, optimizer state by name or None). `exact_shares`:
+    the run's exact accumulation over that many data-parallel ranks (common/reference.py's `exact_shares`)."""
     n = probe.parity_steps
     model_state, optimizer_state = start_state
     device = session.accelerator.device
@@ -255,7 +278,7 @@ def compare_with_one_process(session, model_cfg, probe: Probe, step_losses, *, s
         # the step's loads move the balancing bias, as the distributed job's clip does
         if model_cfg.n_experts:
             balance(model)
-        return clip_by_global_norm(model.parameters(), max_norm)
+        return clip_by_global_norm(model.parameters(), max_norm, exact=bool(exact_shares))
 
     # a balancing loss (a product of two means over a micro-batch's tokens) is computed per global micro-batch by
     # the run, each its gradient / the micro-batches: the reference accumulates as the run does
@@ -264,19 +287,22 @@ def compare_with_one_process(session, model_cfg, probe: Probe, step_losses, *, s
         for layer in moe_layers(model):
             layer.aux_loss_scale = 1 / accumulation
     reference = train_single_process(
-        model, optimizer, global_batches, n, accumulation, accumulate=aux_per_micro_batch,
+        model, optimizer, global_batches, n, accumulation, accumulate=aux_per_micro_batch, exact_shares=exact_shares,
         loss_fn=lambda m, x, y: lm_loss(m(x), y),
         device=device,
         autocast=lambda: torch.autocast(device.type, dtype=torch.bfloat16, enabled=bf16),
         before_update=clip_and_schedule,
     )  # fmt: skip
-    loss_diffs = [abs(a - b) for a, b in zip(step_losses[:n], reference["losses"], strict=True)]
+    # each recorded step against the reference's same step (a healed group recorded only the steps it trained)
+    compared = [(i, step - session.start_step - 1) for i, step in enumerate(probe.recorded_steps)
+                if step - session.start_step <= n]  # fmt: skip
+    loss_diffs = [abs(step_losses[i] - reference["losses"][r]) for i, r in compared]
     loss_diff = max(loss_diffs)
     # where a run left the reference: the first step past the loss tolerance (a routing flip, a missed reduction)
-    first_off = next((i for i, d in enumerate(loss_diffs) if d > budget["loss_atol"]), None)
+    first_off = next((compared[i][1] for i, d in enumerate(loss_diffs) if d > budget["loss_atol"]), None)
     norm_diff = max(
-        abs(float(a) - b) / max(b, 1e-12)
-        for a, b in zip(probe.grad_norms[:n], reference["figures"], strict=True)
+        abs(float(probe.grad_norms[i]) - reference["figures"][r]) / max(reference["figures"][r], 1e-12)
+        for i, r in compared
     )
     param_diff = max_abs_difference(probe.at_parity_step, model.state_dict())
     session.metrics.update(

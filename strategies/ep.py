@@ -335,7 +335,8 @@ class ExpertParallel(Piece):
         return bool(plan.work.model.n_experts)
 
     def traits(self, plan: Plan) -> set[str]:
-        return {"tokens_sent_to_experts"} if plan.layout.ep > 1 else set()
+        # every MoE routes each token by its own micro-batch's loads; ep > 1 sends the tokens to other ranks' experts
+        return {"routes_tokens"} | ({"tokens_sent_to_experts"} if plan.layout.ep > 1 else set())
 
     def refuse(self, plan: Plan) -> None:
         refuse(plan)

@@ -2,6 +2,11 @@
 engine becomes in strategies/deepspeed.py): a training step (`train_step`: its micro-batches' forwards and
 backwards, the clipping by the global norm, the optimizer step), the evaluation, the checkpointer, and the bytes it
 really holds beside its theory. (experiments/at_scale.py's fake ranks still drive its parts by hand: issue #67.)
+
+Exact accumulation (a piece's trait `exact_accumulation`: fault tolerance's): each micro-batch's gradient (its loss /
+every micro-batch of the global batch) added in float64 and rounded to float32 once, after a piece that gates steps
+(`gates_steps`) has summed the sums of everyone who shared the step. A sum of a few float32 numbers in float64 is
+exact, so the gradient does not depend on who computed which micro-batch.
 """
 
 from __future__ import annotations
@@ -15,6 +20,7 @@ from torch.distributed.tensor import DTensor
 from common.checkpoint import ShardedCheckpointer
 from common.data import IGNORED_TARGET, on_device
 from common.gpt import lm_loss
+from common.moe import local
 from common.optim import clip_by_global_norm, set_lr
 from strategies.layout import DIMS, unique_tensors
 from strategies.piece import Context, Theory
@@ -26,8 +32,12 @@ class Instruments:
     def watch(self, phase: str):
         return contextlib.nullcontext()
 
-    def after_step(self, job, loss: torch.Tensor, grad_norm: float) -> None:
-        pass
+    def after_step(self, job, loss: torch.Tensor, grad_norm: float, step: int | None = None) -> None:
+        """`step`: the step just trained, where a piece moved it (a healed group); None: the next."""
+
+    def recount(self, committed: bool) -> None:
+        """The step in progress is not the one the theory describes (not committed, or trained by fewer replica
+        groups than the run has): whoever counts its collectives counts another."""
 
 
 @dataclass
@@ -38,6 +48,7 @@ class StepResult:
     losses: list
     grad_norm: torch.Tensor | None
     figures: dict = field(default_factory=dict)
+    committed: bool = True  # False: a piece that gates steps said it did not count: redo it with the same batch
 
 
 class Job:
@@ -52,6 +63,11 @@ class Job:
         self.accelerator, self.max_norm = ctx.accelerator, max_norm
         self.pieces = ctx.plan.on
         self.instruments = Instruments()
+        # the piece that says whether a step counts (fault tolerance: torchft's should_commit), if one runs
+        self.gate = next((piece for piece in self.pieces if getattr(piece, "gates_steps", False)), None)
+        self.exact = "exact_accumulation" in ctx.plan.traits
+        # the global batch's micro-batches (each every data-parallel rank's rows), shared by the replica groups
+        self.units_per_step = self.work.micro_batches * (self.args.replica_groups if self.gate else 1)
         self._step_loss, self._micro_batches = torch.zeros((), device=ctx.accelerator.device), 0
 
     def state(self, piece):
@@ -77,11 +93,24 @@ class Job:
             x, y = piece.split_batch(self, x, y)
         return x, y
 
+    def begin_step(self, step: int) -> tuple[int, int | None] | None:
+        """Before a step: (the step to train, the global batch to read, None: the next in the stream). A piece that
+        gates steps may move the step (a group healed from a peer) or say None: no step can start now, ask again."""
+        if self.gate is None:
+            return step, None
+        return self.state(self.gate).begin(self, step)
+
     def train_step(self, micro_batches: list, lr: float, local_only: bool = False) -> StepResult:
-        """One optimizer step over its micro-batches (each (x, y) of this rank's rows, from the host): under
-        Accelerate's accumulate() each micro-batch's forward and backward (DDP's no_sync and loss / k on all but the
-        last), then on the last the clipping by the global norm (`local_only`: the mistake of clipping by each rank's
-        own piece) and AdamW at learning rate `lr` (set before the backward: DeepSpeed steps inside it)."""
+        """One optimizer step over the global batch's micro-batches (each (x, y) of this rank's rows, from the
+        host): under Accelerate's accumulate() each micro-batch's forward and backward (DDP's no_sync and loss / k
+        on all but the last), then on the last the clipping by the global norm (`local_only`: the mistake of
+        clipping by each rank's own piece) and AdamW at learning rate `lr` (set before the backward: DeepSpeed steps
+        inside it). Under a piece that gates steps this rank trains its share of the micro-batches."""
+        if self.exact:
+            return self.exact_step(micro_batches, lr, local_only)
+        gate = self.state(self.gate) if self.gate else None
+        if gate:
+            micro_batches = [micro_batches[u] for u in gate.share(len(micro_batches))]
         losses, grad_norm = [], None
         for x, y in micro_batches:
             with self.accelerator.accumulate(self.model):
@@ -89,7 +118,53 @@ class Job:
                 losses.append(self.forward_backward(x, y))
                 grad_norm = self.clip(local_only=local_only) if self.accelerator.sync_gradients else None
                 self.step(grad_norm)
+        if gate:  # DiLoCo: an inner step (the optimizer's hook synced the groups on every --sync_every-th)
+            gate.after_inner_step(losses[-1].detach())
         return StepResult(losses, grad_norm, self.step_figures())
+
+    def exact_step(self, micro_batches: list, lr: float, local_only: bool = False) -> StepResult:
+        """Exact accumulation: this rank's micro-batches (a gate's share of them) each forward and backward on its
+        own (FSDP reduce-scatters each in float64, summed, not averaged), its gradient / every micro-batch of the
+        global batch added in float64; the gate sums those sums over the groups; rounded to float32 once, clipped
+        (the norm in float64), and AdamW if the step counts. The loss reported is the global batch's."""
+        gate = self.state(self.gate) if self.gate else None
+        units = gate.share(len(micro_batches)) if gate else range(len(micro_batches))
+        parameters = unique_tensors(self.model.parameters())
+        device = self.accelerator.device
+        sums = torch.zeros(sum(local(p).numel() for p in parameters), dtype=torch.float64, device=device)
+        loss_sum = torch.zeros((), dtype=torch.float64, device=device)
+        set_lr(self.optimizer, lr)
+        for unit in units:
+            self.optimizer.zero_grad()
+            loss = self.forward_backward(*micro_batches[unit])
+            sums += torch.cat([local(grad_or_zeros(p)).reshape(-1) for p in parameters]).double()
+            loss_sum += loss.detach().double() / self.exact_divisor
+        self._step_loss, self._micro_batches = torch.zeros_like(self._step_loss), 0
+        # the group's loss: every data-parallel rank's (the others of a row, tp's, hold the same)
+        if self.layout.world_size > 1:
+            loss_sum = self.accelerator.reduce(loss_sum, "sum") / (self.layout.world_size // self.layout.dp)
+        tally = gate.reduce(self, sums, units, micro_batches[0][0].shape[0] * self.layout.dp, loss_sum) if gate else None
+        offset = 0
+        for p in parameters:
+            piece = local(grad_or_zeros(p))
+            piece.copy_(sums[offset : offset + piece.numel()].view_as(piece))
+            offset += piece.numel()
+        grad_norm = self.clip(local_only=local_only, exact=True)
+        committed = gate.commit(tally) if gate else True
+        if gate and not (committed and gate.full_quorum):  # not what the theory counts: count another step
+            self.instruments.recount(committed)
+        loss = (tally[3] if gate else loss_sum).float()
+        if committed:
+            with self.instruments.watch("optimizer"):
+                self.optimizer.step()
+            self.instruments.after_step(self, loss, grad_norm, step=gate.step + 1 if gate else None)
+        self.optimizer.zero_grad()
+        return StepResult([loss], grad_norm, self.step_figures() if committed else {}, committed)
+
+    @property
+    def exact_divisor(self) -> int:
+        """Exact accumulation's loss scale: every data-parallel rank's micro-batch of every unit of the step."""
+        return self.units_per_step * self.layout.dp
 
     def forward_backward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         """One micro-batch: the mean loss over its tokens, its gradients accumulated (a piece that runs the
@@ -108,7 +183,10 @@ class Job:
                 start = loss
                 for piece in self.pieces:
                     start = piece.loss_for_backward(self, start)
-                self.accelerator.backward(start)  # divided by the accumulation steps
+                if self.exact:  # its share of the global batch's gradient (summed, never averaged, after)
+                    (start / self.exact_divisor).backward()
+                else:
+                    self.accelerator.backward(start)  # divided by the accumulation steps
             self.after_backward()
         self._step_loss += loss.detach()
         self._micro_batches += 1
@@ -119,7 +197,7 @@ class Job:
         for piece in reversed(self.pieces):
             piece.after_backward(self)
 
-    def clip(self, local_only: bool = False) -> float:
+    def clip(self, local_only: bool = False, exact: bool = False) -> float:
         """Clip to max_norm (--grad_clip) by the global norm and return it (`local_only`: the mistake of each
         rank clipping by its own piece's norm)."""
         with self.instruments.watch("clip"):
@@ -129,7 +207,7 @@ class Job:
             for piece in self.pieces:
                 options.update(piece.clip_options(self))
             return clip_by_global_norm(
-                self.model.parameters(), self.max_norm, local_only=local_only, **options
+                self.model.parameters(), self.max_norm, local_only=local_only, exact=exact, **options
             )
 
     def step(self, grad_norm: float | None = None) -> None:
@@ -225,6 +303,13 @@ class Job:
         for piece in self.pieces:
             inputs.update(piece.theory_inputs(self))
         return inputs
+
+
+def grad_or_zeros(p) -> torch.Tensor:
+    """`p`'s gradient, zeros where it has none yet (a group that trained no micro-batch of a step)."""
+    if p.grad is None:
+        p.grad = torch.zeros_like(p)
+    return p.grad
 
 
 def local_bytes(tensor) -> int:

@@ -1,6 +1,6 @@
 """The registry: every piece of parallelism, in the order they are applied (torchtitan's: the pipeline cuts the
 model first, then on each stage tensor parallelism -> context parallelism -> expert parallelism -> activation
-checkpointing -> torch.compile -> FSDP or replicate), and the engines that replace them all (DeepSpeed's ZeRO,
+checkpointing -> torch.compile -> FSDP or replicate; then fault tolerance across replica groups), and the engines that replace them all (DeepSpeed's ZeRO,
 chosen by the accelerate config). The flags (strategies/args.py), the refusals, parallelize, the theory, the Job's
 hooks and the tests iterate over `PIECES`; nothing else names a piece.
 
@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import sys
 
-from strategies import activation_checkpointing, compile, cp, deepspeed, ep, pp, replicate, shard, tp
+from strategies import activation_checkpointing, compile, cp, deepspeed, ep, ft, pp, replicate, shard, tp
 
 PIECES = (
     pp.PIECE,
@@ -24,6 +24,7 @@ PIECES = (
     compile.PIECE,
     shard.PIECE,
     replicate.PIECE,
+    ft.PIECE,  # fault tolerance: torchft across the groups, each one launch of the layout above
 )
 ENGINES = (deepspeed.ENGINE,)
 

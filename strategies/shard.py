@@ -87,16 +87,22 @@ def zero3(args, layout: Layout) -> bool:
 
 
 def apply(
-    model: torch.nn.Module, mesh, args, layout: Layout, work: Workload, ignored: set | None = None
+    model: torch.nn.Module,
+    mesh,
+    args,
+    layout: Layout,
+    work: Workload,
+    ignored: set | None = None,
+    exact: bool = False,
 ) -> None:
     """fully_shard each block (ZeRO-3), then the root, over `mesh` (1-D: FSDP; 2-D replicate x shard: HSDP).
     bf16: parameters gathered as bf16 copies, gradients reduced in float32. unwrapped_root is the classic
-    mistake of sharding the blocks only. `ignored`: parameters another piece splits (ep's experts)."""
-    policy = (
-        MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
-        if work.mixed_precision == "bf16"
-        else MixedPrecisionPolicy()
-    )
+    mistake of sharding the blocks only. `ignored`: parameters another piece splits (ep's experts). `exact`
+    (the Job's exact accumulation): gradients reduce-scattered in float64 and summed, not averaged (the loss is
+    already divided by the whole batch), so each shard is float32(the float64 sum of the ranks' gradients)."""
+    param_dtype = torch.bfloat16 if work.mixed_precision == "bf16" else None
+    reduce_dtype = torch.float64 if exact else (torch.float32 if param_dtype else None)
+    policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
     blocks_apart, wrap_root = zero3(args, layout), args.wrong_variant != "unwrapped_root"
     # ZeRO-2 as one unit is a CPU choice (nothing overlaps there, and one all-gather pays gloo's latency once);
     # on a GPU each block is a unit of its own, gathered once and kept, so its all-gather overlaps the block
@@ -113,6 +119,10 @@ def apply(
         fully_shard(
             model, mesh=mesh, reshard_after_forward=root_reshards, mp_policy=policy, ignored_params=ignored
         )
+    if exact:
+        for module in model.modules():
+            if isinstance(module, FSDPModule):
+                module.set_gradient_divide_factor(1.0)
 
 
 def set_gradient_sync(model: torch.nn.Module, sync: bool) -> None:
@@ -163,12 +173,14 @@ def sent(t: Theory) -> list[Traffic]:
     layout, args, work, pieces = t.layout, t.args, t.work, t.unclaimed
     n, k = layout.size(layout.shard_dims), work.micro_batches
     gathered_bytes = 2 if work.mixed_precision == "bf16" else 4
+    # exact accumulation: each micro-batch's gradient reduce-scattered on its own, in float64
+    reductions, reduced_bytes = (k, 8) if "exact_accumulation" in t.plan.traits else (1, 4)
     gathered = reduced = shard = 0
     for name, shape in pieces:
         padded = padded_numel(shape, n)
         gathers = 1 + (not gathered_between_forward_and_backward(name, args, layout))
         gathered += k * gathers * padded * gathered_bytes
-        reduced += padded * 4
+        reduced += reductions * padded * reduced_bytes
         shard += padded // n * 4  # what HSDP all-reduces over the replicas: this rank's (padded) shard
     traffic = [
         Traffic("all_gather", gathered, n, "dp_shard"),
@@ -209,6 +221,7 @@ class Shard(Piece):
                 ctx.layout,
                 ctx.work,
                 ignored=ctx.claimed(stage),
+                exact="exact_accumulation" in ctx.plan.traits,
             )
         return stages
 

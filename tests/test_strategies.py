@@ -85,6 +85,7 @@ def test_the_registry_applies_the_pieces_in_torchtitans_order():
         "compile",
         "dp_shard",
         "dp_replicate",
+        "fault_tolerant",  # across the replica groups, each one launch of the layout above
     ]
 
 
@@ -98,9 +99,11 @@ def test_every_mistake_says_what_it_is_and_is_one_under_some_layout():
         Layout(ep=2, cp=2),
     ]
     works = [WORK, Workload(GPTConfig(n_experts=4, capacity_factor=1.0), rows=4)]  # a MoE's under a capacity
+    # a fault-tolerant replacement group: fault tolerance's mistakes
+    flags = [{}, {"fault_tolerant": True, "ft_replacement": True}]
     for variant in WRONG_VARIANTS:
-        assert any(is_a_mistake_under_plan(variant, plan_of(layout, stage, work)) for layout in layouts
-                   for stage in (None, 3) for work in works), variant  # fmt: skip
+        assert any(is_a_mistake_under_plan(variant, plan_of(layout, stage, work, **f)) for layout in layouts
+                   for stage in (None, 3) for work in works for f in flags), variant  # fmt: skip
     ddp = Layout(
         dp_replicate=2
     )  # Accelerate's DDP broadcasts rank 0's weights: seed_per_rank changes nothing
