@@ -26,7 +26,12 @@ def set_lr(optimizer, lr: float) -> None:
 
 
 def clip_by_global_norm(
-    parameters, max_norm: float, local_only: bool = False, across=None, counted_elsewhere=(), exact: bool = False
+    parameters,
+    max_norm: float,
+    local_only: bool = False,
+    across=None,
+    counted_elsewhere=(),
+    exact: bool = False,
 ) -> torch.Tensor:
     """Clip to the norm of the WHOLE gradient; return that norm. A DTensor gradient's squared sum is
     summed over the mesh dimensions it is split on (Shard) and counted once over those it is copied on

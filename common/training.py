@@ -51,7 +51,9 @@ class TrainLoop:
         self.model, self.optimizer = model, optimizer
         self.samples_per_micro_batch, self.tokens_per_sample = samples_per_micro_batch, tokens_per_sample
         # samples an optimizer step trains over every rank (`steps` says it for a trainer that owns a step)
-        self.samples_per_step = samples_per_micro_batch * getattr(session.cfg, "gradient_accumulation_steps", 1)
+        self.samples_per_step = samples_per_micro_batch * getattr(
+            session.cfg, "gradient_accumulation_steps", 1
+        )
         self.steps_redone = 0
         self.unit = "tokens" if tokens_per_sample else "samples"
         self.checkpointer = checkpointer or AccelerateCheckpointer(self.accelerator, model, optimizer)
@@ -147,9 +149,13 @@ class TrainLoop:
             return
         for index, loss in enumerate(losses):
             last = index == len(losses) - 1
-            self.record(loss, ends_step=last, samples=self.samples_per_step if last else 0, **(latest if last else {}))
+            self.record(
+                loss, ends_step=last, samples=self.samples_per_step if last else 0, **(latest if last else {})
+            )
 
-    def record(self, loss: torch.Tensor, ends_step: bool | None = None, samples: int | None = None, **latest: float) -> None:
+    def record(
+        self, loss: torch.Tensor, ends_step: bool | None = None, samples: int | None = None, **latest: float
+    ) -> None:
         """After each micro-batch: the loss window; after each optimizer step everything else.
         `ends_step`: whether this micro-batch is its step's last (None: Accelerate's sync_gradients says so).
         `latest` (e.g. lr=..., grad_norm=...) goes into the next interval's record as its last value (None:
@@ -179,7 +185,7 @@ class TrainLoop:
             self.state_digests[self.step] = self.checkpointer.digest()
             meta = {
                 "samples_seen": self.samples_seen,
-            "steps_redone": self.steps_redone,
+                "steps_redone": self.steps_redone,
                 "world_size": self.accelerator.num_processes,
                 "layout": {name: getattr(self.cfg, name) for name in self.cfg.layout_flags},
                 "trajectory": self.cfg.trajectory(self.accelerator.num_processes),
@@ -221,7 +227,9 @@ class TrainLoop:
         """Figures for summary.json: throughput, where the run resumed, state digests. `final_state`: the
         full state at the end if the caller already gathered it (else gathered here: a collective)."""
         steps_run = self.step - self.start_step
-        loop_rate = self._per_second(steps_run * self.samples_per_step, self.train_time_s) if steps_run else math.nan
+        loop_rate = (
+            self._per_second(steps_run * self.samples_per_step, self.train_time_s) if steps_run else math.nan
+        )
         steady_steps = self.step - self.steady_from_step
         steady = self.steady_start is not None and steady_steps > 0
         figures = {

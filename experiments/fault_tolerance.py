@@ -1,62 +1,57 @@
 """fault_tolerance: can training lose a replica group, go on without restarting anyone, and end where a run without
 failures ends?
 
-torchft (PyTorch's per-step fault tolerance of the replicated dimension) keeps the healthy replica groups stepping
-while a failed one is replaced; the replacement takes its state live from a healthy peer (torchft's checkpoint
-transport), never from disk. One command starts everything on this machine:
+Each replica group is train_gpt (experiments/train_gpt.py) with --fault_tolerant (strategies/ft.py: torchft's
+Manager owns the replicated dimension, its should_commit gates each step, a lost group's replacement heals from a
+live peer's state, never from disk; each global batch is shared by the live groups and summed exactly, in float64).
+This file is the experiment around them, on one machine:
   - torchft's lighthouse (LighthouseServer), which forms a quorum of the live groups before every step;
-  - --replica_groups groups training the GPT of common/gpt.py under torchft Managers: each one process (plain
-    replicas), or --dp_shard processes that shard it with FSDP2 inside the group while torchft replicates across
-    the groups (fault-tolerant HSDP, as torchtitan wires it: one Manager per rank, rank r of every group all-reducing
-    its shard's gradients with rank r of the others);
+  - --replica_groups groups, each --dp_shard x --tp processes (FSDP, tensor parallelism inside the group; torchft
+    replicates across the groups: fault-tolerant HSDP and beyond, as torchtitan wires it), and a hot spare per
+    failure: each a train_gpt run of its own (<run>/groups/spare<k>), started at once, ready and waiting;
   - a fault injector that SIGKILLs a random group --failures times at random moments (every second failure while
-    the previous one's replacement is still recovering) and hands the group's place to a hot spare, which joins
-    the next quorum and heals from a peer.
-No survivor restarts. What goes beyond torchft's own promise (a failed step's samples are never trained there, so
-the result depends on when failures happen): every committed step trains the SAME global batch (step s: samples
-s x B ... s x B + B - 1 of one seeded stream), cut into fixed micro-batches of --micro_batch_size rows that the
-groups in the quorum share; each micro-batch's gradient is added in float64, the groups' sums all-reduced (SUM) in
-float64, and only then rounded to float32. A sum of a few float32 numbers in float64 is exact, so the gradient
-does not depend on how many groups shared the step or who computed what. (Under FSDP a unit of --dp_shard
-micro-batches, one per rank, is reduce-scattered in float64 and reaches each shard rounded once: the reference
-rounds each unit alike.) A step a failure interrupts is not committed and is redone with the same batch. So
-failures change the time, not the result: the final parameters equal one process that accumulates the same
-micro-batches (gradient accumulation): 0.0 apart in every run here.
+    the previous one's replacement is still recovering) and hands the group's place to a spare;
+  - the report: train_gpt's own checks of every finished group, and this experiment's.
+No survivor restarts, and a step a failure interrupts is redone with the same batch: failures change the time, not
+the result (the groups' parameters 0.0 from one process on replicas and FSDP inside a group; tensor parallelism
+splits each matmul's sum: within train_gpt's tolerance).
 
 Checks (each has a --wrong_variant that fails it; tests/test_fault_tolerance.py):
-- matches_one_process  every finished group's parameters after --max_steps equal one process on the same global
-                       batches (--param_atol);
+- matches_one_process  every finished group passed train_gpt's matches_single_process after --max_steps steps (the
+                       parity steps are all of them), the largest |parameter - one process| of any group said;
 - every_sample_once    every committed step trained its B samples exactly once: the groups all-reduce their row
                        count and the sums of their samples' stream positions (and squares) beside the gradients;
 - failures_survived    failures injected = failures survived (the group back, healed from a peer, training on),
                        no survivor restarted, no group given up on.
-With --algorithm diloco (torchft's DiLoCo: --sync_every inner AdamW steps on each group's share, then an outer
-Nesterov step on the groups' averaged parameter change) the run is another algorithm: it is not compared with one
-process (the check says why); its bytes are set against DDP's for the same tokens, its val_loss beside DDP's.
+Figures: recover_s (a kill to its group's next committed step), effective_training_time (the wall time in steps
+that committed with no failure inside them; Llama 3 reports > 90 % over its 54-day run, its paper's section 3.3.4),
+throughput with every group and with fewer. With --algorithm diloco (torchft's DiLoCo) the run is another
+algorithm: it is not compared with one process; its bytes are set against DDP's for the same tokens, its val_loss
+beside a one-process run's on the same batches.
 
 Run it (CPU, over gloo):
     python experiments/fault_tolerance.py --replica_groups 3 --failures 4
     python experiments/fault_tolerance.py --replica_groups 3 --dp_shard 2 --failures 4     # FSDP inside each group
-    python experiments/fault_tolerance.py --replica_groups 2 --failures 2 --seed 2
+    python experiments/fault_tolerance.py --replica_groups 3 --tp 2 --failures 4           # TP inside each group
     python experiments/fault_tolerance.py --algorithm diloco --sync_every 10
 On a cluster the same roles run as jobs: `torchft_lighthouse --min_replicas 1 ...` once, then one `torchrun` job
-per replica group with TORCHFT_LIGHTHOUSE set (torchft's README); the injector is this file's only addition.
+per replica group running `experiments/train_gpt.py --fault_tolerant --replica_groups G --replica_id g` with
+TORCHFT_LIGHTHOUSE set (torchft's README); the injector is this file's only addition.
 """
 
 from __future__ import annotations
 
 import contextlib
 import json
-import logging
 import math
 import multiprocessing
 import os
 import random
 import signal
+import socket
 import sys
 import time
 from dataclasses import dataclass
-from datetime import timedelta
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 if __name__ == "__main__":  # Ctrl-C during the imports below: one line, exit 130 (common/interrupt.py)
@@ -76,38 +71,33 @@ from common.config import (
     require_positive,
     run_cli,
 )
-from common.data import iterate_sample_stream
-from common.device import backend_for, process_device
-from common.gpt import GPTConfig, adamw, build_gpt, lm_loss, parameter_count, refuse_gpt
-from common.moe import local  # a DTensor's local shard (a view: writing it writes it), else the tensor
+from common.gpt import GPTConfig, refuse_gpt
 from common.run import start_run
-from common.text import load_corpus, require_vocabulary
+from common.text import require_vocabulary
 
 EXPERIMENT = "fault_tolerance"
-WRONG_VARIANTS = {
-    "own_data_position": "torchft's own loop: each group reads its own data, a batch per attempt, whatever was "
-    "committed: a failed step's batch is skipped, and a replacement reads from the first batch",
-    "average_over_groups": "torchft's default all-reduce (AVG) of gradients whose losses are already divided by the "
-    "whole batch: every step's gradient divided by the number of live groups",
-    "replacement_hangs": "a replacement takes its place and hangs before its first quorum: the group never comes "
-    "back; after --rejoin_timeout_s it is given up on, named, and the survivors carry on",
+WRONG_VARIANTS = {  # strategies/ft.py's mistakes, made by the groups (the last by the replacements only)
+    "own_data_position": "each group reads its own data, a batch per attempt (torchft's own loop)",
+    "average_over_groups": "torchft's default AVG of gradients already divided by the whole batch",
+    "replacement_hangs": "a replacement hangs before its first quorum: after --rejoin_timeout_s it is given up on",
 }
 
 
 @dataclass
 class Config(RunArgs):
     sweep_metrics = ("val_loss", "samples_per_s")
-    replica_groups: int = flag(3, "replica groups (each a process here; a torchrun job on a cluster)")
+    replica_groups: int = flag(
+        3, "replica groups (each a train_gpt launch here; a torchrun job on a cluster)"
+    )
     failures: int = flag(4, "groups killed (SIGKILL) at random moments, each replaced by a hot spare")
     algorithm: str = flag("ddp", "ddp: gradients all-reduced every step; diloco: torchft's DiLoCo",
                           choices=("ddp", "diloco"))  # fmt: skip
     sync_every: int = flag(10, "with --algorithm diloco: inner steps between the groups' syncs (H)")
     max_steps: int = flag(200, "committed optimizer steps (ddp) or inner steps (diloco)")
     global_batch_size: int = flag(12, "samples every committed step trains, whatever groups are alive")
-    micro_batch_size: int = flag(2, "rows of a micro-batch: the fixed unit the live groups share (B / this of "
-                                 "them, so at most that many groups)")  # fmt: skip
-    dp_shard: int = flag(1, "processes per replica group, sharding the model with FSDP2 inside the group; torchft "
-                         "replicates across the groups (fault-tolerant HSDP). 1: plain replicas")  # fmt: skip
+    micro_batch_size: int = flag(2, "rows of a micro-batch of one rank (train_gpt's --per_rank_batch_size)")
+    dp_shard: int = flag(1, "processes per group sharding the model with FSDP2 inside it (1: plain replicas)")
+    tp: int = flag(1, "processes per group splitting each matrix (tensor parallelism) inside it")
     block_size: int = flag(32, "tokens per sample")
     vocab_size: int = flag(512, "BPE vocabulary trained on the corpus")
     d_model: int = flag(64, "model width")
@@ -118,22 +108,19 @@ class Config(RunArgs):
         0.7, "with --algorithm diloco: the outer Nesterov SGD's learning rate (DiLoCo's 0.7)"
     )
     lighthouse_port: int = flag(0, "the lighthouse's port (0: a free one)")
-    step_timeout_s: float = flag(5.0, "torchft's timeout of a quorum, a collective and a checkpoint transfer: how "
-                                 "long survivors wait for a dead peer before a new quorum")  # fmt: skip
+    step_timeout_s: float = flag(5.0, "torchft's timeout of a quorum, a collective and a state transfer: how long "
+                                 "survivors wait for a dead peer before a new quorum")  # fmt: skip
     rejoin_timeout_s: float = flag(60.0, "a group silent this long (a replacement not healed, a survivor stuck) is "
                                    "given up on, named, and failures_survived fails; the others carry on")  # fmt: skip
-    param_atol: float = flag(
-        1e-4, "largest |parameter - one process| after --max_steps (train_gpt's tolerance)"
-    )
     wrong_variant: str = flag("", "a deliberate mistake a check must catch: " + ", ".join(WRONG_VARIANTS))
 
     def validate(self) -> None:
         super().validate()
         # the model through train_gpt's own checks, first: nothing starts on a GPT no model can have
         require_vocabulary(self.vocab_size)
-        refuse_gpt(self.model_config(self.vocab_size))
-        require_positive(self, "replica_groups", "dp_shard", "max_steps", "global_batch_size", "micro_batch_size",
-                         "sync_every", "lr", "outer_lr", "step_timeout_s", "rejoin_timeout_s", "param_atol")  # fmt: skip
+        refuse_gpt(GPTConfig(self.vocab_size, self.block_size, self.n_layer, self.n_head, self.d_model))
+        require_positive(self, "replica_groups", "dp_shard", "tp", "max_steps", "global_batch_size",
+                         "micro_batch_size", "sync_every", "lr", "outer_lr", "step_timeout_s", "rejoin_timeout_s")  # fmt: skip
         for name in ("step_timeout_s", "rejoin_timeout_s"):  # a timedelta, a deadline: bounded (a week)
             require(
                 getattr(self, name) <= MAX_TIMEOUT_S,
@@ -147,347 +134,109 @@ class Config(RunArgs):
         require(self.failures <= steps // 4, f"--failures {self.failures}: at most {steps // 4} in {steps} "
                 f"{'syncs' if self.algorithm == 'diloco' else 'steps'} (a failure needs steps around it to be "
                 "survived and seen); raise --max_steps")  # fmt: skip
-        require(self.global_batch_size % self.micro_batch_size == 0, f"--global_batch_size "
-                f"{self.global_batch_size} must be a multiple of --micro_batch_size {self.micro_batch_size}")  # fmt: skip
-        micro_batches = self.global_batch_size // self.micro_batch_size
-        require(micro_batches % self.dp_shard == 0, f"--dp_shard {self.dp_shard} must divide the {micro_batches} "
-                "micro-batches of a global batch (each of a group's ranks takes one of every unit)")  # fmt: skip
-        units = micro_batches // self.dp_shard
-        require(self.replica_groups <= units, f"--replica_groups {self.replica_groups}: at most {units}, the units "
-                f"a global batch splits into for the groups to share ({self.global_batch_size} rows / "
-                f"--micro_batch_size {self.micro_batch_size} / --dp_shard {self.dp_shard})")  # fmt: skip
-        require(self.algorithm == "ddp" or self.dp_shard == 1, f"--algorithm {self.algorithm} with --dp_shard "
-                f"{self.dp_shard}: DiLoCo runs plain replicas here (--dp_shard 1)")  # fmt: skip
+        unit = self.micro_batch_size * self.dp_shard * self.replica_groups
+        require(self.global_batch_size % unit == 0, f"--global_batch_size {self.global_batch_size} must be a multiple "
+                f"of --micro_batch_size x --dp_shard x --replica_groups = {unit} (every group's ranks a micro-batch "
+                "each, as many for every group)")  # fmt: skip
         require(
             0 <= self.lighthouse_port < 65536,
             f"--lighthouse_port must be in [0, 65535], got {self.lighthouse_port}",
         )
         processes, devices = (
-            (self.replica_groups + self.failures) * self.dp_shard,
+            self.group_size * (self.replica_groups + self.failures),
             torch.accelerator.device_count(),
         )
         require(not torch.accelerator.is_available() or processes <= devices, f"{processes} processes (--replica_groups "
-                f"{self.replica_groups} + a spare a failure, x --dp_shard {self.dp_shard}) need a GPU each (NCCL takes "
-                f"one process a GPU); this machine has {devices}")  # fmt: skip
+                f"{self.replica_groups} + a spare a failure, x {self.group_size}) need a GPU each; this machine has "
+                f"{devices}")  # fmt: skip
+        require(self.algorithm == "ddp" or self.group_size == 1, f"--algorithm {self.algorithm} with {self.group_size} "
+                "processes a group: DiLoCo runs plain replicas here (--dp_shard 1, --tp 1)")  # fmt: skip
         require(self.wrong_variant in ("", *WRONG_VARIANTS),
                 f"--wrong_variant {self.wrong_variant!r}: known: {', '.join(WRONG_VARIANTS)}")  # fmt: skip
 
-    def model_config(self, vocab_size: int) -> GPTConfig:
-        return GPTConfig(vocab_size, self.block_size, self.n_layer, self.n_head, self.d_model)
+    @property
+    def group_size(self) -> int:
+        return self.dp_shard * self.tp
 
+    def train_gpt_args(self, output_dir: str, groups: int, **more) -> list[str]:
+        """train_gpt's flags for a run of this model and batch, `groups` replica groups sharing each batch."""
+        accumulation = self.global_batch_size // (self.micro_batch_size * self.dp_shard * groups)
+        flags = {"output_dir": output_dir, "report_to": "none", "seed": self.seed, "max_steps": self.max_steps,
+                 "per_rank_batch_size": self.micro_batch_size, "gradient_accumulation_steps": accumulation,
+                 "block_size": self.block_size, "vocab_size": self.vocab_size, "d_model": self.d_model,
+                 "n_layer": self.n_layer, "n_head": self.n_head, "lr": self.lr, "warmup_steps": 0,
+                 "min_loss_drop": 0.0, "sample_tokens": 0, "log_every": self.max_steps, "mixed_precision": "no",
+                 "dist_timeout_s": self.dist_timeout_s, **more}  # fmt: skip
+        return [f"--{k}={v}" for k, v in flags.items()]
 
-def micro_batches_of(micro_batches: int, groups: int, rank: int) -> range:
-    """A group's contiguous micro-batches of a step: as even as can be, the first groups one more."""
-    per, extra = divmod(micro_batches, groups)
-    start = rank * per + min(rank, extra)
-    return range(start, start + per + (rank < extra))
-
-
-def accumulate(model, parameters, x, y, micro: range, cfg: Config) -> tuple[torch.Tensor, float]:
-    """The float64 sums of the gradients and losses of micro-batches `micro` of a global batch (x, y). Each
-    micro-batch's loss is its summed token losses / the batch's B x T tokens, so the sum over every micro-batch is
-    the batch's mean loss and its gradient, whoever computes which. Under FSDP each rank of a group passes its own
-    micro-batches, and the sums are of its shards (FSDP has summed the group's ranks into them)."""
-    device = parameters[0].device
-    total = torch.zeros(sum(local(p).numel() for p in parameters), dtype=torch.float64, device=device)
-    loss_sum = 0.0
-    for m in micro:
-        for p in parameters:
-            local(p.grad).zero_()
-        rows = slice(m * cfg.micro_batch_size, (m + 1) * cfg.micro_batch_size)
-        logits = model(x[rows].to(device))
-        loss = torch.nn.functional.cross_entropy(
-            logits.float().flatten(0, 1), y[rows].to(device).flatten(), reduction="sum"
-        )
-        loss = loss / (cfg.global_batch_size * cfg.block_size)
-        loss.backward()
-        total += torch.cat([local(p.grad).reshape(-1) for p in parameters]).double()
-        loss_sum += loss.item()
-    return total, loss_sum
-
-
-def batch_of(corpus: dict, cfg: Config, step: int):
-    """Step `step`'s global batch: samples step x B ... step x B + B - 1 of one seeded stream."""
-    return next(
-        iterate_sample_stream(*corpus["train"], cfg.global_batch_size, cfg.seed, step * cfg.global_batch_size)
-    )
+    def group_args(self, lighthouse: str, spare: int, run_dir: str) -> list[str]:
+        """train_gpt's flags for spare `spare` (a group from the start, or a replacement): every step compared with
+        one process."""
+        replacement = spare >= self.replica_groups
+        variant = self.wrong_variant if replacement or self.wrong_variant != "replacement_hangs" else ""
+        argv = self.train_gpt_args(os.path.join(run_dir, "groups", f"spare{spare}"), self.replica_groups,
+                                   parity_steps=self.max_steps, dp_shard=self.dp_shard, tp=self.tp,
+                                   replica_groups=self.replica_groups, lighthouse=lighthouse, ft_algorithm=self.algorithm,
+                                   sync_every=self.sync_every, outer_lr=self.outer_lr, ft_timeout_s=self.step_timeout_s,
+                                   ft_start_file=os.path.join(run_dir, f"spare{spare}.go"), wrong_variant=variant)  # fmt: skip
+        return [*argv, "--fault_tolerant", *["--ft_replacement"] * replacement]
 
 
 # ------------------------------------------------------------------------------------------- a replica group
-def replica_group(
-    spare: int, rank: int, cfg: Config, lighthouse: str, run_dir: str, launcher_pid: int
+def group_process(
+    rank: int, world: int, port: int, gpus: list[int], argv: list[str], log: str, launcher: int
 ) -> None:
-    """A replica group's process (started by the Injector): it ends when the launcher does, however the launcher
-    ends (a SIGKILL included: it would otherwise wait for its go-file or retry torchft's quorum forever); under the
-    GPU rehearsal when the run is one."""
+    """One rank of a group: the environment torchrun gives it, then train_gpt. It ends when the launcher does,
+    however the launcher ends (a SIGKILL included); under the GPU rehearsal when the run is one."""
     from common.processes import end_with
     from common.rehearsal import rehearse_if_asked
 
-    end_with(launcher_pid)
-    with rehearse_if_asked():
-        run_replica(spare, rank, cfg, lighthouse, run_dir)
-
-
-def run_replica(spare: int, rank: int, cfg: Config, lighthouse: str, run_dir: str) -> None:
-    """One process's life: get ready (imports, data, model, its group's FSDP ranks: the seconds a cold start
-    costs), wait for the injector to give its spare a group's place (<run_dir>/spare<k>.go), join the quorum, heal
-    from a peer if behind, train committed steps to the end. Its events go to events/group<g>.<rank>-<pid>.jsonl
-    (a line each, flushed: a SIGKILL cuts at most its last one), its output to processes/<pid>.log, the group's
-    final parameters (from its rank 0) to group<g>.pt."""
-    import torch.distributed as dist
-    from torch.distributed import PrefixStore, TCPStore
-    from torch.distributed.distributed_c10d import ReduceOp
-    from torch.utils._pytree import tree_map  # as common/comm_counter.py uses torch's pytree
-    from torchft import Manager, ProcessGroupGloo, ProcessGroupNCCL
-
-    # a Ctrl-C is the launcher's to handle: it ends every process
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-    log = open(os.path.join(run_dir, "processes", f"{os.getpid()}.log"), "w", buffering=1)  # noqa: SIM115
-    # this process's own output (torchft's HTTP log, c10d's timeouts) in its own file
-    os.dup2(log.fileno(), 1)
-    os.dup2(log.fileno(), 2)
-    logging.getLogger("torchft").setLevel(logging.ERROR)  # it logs every peer a failure took: expected here
+    end_with(launcher)
+    signal.signal(
+        signal.SIGINT, signal.SIG_IGN
+    )  # a Ctrl-C is the launcher's to handle: it ends every process
+    output = open(log, "w", buffering=1)  # noqa: SIM115
+    os.dup2(output.fileno(), 1)  # its own output (torchft's HTTP log, c10d's timeouts) in its own file
+    os.dup2(output.fileno(), 2)
+    sys.stdout = sys.stderr = output
+    if gpus:  # its group's GPUs, a process each (NCCL's rule)
+        os.environ["CUDA_VISIBLE_DEVICES"] = ",".join(map(str, gpus))
+    if world > 1:
+        os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(world),
+                          MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))  # fmt: skip
     torch.set_num_threads(1)
-    # this process's device: a GPU of its own where there are GPUs (refused up front if too few), else the CPU
-    device = process_device(spare * cfg.dp_shard + rank)
-    if device.type != "cpu":
-        torch.accelerator.set_device_index(device.index)
-    timeout = timedelta(seconds=cfg.step_timeout_s)
-    # the group's own store: its FSDP ranks' rendezvous, and its torchft Managers' (rank 0 serves the quorum)
-    address = os.path.join(run_dir, f"spare{spare}.store")
-    if rank == 0:
-        store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
-        with open(address + ".tmp", "w") as handle:
-            handle.write(str(store.port))
-        os.replace(address + ".tmp", address)
-    else:
-        while not os.path.exists(address):
-            time.sleep(0.01)
-        store = TCPStore("127.0.0.1", int(open(address).read()), is_master=False, timeout=timeout)
-    corpus = load_corpus("", cfg.vocab_size, cfg.block_size, 0.1, cfg.dist_timeout_s)
-    model = build_gpt(cfg.model_config(corpus["vocab_size"]), cfg.seed).to(device)
-    if cfg.dp_shard > 1:
-        dist.init_process_group(backend_for(device), store=PrefixStore("fsdp", store), rank=rank,
-                                world_size=cfg.dp_shard, timeout=timedelta(seconds=cfg.dist_timeout_s))  # fmt: skip
-        shard(model, cfg.dp_shard, device.type)
-    optimizer = adamw(model.parameters(), cfg.lr, 0.1)
-    parameters = list(model.parameters())
-    # gradients exist from the start: a group that heals before its first backward has them
-    for p in parameters:
-        p.grad = torch.zeros_like(p)
-    open(os.path.join(run_dir, f"spare{spare}.{rank}.ready"), "w").close()
-    go = os.path.join(run_dir, f"spare{spare}.go")
-    while not (os.path.exists(go) and open(go).read().strip()):
-        time.sleep(0.01)
-    group = int(open(go).read())
-    # a file per process: a SIGKILL can cut its last line, never a line another process writes after it
-    name = os.path.join(run_dir, "events", f"group{group}.{rank}-{os.getpid()}.jsonl")
-    events = open(name, "w", buffering=1)  # noqa: SIM115
+    from experiments import train_gpt
 
-    def say(event: str, **fields) -> None:
-        line = {"event": event, "group": group, "rank": rank, "pid": os.getpid(), "t": time.time(), **fields}
-        events.write(json.dumps(line) + "\n")
-
-    sent: list[int] = []  # bytes of every all-reduce this process made across the groups
-
-    def state_dict() -> dict:  # this rank's shards, as plain tensors: what the checkpoint transport sends
-        return {"model": {k: local(v) for k, v in model.state_dict().items()},
-                "optim": tree_map(local, optimizer.state_dict())}  # fmt: skip
-
-    def load_state_dict(state: dict) -> None:
-        with torch.no_grad():
-            for k, v in model.state_dict().items():
-                local(v).copy_(state["model"][k])
-        optimizer.load_state_dict(like_parameters(state["optim"], optimizer))
-
-    # this rank and the same rank of every other group: torchft's group of the device's backend (NCCL on GPUs)
-    pg = (ProcessGroupNCCL if backend_for(device) == "nccl" else ProcessGroupGloo)(timeout=timeout)
-    allreduce = pg.allreduce
-
-    def counted_allreduce(tensors, opts):
-        sent.extend(t.numel() * t.element_size() for t in tensors)
-        return allreduce(tensors, opts)
-
-    pg.allreduce = counted_allreduce
-    # quorum_retries: a lighthouse call that failed (a peer died in it) is tried again
-    manager = Manager(pg=pg, load_state_dict=load_state_dict, state_dict=state_dict, min_replica_size=1,
-                      use_async_quorum=False, timeout=timeout, quorum_timeout=timeout, connect_timeout=timeout,
-                      store_addr="127.0.0.1", store_port=store.port, rank=rank, world_size=cfg.dp_shard,
-                      lighthouse_addr=lighthouse, replica_id=f"group{group}", quorum_retries=1_000_000)  # fmt: skip
-    say("started", replacement=spare >= cfg.replica_groups)
-    while cfg.wrong_variant == "replacement_hangs" and spare >= cfg.replica_groups:
-        time.sleep(1)  # the mistake: alive, silent, never in a quorum
+    code = 1
     try:
-        if cfg.algorithm == "diloco":
-            train_diloco(cfg, manager, model, optimizer, corpus, say, group)
-        else:
-            train_ddp(
-                cfg, manager, model, optimizer, parameters, corpus, say, ReduceOp, spare >= cfg.replica_groups
-            )
-        full = {k: v.full_tensor() if hasattr(v, "full_tensor") else v for k, v in model.state_dict().items()}
-        if rank == 0:
-            torch.save({k: v.cpu() for k, v in full.items()}, os.path.join(run_dir, f"group{group}.pt"))
-        gradient_bytes = sum(local(p).numel() for p in parameters) * 8
-        say("finished", allreduce_bytes=sent, gradient_bytes=gradient_bytes)
+        with rehearse_if_asked():
+            code = train_gpt.main(argv)
+    except UsageError as error:
+        print(f"error: {error}")
+        code = 2
+    except BaseException:
+        import traceback
+
+        traceback.print_exc()
     finally:
-        manager.shutdown(wait=False)
+        output.flush()
+        sys.exit(
+            code or 0
+        )  # multiprocessing's exit: its finalizers run, then os._exit (no thread is waited for)
 
 
-def shard(model, dp_shard: int, device_type: str) -> None:
-    """FSDP2 over the group's ranks: each block, then the root. Gradients are reduce-scattered in float64 and
-    summed, not averaged (divide factor 1): a unit of dp_shard micro-batches (one per rank) reaches each rank's
-    shard as float32(the float64 sum of its micro-batches' gradients), what the one-process reference computes."""
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
-
-    mesh, policy = (
-        init_device_mesh(device_type, (dp_shard,)),
-        MixedPrecisionPolicy(reduce_dtype=torch.float64),
-    )
-    for module in [*model.blocks.values(), model]:
-        fully_shard(module, mesh=mesh, mp_policy=policy)
-        module.set_gradient_divide_factor(1.0)
-
-
-def like_parameters(optim_state: dict, optimizer) -> dict:
-    """A peer's optimizer state (plain local tensors) made DTensors again where the parameter is one (the state's
-    indices count the parameters group by group)."""
-    from torch.distributed.tensor import DTensor
-
-    parameters, state = [p for group in optimizer.param_groups for p in group["params"]], {}
-    for index, values in optim_state["state"].items():
-        p = parameters[int(index)]
-        state[index] = {k: DTensor.from_local(v, p.device_mesh, p.placements, run_check=False, shape=p.shape,
-                                              stride=p.stride())
-                        if isinstance(p, DTensor) and k != "step" else v for k, v in values.items()}  # fmt: skip
-    return {**optim_state, "state": state}
-
-
-def write_gradients(parameters, gradients: torch.Tensor) -> None:
-    """Each parameter's gradient (its local shard, in place) from the flat float64 sum, rounded to float32 once."""
-    offset = 0
-    for p in parameters:
-        shard = local(p.grad)
-        shard.copy_(gradients[offset : offset + shard.numel()].view_as(shard))
-        offset += shard.numel()
-
-
-def clip_gradients(parameters, max_norm: float = 1.0) -> None:
-    """clip_grad_norm_, with the norm summed in float64 over the group's shards: the same coefficient, to the bit,
-    as the one-process reference's (torch's float32 sums of shard norms would differ in their last bits)."""
-    import torch.distributed as dist
-
-    squares = sum(local(p.grad).double().pow(2).sum() for p in parameters)
-    if dist.is_initialized():
-        dist.all_reduce(squares)
-    coefficient = torch.tensor(max_norm / (squares.sqrt().item() + 1e-6)).clamp(max=1.0).float()
-    for p in parameters:
-        local(p.grad).mul_(coefficient)
-
-
-def train_ddp(
-    cfg: Config, manager, model, optimizer, parameters, corpus, say, ReduceOp, replacement: bool
-) -> None:
-    """Each committed step: the quorum (a group behind heals from a peer there), this group's units of the step's
-    global batch (one micro-batch per FSDP rank each), their float64 gradient sum all-reduced across the groups with
-    the rows' count and stream-position sums, then the optimizer only if every group of the quorum committed; else
-    the same step again, with the same batch."""
-    import torch.distributed as dist
-
-    rank, R = dist.get_rank() if dist.is_initialized() else 0, cfg.dp_shard
-    # attempts: the steps this process has tried (the data position of the own_data_position mistake)
-    attempts, waited, units = 0, 0, cfg.global_batch_size // cfg.micro_batch_size // R
-    while manager.current_step() < cfg.max_steps:
-        before = manager.current_step()
-        if not join_quorum(manager, say):
-            continue
-        step = manager.current_step()
-        if step != before:
-            say("healed", step=step, behind=step - before)  # state taken live from a peer: no checkpoint read
-        elif replacement and step == 0:  # alone in its quorum, no peer to heal from: never train from scratch
-            waited += 1
-            if waited == 1:
-                say("waiting_for_a_peer")
-            time.sleep(0.1)
-            continue
-        replacement = False
-        batch = attempts if cfg.wrong_variant == "own_data_position" else step
-        attempts += 1
-        groups, group_rank = manager.num_participants(), manager.participating_rank()
-        shares = micro_batches_of(units, groups, group_rank) if group_rank is not None else range(0)
-        micro = [unit * R + rank for unit in shares]
-        x, y = batch_of(corpus, cfg, batch)
-        gradients, loss_sum = accumulate(model, parameters, x, y, micro, cfg)
-        rows = torch.tensor(
-            [m * cfg.micro_batch_size + i for m in micro for i in range(cfg.micro_batch_size)]
-        )
-        positions = rows.double() + batch * cfg.global_batch_size
-        tally = torch.stack([torch.tensor(float(len(rows)), dtype=torch.float64), positions.sum(),
-                             (positions**2).sum(), torch.tensor(loss_sum, dtype=torch.float64)])  # fmt: skip
-        tally = tally.to(gradients.device)  # all-reduced with the gradients: on the group's device
-        if R > 1:
-            dist.all_reduce(tally)  # the group's rows, from each of its ranks
-        reduce_op = ReduceOp.AVG if cfg.wrong_variant == "average_over_groups" else ReduceOp.SUM
-        manager.allreduce(gradients, reduce_op=reduce_op).wait()
-        manager.allreduce(tally, reduce_op=ReduceOp.SUM).wait()
-        write_gradients(parameters, gradients)
-        clip_gradients(parameters)
-        if manager.should_commit():
-            optimizer.step()
-            count, position_sum, position_squares, loss = tally.tolist()
-            say("commit", step=step, batch=batch, groups=groups, rank_of_group=group_rank, count=count,
-                position_sum=position_sum, position_squares=position_squares, loss=loss)  # fmt: skip
-        else:
-            say("redo", step=step)
-        optimizer.zero_grad(set_to_none=False)
-
-
-def join_quorum(manager, say) -> bool:
-    """manager.start_quorum(), a failure said and retried a moment later. A quorum fails when a peer died in it (its
-    lighthouse call or a healing source timed out). torchft 0.2.0 keeps the failed quorum's future and re-raises its
-    error from every later start_quorum (measured: 4 million times in 90 s, the group never back): it is dropped."""
-    try:
-        manager.start_quorum()
-        return True
-    except Exception as error:
-        manager._quorum_future = None
-        say("quorum_failed", step=manager.current_step(), error=str(error).splitlines()[0][:200])
-        time.sleep(0.1)
-        return False
-
-
-def train_diloco(cfg: Config, manager, model, inner, corpus, say, group: int) -> None:
-    """torchft's DiLoCo: inner AdamW steps on this group's share of each step's batch (its share as if every group
-    were alive), every --sync_every an outer Nesterov step on the groups' averaged parameter change. Inner step i
-    after sync s reads global batch s x H + i: a healed group reads on where its peer is, and a window whose sync
-    failed is trained again on the same batches."""
-    from torchft.local_sgd import DiLoCo
-
-    outer = torch.optim.SGD(model.parameters(), lr=cfg.outer_lr, momentum=0.9, nesterov=True)
-    share = micro_batches_of(cfg.global_batch_size // cfg.micro_batch_size, cfg.replica_groups, group)
-    rows = slice(share.start * cfg.micro_batch_size, share.stop * cfg.micro_batch_size)
-    local_steps, synced = 0, 0
-    with DiLoCo(manager, [model], inner, outer, sync_every=cfg.sync_every):
-        while manager.current_step() * cfg.sync_every < cfg.max_steps:
-            if manager.current_step() != synced:  # a sync happened (or this group healed to a later one)
-                synced, local_steps = manager.current_step(), 0
-            x, y = batch_of(corpus, cfg, synced * cfg.sync_every + local_steps % cfg.sync_every)
-            device = next(model.parameters()).device
-            loss = lm_loss(model(x[rows].to(device)), y[rows].to(device))
-            loss.backward()
-            inner.step()  # DiLoCo's hook: on every --sync_every-th, the quorum, the outer step
-            inner.zero_grad()
-            local_steps += 1
-            if manager.current_step() > synced:
-                say("commit", step=synced, groups=manager.num_participants(), loss=loss.item())
+def free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
 
 
 # ------------------------------------------------------------------------------------------------ the run
 class Group:
-    """The processes in one group's place (its FSDP ranks; one with --dp_shard 1). Its rank 0 speaks for it."""
+    """The processes in one group's place (its ranks: one for plain replicas). Its rank 0 speaks for it."""
 
-    def __init__(self, processes: list):
-        self.processes = processes
+    def __init__(self, processes: list, spare: int):
+        self.processes, self.spare = processes, spare
 
     @property
     def pid(self) -> int:
@@ -514,7 +263,9 @@ class Injector:
         # a fork server that has imported torch: each process starts in a fraction of a second, not the ~2 s of a
         # fresh interpreter (torchft is imported in each process: its Rust runtime must not be forked)
         self.context = multiprocessing.get_context("forkserver")
-        self.context.set_forkserver_preload(["torch", "torch.distributed", "common.gpt", "common.text"])
+        self.context.set_forkserver_preload(
+            ["torch", "torch.distributed", "accelerate", "experiments.train_gpt"]
+        )
         self.spares: dict[int, Group] = {}  # spare number -> its processes (every one started)
         self.current: dict[int, Group] = {}  # group -> the processes in its place now
         self.free: list[int] = []  # spares started, no place yet
@@ -524,12 +275,16 @@ class Injector:
         self.given_up: list[dict] = []
         self.grace_until = 0.0  # no group is given up on before this (the others' time after one was)
         self.started_pids: list[int] = []  # every process this run started, spares never placed included
+        self.reference = None  # DiLoCo's: one process training the same batches
 
     def start_spare(self) -> None:
-        spare = len(self.spares)
-        args = (self.cfg, self.lighthouse, self.run_dir, os.getpid())
-        self.spares[spare] = Group([self.context.Process(target=replica_group, args=(spare, rank, *args))
-                                    for rank in range(self.cfg.dp_shard)])  # fmt: skip
+        spare, world = len(self.spares), self.cfg.group_size
+        argv, port = self.cfg.group_args(self.lighthouse, spare, self.run_dir), free_port()
+        gpus = list(range(spare * world, (spare + 1) * world)) if torch.accelerator.is_available() else []
+        logs = os.path.join(self.run_dir, "processes", f"spare{spare}")
+        self.spares[spare] = Group([self.context.Process(target=group_process, args=(rank, world, port, gpus, argv,
+                                                                                     f"{logs}.{rank}.log", os.getpid()))
+                                    for rank in range(world)], spare)  # fmt: skip
         for process in self.spares[spare].processes:
             process.start()
             self.started_pids.append(process.pid)
@@ -537,8 +292,8 @@ class Injector:
 
     def is_ready(self, spare: int) -> bool:
         return all(
-            os.path.exists(os.path.join(self.run_dir, f"spare{spare}.{r}.ready"))
-            for r in range(self.cfg.dp_shard)
+            os.path.exists(os.path.join(self.run_dir, f"spare{spare}.go.{r}.ready"))
+            for r in range(self.cfg.group_size)
         )
 
     def place(self, group: int, why: str) -> None:
@@ -578,7 +333,7 @@ class Injector:
         if worst is not None and now > self.grace_until:
             self.current[worst].kill()  # a group that never comes back: named, the survivors carry on
             waited = now - self.last_progress(events, self.current[worst].pid)
-            self.given_up.append({"group": worst, "pid": self.current[worst].pid, "no_progress_s": round(waited, 1),
+            self.given_up.append({"group": worst, "pid": self.current[worst].pid, "spare": self.current[worst].spare, "no_progress_s": round(waited, 1),
                                   "pids": [p.pid for p in self.current[worst].processes]})  # fmt: skip
             self.grace_until = now + self.cfg.rejoin_timeout_s
         commits = [e["t"] for e in events if e["event"] == "commit"] or [self.placed[0]["t"]]
@@ -600,6 +355,12 @@ class Injector:
         # would outlast the run
         for _ in range(cfg.replica_groups + cfg.failures):
             self.start_spare()
+        if cfg.algorithm == "diloco":  # DDP's val_loss for the same batches: one process, no failures
+            argv = cfg.train_gpt_args(os.path.join(self.run_dir, "groups", "reference"), 1, parity_steps=0)
+            self.reference = self.context.Process(target=group_process, args=(0, 1, 0, [], argv, os.path.join(
+                self.run_dir, "processes", "reference.log"), os.getpid()))  # fmt: skip
+            self.reference.start()
+            self.started_pids.append(self.reference.pid)
         self.wait(
             lambda events: all(self.is_ready(spare) for spare in range(cfg.replica_groups)),
             "the groups getting ready",
@@ -634,7 +395,7 @@ class Injector:
             )
             processes = self.current[group]
             processes.kill()
-            self.kills.append({"group": group, "pid": processes.pid, "pids": [p.pid for p in processes.processes],
+            self.kills.append({"group": group, "pid": processes.pid, "spare": processes.spare, "pids": [p.pid for p in processes.processes],
                                "t": time.time(), "step": progress(events), "during_recovery": healing})  # fmt: skip
             say(f"step {progress(events)}: killed group {group} (pid {processes.pid})"
                 + (f" while group {recovering} was still recovering" if healing else ""))  # fmt: skip
@@ -642,10 +403,12 @@ class Injector:
         while any(p.is_alive() for p in self.current.values()):
             self.watch()
             time.sleep(0.1)
+        if self.reference is not None:
+            self.reference.join(timeout=self.cfg.dist_timeout_s)
 
     def end_all(self) -> None:
         """Every process this run started is gone when it ends (Ctrl-C, a timeout, a crash included)."""
-        for spare in self.spares.values():
+        for spare in [*self.spares.values(), Group([self.reference] if self.reference else [], -1)]:
             for process in spare.processes:
                 if process.is_alive():
                     process.kill()
@@ -662,11 +425,13 @@ def has(events: list[dict], pid: int, *kinds: str) -> bool:
 
 
 def read_events(run_dir: str) -> list[dict]:
-    events = []
-    for name in sorted(os.listdir(os.path.join(run_dir, "events"))):
-        # a last line a kill cut short is not an event
-        with open(os.path.join(run_dir, "events", name)) as handle:
-            events += [json.loads(line) for line in handle if line.endswith("\n")]
+    """Every group's events (strategies/ft.py writes them: a file a rank, a line an event)."""
+    events, groups = [], os.path.join(run_dir, "groups")
+    for spare in sorted(os.listdir(groups)) if os.path.isdir(groups) else []:
+        folder = os.path.join(groups, spare, "ft_events")
+        for name in sorted(os.listdir(folder)) if os.path.isdir(folder) else []:
+            with open(os.path.join(folder, name)) as handle:  # a last line a kill cut short is not an event
+                events += [json.loads(line) for line in handle if line.endswith("\n")]
     return sorted(events, key=lambda e: e["t"])
 
 
@@ -698,71 +463,70 @@ def start_lighthouse(cfg: Config):
                          f"({str(error).splitlines()[0][:200]}); pass another, or 0 for a free one") from None  # fmt: skip
 
 
-def train_one_process(cfg: Config, corpus: dict) -> dict:
-    """The reference: one process, the same initial weights, every step the same global batch's micro-batches
-    accumulated (gradient accumulation): each unit of --dp_shard micro-batches summed in float64 and rounded to
-    float32 (what FSDP's float64 reduce-scatter hands a shard), the units added in float64; clipped and stepped as
-    the groups do."""
-    device = process_device(0)  # the groups' kind of device: the same kernels, the same rounding
-    model = build_gpt(cfg.model_config(corpus["vocab_size"]), cfg.seed).to(device)
-    optimizer = adamw(model.parameters(), cfg.lr, 0.1)
-    parameters = list(model.parameters())
-    for p in parameters:
-        p.grad = torch.zeros_like(p)
-    for step in range(cfg.max_steps):
-        x, y = batch_of(corpus, cfg, step)
-        gradients = torch.zeros(sum(p.numel() for p in parameters), dtype=torch.float64, device=device)
-        for unit in range(cfg.global_batch_size // cfg.micro_batch_size // cfg.dp_shard):
-            micro = range(unit * cfg.dp_shard, (unit + 1) * cfg.dp_shard)
-            gradients += accumulate(model, parameters, x, y, micro, cfg)[0].float().double()
-        write_gradients(parameters, gradients)
-        clip_gradients(parameters)
-        optimizer.step()
-    return {name: tensor.cpu() for name, tensor in model.state_dict().items()}
-
-
-@torch.no_grad()
-def validation_loss(cfg: Config, corpus: dict, state: dict) -> float:
-    model = build_gpt(cfg.model_config(corpus["vocab_size"]), cfg.seed)
-    model.load_state_dict(state)
-    x, y = corpus["val"]
-    losses = [
-        lm_loss(model(x[i : i + 64]), y[i : i + 64]).item() * len(x[i : i + 64]) for i in range(0, len(x), 64)
-    ]
-    return sum(losses) / len(x)
-
-
 def run(cfg: Config) -> int:
-    torch.set_num_threads(1)
-    # the token cache, built once
-    corpus = load_corpus("", cfg.vocab_size, cfg.block_size, 0.1, cfg.dist_timeout_s)
+    from common.text import load_corpus
+
+    # the token cache, built once, before the groups read it
+    load_corpus("", cfg.vocab_size, cfg.block_size, 0.1, cfg.dist_timeout_s)
     with rust_log("warn"):  # before the lighthouse starts: its logger reads RUST_LOG once
         lighthouse = start_lighthouse(cfg)  # first: a port in use is refused before anything is written
     try:
-        with start_run(cfg, EXPERIMENT, data_identity=corpus["identity"]) as session, rust_log("warn"):
-            for folder in ("processes", "events"):
-                os.makedirs(os.path.join(session.output_dir, folder), exist_ok=True)
+        with start_run(cfg, EXPERIMENT) as session, rust_log("warn"):
+            os.makedirs(os.path.join(session.output_dir, "processes"), exist_ok=True)
             injector = Injector(cfg, lighthouse.address(), session.output_dir)
             started = time.time()
             try:
-                shards = f" of {cfg.dp_shard} FSDP ranks" if cfg.dp_shard > 1 else ""
-                session.print(f"{cfg.replica_groups} replica groups{shards} ({cfg.algorithm}), {cfg.failures} "
-                              f"failures to inject, lighthouse at {lighthouse.address()}")  # fmt: skip
+                inside = " x ".join(
+                    f"--{d} {getattr(cfg, d)}" for d in ("dp_shard", "tp") if getattr(cfg, d) > 1
+                )
+                session.print(f"{cfg.replica_groups} replica groups{f' of {inside}' if inside else ''} ({cfg.algorithm}), "
+                              f"{cfg.failures} failures to inject, lighthouse at {lighthouse.address()}")  # fmt: skip
                 injector.run(session.print)
             except TimeoutError as error:
-                raise UsageError(f"the run did not end: {error} (see {session.output_dir}/events)") from None
+                raise UsageError(
+                    f"the run did not end: {error} (see {session.output_dir}/processes)"
+                ) from None
             finally:
                 injector.end_all()
-            report(session, cfg, corpus, injector, read_events(session.output_dir), time.time() - started)
+            report(session, cfg, injector, read_events(session.output_dir), time.time() - started)
     finally:
         lighthouse.shutdown()
     return session.exit_code
 
 
-def report(
-    session, cfg: Config, corpus: dict, injector: Injector, events: list[dict], seconds: float
-) -> None:
-    """The checks and metrics, from the groups' event files (their rank 0's speak for them) and final parameters."""
+def finished_groups(run_dir: str) -> dict[str, dict]:
+    """The summary.json of every group's train_gpt run that finished, by its folder."""
+    groups = os.path.join(run_dir, "groups")
+    found = {}
+    for spare in sorted(os.listdir(groups)):
+        path = os.path.join(groups, spare, "summary.json")
+        if os.path.exists(path):
+            with open(path) as handle:
+                found[spare] = json.load(handle)
+    return found
+
+
+def effective_training_time(
+    commits: list[dict], kills: list[dict], redos: list[dict], start: float
+) -> float | None:
+    """The share of the wall time (the first group placed to the last step committed) spent in steps that committed
+    with no failure and no redone attempt inside them."""
+    first = {}
+    for e in commits:
+        first.setdefault(e["step"], e["t"])
+    times = [first[s] for s in sorted(first)]
+    if len(times) < 2:
+        return None
+    troubles = [e["t"] for e in [*kills, *redos]]
+    clean = sum(
+        b - a for a, b in zip(times, times[1:], strict=False) if not any(a < t <= b for t in troubles)
+    )
+    return round(clean / (times[-1] - start), 3)
+
+
+def report(session, cfg: Config, injector: Injector, events: list[dict], seconds: float) -> None:
+    """The checks and metrics, from the groups' event files (their rank 0's speak for them) and their train_gpt
+    runs' summaries (their own checks, their parameters against one process)."""
     finished = [e for e in events if e["event"] == "finished"]  # every rank's
     events = [e for e in events if e["rank"] == 0]
     commits = [e for e in events if e["event"] == "commit"]
@@ -787,16 +551,19 @@ def report(
                   f"{cfg.failures} failures to inject, {len(injector.kills)} injected, {sum(back)} survived (the group "
                   f"back from a peer, training on); never back: {', '.join(lost) or 'none'}; given up on: "
                   f"{injector.given_up or 'none'}; processes that ended on their own: {on_their_own or 'none'}")  # fmt: skip
+    # a kill to its group's next committed step (the replacement's first, healed from a peer)
     recover_s = []
     for k in injector.kills:
         again = [e["t"] for e in commits if e["group"] == k["group"] and e["t"] > k["t"]]
         recover_s.append(round(min(again) - k["t"], 2) if again else None)
+    redos = [e for e in events if e["event"] == "redo"]
+    start = injector.placed[0]["t"] if injector.placed else time.time()
     session.metrics.update(failures_injected=len(injector.kills), failures_survived=sum(back),
                            survivor_restarts=len(injector.placed) - cfg.replica_groups - len(injector.kills),
-                           steps_redone=sum(e["event"] == "redo" for e in events), recover_s=recover_s,
-                           kills=injector.kills, processes=injector.placed, given_up=injector.given_up,
-                           started_pids=injector.started_pids,
-                           seconds=round(seconds, 1), committed_steps=len(by_step))  # fmt: skip
+                           steps_redone=len(redos), recover_s=recover_s, kills=injector.kills,
+                           processes=injector.placed, given_up=injector.given_up, started_pids=injector.started_pids,
+                           seconds=round(seconds, 1), committed_steps=len(by_step),
+                           effective_training_time=effective_training_time(commits, injector.kills, redos, start))  # fmt: skip
     samples_per_commit = cfg.global_batch_size * (cfg.sync_every if cfg.algorithm == "diloco" else 1)
     session.metrics["samples_per_s"] = round(len(by_step) * samples_per_commit / seconds, 1)
     # throughput from one step's first commit to the next's, with every group in the quorum and with fewer
@@ -813,12 +580,20 @@ def report(
             round(len(spans) * samples_per_commit / sum(spans), 1) if spans else None
         )
         session.metrics[f"{name}_steps"] = sum(keep(first[s]["groups"]) for s in first)
-    states = {name: torch.load(os.path.join(session.output_dir, name)) for name in sorted(os.listdir(session.output_dir))
-              if name.startswith("group") and name.endswith(".pt")}  # fmt: skip
-    reference = train_one_process(cfg, corpus)
-    parameters = parameter_count(cfg.model_config(corpus["vocab_size"]))
+    groups = {name: summary for name, summary in finished_groups(session.output_dir).items()
+              if name != "reference" and not any(name == f"spare{p['spare']}" for p in [*injector.kills, *injector.given_up])}  # fmt: skip
+    session.metrics["group_checks"] = {
+        name: {c: v["passed"] for c, v in s["checks"].items()} for name, s in groups.items()
+    }
+    own = {"matches_single_process", "grad_norm_is_global"}  # the parity, checked below
+    failed = sorted({f"{name}: {c}" for name, s in groups.items() for c, v in s["checks"].items()
+                     if c not in own and v["passed"] is False})  # fmt: skip
+    session.check("groups_passed_their_checks", bool(groups) and not failed, f"{len(groups)} finished groups' "
+                  f"train_gpt checks (bytes held and sent against theory, the loss falls): failed: {failed or 'none'}")  # fmt: skip
     sent = [sum(e["allreduce_bytes"]) for e in finished if e["rank"] == 0]
     session.metrics["allreduce_bytes_per_group"] = sent
+    if groups:
+        session.metrics["val_loss"] = next(iter(groups.values()))["metrics"]["val_loss"]
     if cfg.algorithm == "ddp":
         wrong = [s for s in range(total) if s not in by_step or any((e["count"], e["position_sum"],
                  e["position_squares"]) != (cfg.global_batch_size, *position_sums(s, cfg)) for e in by_step[s])]  # fmt: skip
@@ -826,33 +601,35 @@ def report(
                       f"{total - len(wrong)} of {total} committed steps trained their global batch's "
                       f"{cfg.global_batch_size} samples exactly once (count and stream-position sums all-reduced "
                       "with the gradients)" + (f"; wrong or missing: steps {wrong[:10]}" if wrong else ""))  # fmt: skip
-        worst = max((max((state[k] - reference[k]).abs().max().item() for k in reference) for state in states.values()),
-                    default=math.inf)  # fmt: skip
-        session.parity_check("matches_one_process", worst, cfg.param_atol,
-                             f"{len(states)} finished groups' parameters after {cfg.max_steps} steps vs one process on "
-                             "the same global batches, max |difference|")  # fmt: skip
+        parity = {name: s["checks"].get("matches_single_process", {}) for name, s in groups.items()}
+        worst = max(
+            (s["metrics"].get("param_max_abs_diff", math.inf) for s in groups.values()), default=math.inf
+        )
+        session.check("matches_one_process", bool(parity) and all(p.get("passed") for p in parity.values()),
+                      f"{len(parity)} finished groups against one process on the same global batches after "
+                      f"{cfg.max_steps} steps (train_gpt's matches_single_process): passed "
+                      f"{[name for name, p in parity.items() if p.get('passed')]}, max |parameter - one process| = "
+                      f"{worst:.2e}")  # fmt: skip
         # every attempt all-reduces the float64 gradient sum (of the rank's shard) and 4 float64 tallies, nothing else
         session.metrics["allreduce_bytes_match_theory"] = bool(finished) and all(
             set(e["allreduce_bytes"]) <= {e["gradient_bytes"], 32} for e in finished
         )
     else:
-        session.skip_check(
-            "every_sample_once",
-            "DiLoCo: a group killed mid-window loses its inner steps since the "
-            "last sync with it (its replacement trains that window's batches again)",
-        )
+        session.skip_check("every_sample_once", "DiLoCo: a group killed mid-window loses its inner steps since the "
+                           "last sync with it (its replacement trains that window's batches again)")  # fmt: skip
         session.skip_check("matches_one_process", "DiLoCo is another algorithm (local steps, an outer optimizer): it "
                            "is not one process's training, failures or not")  # fmt: skip
-        # DDP (torch's, float32 gradients) sends one gradient all-reduce per step for the same tokens
+        # DDP (float32 gradients) sends one gradient all-reduce per step for the same tokens
+        parameters = next(iter(groups.values()))["metrics"]["parameters"] if groups else 0
         session.metrics["ddp_bytes_same_tokens"] = cfg.max_steps * parameters * 4
-        if sent:
+        if sent and parameters:
             session.metrics["bytes_vs_ddp"] = round(max(sent) / session.metrics["ddp_bytes_same_tokens"], 4)
-        session.metrics["val_loss_ddp"] = validation_loss(cfg, corpus, reference)
-    if states:
-        session.metrics["val_loss"] = validation_loss(cfg, corpus, next(iter(states.values())))
+        reference = finished_groups(session.output_dir).get("reference", {})
+        session.metrics["val_loss_ddp"] = reference.get("metrics", {}).get("val_loss")
     plot_timeline(cfg, events, injector, os.path.join(session.output_dir, "timeline.png"))
     session.print(f"{len(injector.kills)} failures injected, {sum(back)} survived (recovered in {recover_s} s), "
-                  f"{session.metrics['steps_redone']} steps redone, {len(states)} groups finished, "
+                  f"{session.metrics['steps_redone']} steps redone, effective training time "
+                  f"{session.metrics['effective_training_time']}, {len(groups)} groups finished, "
                   f"val_loss {session.metrics.get('val_loss', float('nan')):.4f}")  # fmt: skip
 
 

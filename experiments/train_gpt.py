@@ -309,7 +309,9 @@ def run(cfg: Config) -> int:
             for micro_batches in loop.steps(step_batch, job.units_per_step, begin_step=job.begin_step):
                 lr = lr_at(loop.step + 1)
                 result = job.train_step(micro_batches, lr, local_only=variant == "local_grad_norm")
-                loop.record_step(result.losses, result.committed, lr=lr, grad_norm=result.grad_norm, **result.figures)
+                loop.record_step(
+                    result.losses, result.committed, lr=lr, grad_norm=result.grad_norm, **result.figures
+                )
                 if result.committed:
                     profiler.step()
         if cfg.profile_steps:

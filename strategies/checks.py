@@ -138,7 +138,9 @@ class Probe(Instruments):
             self.count_at += committed
 
     def after_step(self, job, loss: torch.Tensor, grad_norm: float, step: int | None = None) -> None:
-        if step is not None:  # a piece moved the run (a group healed from a peer): its steps before were not here
+        if (
+            step is not None
+        ):  # a piece moved the run (a group healed from a peer): its steps before were not here
             self.step = step
         if "params" not in self.held:
             self.held.update(job.measure_held())
@@ -186,7 +188,11 @@ def check_layout(session, job, probe: Probe, model_cfg, budget: dict, memory_rto
                            f"at least {job.steady_step} steps to count the bytes sent")  # fmt: skip
     elif job.layout.world_size > 1:
         check_communication(session, job, reference, counted)
-    unlike = [why for piece in job.pieces if (why := getattr(piece, "unlike_one_process", lambda plan: "")(job.ctx.plan))]
+    unlike = [
+        why
+        for piece in job.pieces
+        if (why := getattr(piece, "unlike_one_process", lambda plan: "")(job.ctx.plan))
+    ]
     if unlike:
         session.skip_check("matches_single_process", unlike[0])
         session.skip_check("grad_norm_is_global", unlike[0])

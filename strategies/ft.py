@@ -79,11 +79,15 @@ class Flags:
                                "per-rank rows x accumulation x the group's data-parallel ranks x this)")  # fmt: skip
     replica_id: int = flag(0, "with --fault_tolerant: this group's index, 0 .. --replica_groups - 1 (its name in "
                            "the quorum; DiLoCo's share of each batch)")  # fmt: skip
-    lighthouse: str = flag("", "with --fault_tolerant: torchft's lighthouse address (default: $TORCHFT_LIGHTHOUSE)")
+    lighthouse: str = flag(
+        "", "with --fault_tolerant: torchft's lighthouse address (default: $TORCHFT_LIGHTHOUSE)"
+    )
     ft_algorithm: str = flag("ddp", "with --fault_tolerant: ddp (gradients all-reduced every step, exactly) or "
                              "diloco (torchft's DiLoCo)", choices=ALGORITHMS)  # fmt: skip
     sync_every: int = flag(10, "with --ft_algorithm diloco: inner steps between the groups' syncs (H)")
-    outer_lr: float = flag(0.7, "with --ft_algorithm diloco: the outer Nesterov SGD's learning rate (DiLoCo's 0.7)")
+    outer_lr: float = flag(
+        0.7, "with --ft_algorithm diloco: the outer Nesterov SGD's learning rate (DiLoCo's 0.7)"
+    )
     ft_timeout_s: float = flag(5.0, "with --fault_tolerant: torchft's timeout of a quorum, a collective and a state "
                                "transfer: how long survivors wait for a dead peer before a new quorum")  # fmt: skip
     ft_replacement: bool = flag(False, "with --fault_tolerant: this group replaces a lost one: it never trains from the "
@@ -95,7 +99,9 @@ class Flags:
 def refuse(plan: Plan) -> None:
     args, layout = plan.args, plan.layout
     if not args.fault_tolerant:
-        used = [f"--{name}" for name in ("ft_replacement", "ft_start_file", "lighthouse") if getattr(args, name)]
+        used = [
+            f"--{name}" for name in ("ft_replacement", "ft_start_file", "lighthouse") if getattr(args, name)
+        ]
         require(not used and args.replica_groups == 1, f"{', '.join(used) or '--replica_groups'} is for a "
                 "fault-tolerant run: add --fault_tolerant")  # fmt: skip
         return
@@ -160,7 +166,9 @@ class FaultTolerance:
             while not (os.path.exists(args.ft_start_file) and open(args.ft_start_file).read().strip()):
                 time.sleep(0.01)
             self.group = int(open(args.ft_start_file).read())
-        logging.getLogger("torchft").setLevel(logging.ERROR)  # it logs every peer a failure took: expected here
+        logging.getLogger("torchft").setLevel(
+            logging.ERROR
+        )  # it logs every peer a failure took: expected here
         timeout = timedelta(seconds=args.ft_timeout_s)
         device = self.ctx.device
         pg = (ProcessGroupNCCL if backend_for(device) == "nccl" else ProcessGroupGloo)(timeout=timeout)
@@ -171,7 +179,9 @@ class FaultTolerance:
             return allreduce(tensors, opts)
 
         pg.allreduce = counted_allreduce
-        if self.world > 1:  # the group's own store (its rank 0's, which torch.distributed made): torchtitan's way
+        if (
+            self.world > 1
+        ):  # the group's own store (its rank 0's, which torch.distributed made): torchtitan's way
             address, port = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
         else:
             self.store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
@@ -244,7 +254,9 @@ class FaultTolerance:
         index = self.manager.participating_rank()
         return share_of(units, self.manager.num_participants(), index) if index is not None else range(0)
 
-    def reduce(self, job, gradients: torch.Tensor, units: range, unit_rows: int, loss_sum: torch.Tensor) -> torch.Tensor:
+    def reduce(
+        self, job, gradients: torch.Tensor, units: range, unit_rows: int, loss_sum: torch.Tensor
+    ) -> torch.Tensor:
         """The groups' float64 gradient sums, summed (the mistake: averaged), with the tallies every_sample_once
         reads: the rows trained, the sums of their stream positions and squares, and the loss. Returns the tally."""
         from torch.distributed.distributed_c10d import ReduceOp
@@ -290,7 +302,10 @@ def local_state(model, optimizer) -> dict:
     from torch.utils._pytree import tree_map
 
     inner = getattr(optimizer, "optimizer", optimizer)
-    return {"model": {k: local(v) for k, v in model.state_dict().items()}, "optim": tree_map(local, inner.state_dict())}
+    return {
+        "model": {k: local(v) for k, v in model.state_dict().items()},
+        "optim": tree_map(local, inner.state_dict()),
+    }
 
 
 def load_local_state(model, optimizer, state: dict) -> None:

@@ -48,7 +48,9 @@ class StepResult:
     losses: list
     grad_norm: torch.Tensor | None
     figures: dict = field(default_factory=dict)
-    committed: bool = True  # False: a piece that gates steps said it did not count: redo it with the same batch
+    committed: bool = (
+        True  # False: a piece that gates steps said it did not count: redo it with the same batch
+    )
 
 
 class Job:
@@ -143,7 +145,11 @@ class Job:
         # the group's loss: every data-parallel rank's (the others of a row, tp's, hold the same)
         if self.layout.world_size > 1:
             loss_sum = self.accelerator.reduce(loss_sum, "sum") / (self.layout.world_size // self.layout.dp)
-        tally = gate.reduce(self, sums, units, micro_batches[0][0].shape[0] * self.layout.dp, loss_sum) if gate else None
+        tally = (
+            gate.reduce(self, sums, units, micro_batches[0][0].shape[0] * self.layout.dp, loss_sum)
+            if gate
+            else None
+        )
         offset = 0
         for p in parameters:
             piece = local(grad_or_zeros(p))

@@ -12,9 +12,10 @@ import psutil
 import pytest
 import torch
 
-from common.gpt import GPTConfig, build_gpt
-from experiments.fault_tolerance import Config, accumulate, main, micro_batches_of
+from common.gpt import GPTConfig, build_gpt, lm_loss
+from experiments.fault_tolerance import main
 from helpers import run_in_process, run_main_in_process
+from strategies.ft import share_of
 
 # a 40-step run of a 32-wide GPT; survivors wait 2 s (not 5) for a peer that died inside their quorum
 TINY = ["--report_to", "none", "--max_steps", "40", "--global_batch_size", "6", "--micro_batch_size", "1",
@@ -36,33 +37,29 @@ def alive(summary: dict) -> list[int]:
 def test_the_groups_share_the_micro_batches_whole_however_many_are_alive():
     for micro_batches in (4, 6, 7):
         for groups in range(1, micro_batches + 1):
-            shares = [list(micro_batches_of(micro_batches, groups, rank)) for rank in range(groups)]
+            shares = [list(share_of(micro_batches, groups, rank)) for rank in range(groups)]
             assert sum(shares, []) == list(range(micro_batches))  # every micro-batch once, in order
             assert all(shares), (micro_batches, groups)  # and every live group has one
 
 
 def test_the_float64_sum_of_micro_batch_gradients_does_not_depend_on_who_computed_which():
-    """The premise of matches_one_process: 3 groups' sums, or 2 groups', added in any order, are the one-process
-    sum to the bit once rounded to float32 (a float32 accumulation would not be)."""
-    cfg = Config(global_batch_size=6, micro_batch_size=1, d_model=32, block_size=16)
+    """The premise of exact accumulation (strategies/job.py): 3 groups' float64 sums, or 2 groups', added in any
+    order, are the one-process sum to the bit once rounded to float32 (a float32 accumulation would not be)."""
     model = build_gpt(GPTConfig(64, 16, 2, 2, 32), 0)
-    parameters = list(model.parameters())
-    for p in parameters:
-        p.grad = torch.zeros_like(p)
     generator = torch.Generator().manual_seed(0)
-    x, y = (
-        torch.randint(0, 64, (6, 16), generator=generator),
-        torch.randint(0, 64, (6, 16), generator=generator),
-    )
-    whole = accumulate(model, parameters, x, y, range(6), cfg)[0].float()
+    x, y = (torch.randint(0, 64, (6, 16), generator=generator) for _ in range(2))
+
+    def gradient(m: int) -> torch.Tensor:  # micro-batch m's gradient, its loss / the 6 micro-batches
+        model.zero_grad(set_to_none=True)
+        (lm_loss(model(x[m : m + 1]), y[m : m + 1]) / 6).backward()
+        return torch.cat([p.grad.reshape(-1) for p in model.parameters()])
+
+    gradients = [gradient(m) for m in range(6)]
+    whole = sum(g.double() for g in gradients).float()
     for groups in (2, 3, 6):
-        shares = [
-            accumulate(model, parameters, x, y, micro_batches_of(6, groups, r), cfg)[0] for r in range(groups)
-        ]
+        shares = [sum(gradients[m].double() for m in share_of(6, groups, r)) for r in range(groups)]
         assert torch.equal(sum(reversed(shares)).float(), whole), groups
-    in_float32 = sum(
-        accumulate(model, parameters, x, y, range(m, m + 1), cfg)[0].float() for m in (5, 4, 3, 2, 1, 0)
-    )
+    in_float32 = sum(gradients[m] for m in (5, 4, 3, 2, 1, 0))
     assert not torch.equal(in_float32, whole)  # the order matters in float32: why the sums are float64
 
 
@@ -71,7 +68,7 @@ def test_two_failures_change_the_time_not_the_result_with_fsdp_inside_each_group
     """Fault-tolerant HSDP: 2 replica groups of 2 FSDP ranks; one group killed, then its replacement killed while
     it heals; every check passes, the parameters equal one process's to the bit. (Plain replicas, --dp_shard 1,
     pass every check but the one their mistake fails in test_each_mistake_fails_its_check.)"""
-    args = [*TINY, "--replica_groups", "2", "--dp_shard", "2", "--failures", "2"]
+    args = [*TINY, "--replica_groups", "2", "--dp_shard", "2", "--failures", "2", "--global_batch_size", "8"]
     finished = run_in_process(main, args, tmp_path / "run", capsys)
     assert finished.returncode == 0, finished.stdout[-3000:] + finished.stderr[-3000:]
     checks = finished.summary["checks"]
@@ -89,7 +86,7 @@ def test_two_failures_change_the_time_not_the_result_with_fsdp_inside_each_group
     assert all(seconds is not None for seconds in metrics["recover_s"])
     events = [
         json.loads(line)
-        for path in (tmp_path / "run" / "events").iterdir()
+        for path in (tmp_path / "run" / "groups").glob("*/ft_events/*.jsonl")
         for line in path.read_text().splitlines()
     ]
     replacements = {p["pid"] for p in metrics["processes"] if p["why"] != "initial"}
@@ -156,12 +153,12 @@ def test_bad_input_is_one_line(tmp_path, capsys):
             (["--replica_groups", "0"], "--replica_groups must be > 0"),
             (["--failures", "30"], "--failures 30: at most 10 in 40 steps"),
             (["--replica_groups", "1", "--failures", "1"], "a failure needs a healthy group to recover from"),
+            (["--replica_groups", "4"], "--global_batch_size 6 must be a multiple of --micro_batch_size x "),
             (
-                ["--replica_groups", "7"],
-                "--replica_groups 7: at most 6, the units a global batch splits into",
+                ["--micro_batch_size", "4"],
+                "--global_batch_size 6 must be a multiple of --micro_batch_size x ",
             ),
-            (["--micro_batch_size", "4"], "--global_batch_size 6 must be a multiple of --micro_batch_size 4"),
-            (["--dp_shard", "4"], "--dp_shard 4 must divide the 6 micro-batches"),
+            (["--dp_shard", "4"], "--global_batch_size 6 must be a multiple of --micro_batch_size x "),
             (
                 ["--algorithm", "diloco", "--dp_shard", "2", "--failures", "0"],
                 "DiLoCo runs plain replicas here",
@@ -208,7 +205,7 @@ def test_no_process_outlives_a_launcher_killed_by_sigkill(tmp_path, when):
     try:
         while time.monotonic() - started < 90:
             descendants = psutil.Process(launcher.pid).children(recursive=True)
-            events = list((run / "events").glob("*.jsonl")) if (run / "events").exists() else []
+            events = list(run.glob("groups/*/ft_events/*.jsonl"))
             ready = len(descendants) >= 4 if when == "before_the_groups_are_placed" else any(
                 '"commit"' in path.read_text() for path in events)  # fmt: skip
             if ready:
