@@ -94,3 +94,77 @@ def run_process_tree(command: list[str], timeout_s: float, capture: bool = True,
     except BaseException:  # KeyboardInterrupt, or the caller's own failure: no orphans either way
         kill_tree(process.pid)
         raise
+
+
+def free_port() -> int:
+    """A port free on this machine now (for a process group's store)."""
+    import socket
+
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+def torchrun_rank(main, argv: list[str], rank: int, world: int, port: int, gpus: list[int], log: str,
+                  launcher_pid: int) -> None:  # fmt: skip
+    """A process an experiment starts itself (from a fork server): the environment torchrun gives rank `rank` of
+    `world` (none for one process), its GPUs (`gpus`, CUDA_VISIBLE_DEVICES), its output in `log`, then
+    `main(argv)`; its exit code main's (2 for a UsageError). It ends when the launcher does, however that ends, and
+    runs under the GPU rehearsal when the run is one."""
+    import os
+    import sys
+    import traceback
+
+    import torch
+
+    from common.config import UsageError
+    from common.rehearsal import rehearse_if_asked
+
+    end_with(launcher_pid)
+    signal.signal(
+        signal.SIGINT, signal.SIG_IGN
+    )  # a Ctrl-C is the launcher's to handle: it ends every process
+    output = open(log, "w", buffering=1)  # noqa: SIM115
+    os.dup2(output.fileno(), 1)  # its own output (torchft's HTTP log, c10d's timeouts) in its own file
+    os.dup2(output.fileno(), 2)
+    sys.stdout = sys.stderr = output
+    if gpus:  # a GPU a process (NCCL's rule)
+        os.environ["CUDA_VISIBLE_DEVICES"] = ",".join(map(str, gpus))
+    if world > 1:
+        os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(world),
+                          MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))  # fmt: skip
+    torch.set_num_threads(1)
+    code = 1
+    try:
+        with rehearse_if_asked():
+            code = main(argv)
+    except UsageError as error:
+        print(f"error: {error}")
+        code = 2
+    except BaseException:
+        traceback.print_exc()
+    finally:
+        output.flush()
+        # multiprocessing's exit: its finalizers run, then os._exit (no library thread is waited for)
+        sys.exit(code or 0)
+
+
+class RankGroup:
+    """The processes of one launch an experiment started (torchrun_rank's); its rank 0 speaks for it."""
+
+    def __init__(self, processes: list, name=None):
+        self.processes, self.name = processes, name
+
+    @property
+    def pid(self) -> int:
+        return self.processes[0].pid
+
+    def is_alive(self) -> bool:
+        return any(p.is_alive() for p in self.processes)
+
+    def kill(self) -> None:
+        """SIGKILL, every process of it."""
+        for p in self.processes:
+            p.kill()
+        for p in self.processes:
+            p.join()

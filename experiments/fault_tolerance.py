@@ -41,17 +41,16 @@ TORCHFT_LIGHTHOUSE set (torchft's README); the injector is this file's only addi
 
 from __future__ import annotations
 
-import contextlib
+import glob
 import json
 import math
 import multiprocessing
 import os
 import random
-import signal
-import socket
 import sys
 import time
 from dataclasses import dataclass
+from unittest import mock
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 if __name__ == "__main__":  # Ctrl-C during the imports below: one line, exit 130 (common/interrupt.py)
@@ -72,8 +71,11 @@ from common.config import (
     run_cli,
 )
 from common.gpt import GPTConfig, refuse_gpt
+from common.processes import RankGroup, free_port, torchrun_rank
 from common.run import start_run
-from common.text import require_vocabulary
+from common.text import load_corpus, require_vocabulary
+from experiments import train_gpt
+from strategies.ft import has, pace, position_sums, progress, read_events
 
 EXPERIMENT = "fault_tolerance"
 WRONG_VARIANTS = {  # strategies/ft.py's mistakes, made by the groups (the last by the replacements only)
@@ -86,9 +88,7 @@ WRONG_VARIANTS = {  # strategies/ft.py's mistakes, made by the groups (the last 
 @dataclass
 class Config(RunArgs):
     sweep_metrics = ("val_loss", "samples_per_s")
-    replica_groups: int = flag(
-        3, "replica groups (each a train_gpt launch here; a torchrun job on a cluster)"
-    )
+    replica_groups: int = flag(3, "replica groups (each a train_gpt launch; a torchrun job on a cluster)")
     failures: int = flag(4, "groups killed (SIGKILL) at random moments, each replaced by a hot spare")
     algorithm: str = flag("ddp", "ddp: gradients all-reduced every step; diloco: torchft's DiLoCo",
                           choices=("ddp", "diloco"))  # fmt: skip
@@ -127,9 +127,8 @@ class Config(RunArgs):
                 f"--{name} must be <= {MAX_TIMEOUT_S}, got {getattr(self, name)}",
             )
         require(self.failures >= 0, f"--failures must be >= 0, got {self.failures}")
-        require(self.replica_groups >= 2 or self.failures == 0,
-                f"--failures {self.failures} with --replica_groups {self.replica_groups}: a failure needs a healthy "
-                "group to recover from (>= 2 groups)")  # fmt: skip
+        require(self.replica_groups >= 2 or self.failures == 0, f"--failures {self.failures} with --replica_groups "
+                f"{self.replica_groups}: a failure needs a healthy group to recover from (>= 2 groups)")  # fmt: skip
         steps = self.max_steps // self.sync_every if self.algorithm == "diloco" else self.max_steps
         require(self.failures <= steps // 4, f"--failures {self.failures}: at most {steps // 4} in {steps} "
                 f"{'syncs' if self.algorithm == 'diloco' else 'steps'} (a failure needs steps around it to be "
@@ -170,8 +169,7 @@ class Config(RunArgs):
         return [f"--{k}={v}" for k, v in flags.items()]
 
     def group_args(self, lighthouse: str, spare: int, run_dir: str) -> list[str]:
-        """train_gpt's flags for spare `spare` (a group from the start, or a replacement): every step compared with
-        one process."""
+        """train_gpt's flags for spare `spare` (a group from the start, or a replacement): every step compared."""
         replacement = spare >= self.replica_groups
         variant = self.wrong_variant if replacement or self.wrong_variant != "replacement_hangs" else ""
         argv = self.train_gpt_args(os.path.join(run_dir, "groups", f"spare{spare}"), self.replica_groups,
@@ -182,115 +180,54 @@ class Config(RunArgs):
         return [*argv, "--fault_tolerant", *["--ft_replacement"] * replacement]
 
 
-# ------------------------------------------------------------------------------------------- a replica group
-def group_process(
-    rank: int, world: int, port: int, gpus: list[int], argv: list[str], log: str, launcher: int
-) -> None:
-    """One rank of a group: the environment torchrun gives it, then train_gpt. It ends when the launcher does,
-    however the launcher ends (a SIGKILL included); under the GPU rehearsal when the run is one."""
-    from common.processes import end_with
-    from common.rehearsal import rehearse_if_asked
-
-    end_with(launcher)
-    signal.signal(
-        signal.SIGINT, signal.SIG_IGN
-    )  # a Ctrl-C is the launcher's to handle: it ends every process
-    output = open(log, "w", buffering=1)  # noqa: SIM115
-    os.dup2(output.fileno(), 1)  # its own output (torchft's HTTP log, c10d's timeouts) in its own file
-    os.dup2(output.fileno(), 2)
-    sys.stdout = sys.stderr = output
-    if gpus:  # its group's GPUs, a process each (NCCL's rule)
-        os.environ["CUDA_VISIBLE_DEVICES"] = ",".join(map(str, gpus))
-    if world > 1:
-        os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(world),
-                          MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))  # fmt: skip
-    torch.set_num_threads(1)
-    from experiments import train_gpt
-
-    code = 1
-    try:
-        with rehearse_if_asked():
-            code = train_gpt.main(argv)
-    except UsageError as error:
-        print(f"error: {error}")
-        code = 2
-    except BaseException:
-        import traceback
-
-        traceback.print_exc()
-    finally:
-        output.flush()
-        sys.exit(
-            code or 0
-        )  # multiprocessing's exit: its finalizers run, then os._exit (no thread is waited for)
-
-
-def free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
-
-
 # ------------------------------------------------------------------------------------------------ the run
-class Group:
-    """The processes in one group's place (its ranks: one for plain replicas). Its rank 0 speaks for it."""
-
-    def __init__(self, processes: list, spare: int):
-        self.processes, self.spare = processes, spare
-
-    @property
-    def pid(self) -> int:
-        return self.processes[0].pid
-
-    def is_alive(self) -> bool:
-        return any(p.is_alive() for p in self.processes)
-
-    def kill(self) -> None:  # SIGKILL, the whole group
-        for p in self.processes:
-            p.kill()
-        for p in self.processes:
-            p.join()
-
-
 class Injector:
-    """Starts the replica groups and a hot spare per failure, kills a group (SIGKILL, every process of it) at each
+    """Starts the replica groups and a hot spare per failure (each a train_gpt launch of its own, from a fork server
+    that has imported torch: a start in a fraction of a second, not a fresh interpreter's ~2 s; torchft is imported
+    in each process, its Rust runtime must not be forked), kills a group (SIGKILL, every process of it) at each
     chosen moment, gives its place to a spare, gives up on a group that makes no progress, and waits for every
     group's last process to end. It reads the groups' progress from their event files (a killed process may have
     held a lock on anything shared: files are safe)."""
 
     def __init__(self, cfg: Config, lighthouse: str, run_dir: str):
         self.cfg, self.lighthouse, self.run_dir = cfg, lighthouse, run_dir
-        # a fork server that has imported torch: each process starts in a fraction of a second, not the ~2 s of a
-        # fresh interpreter (torchft is imported in each process: its Rust runtime must not be forked)
+        self.groups = os.path.join(run_dir, "groups", "*")  # each spare's train_gpt run
         self.context = multiprocessing.get_context("forkserver")
         self.context.set_forkserver_preload(
             ["torch", "torch.distributed", "accelerate", "experiments.train_gpt"]
         )
-        self.spares: dict[int, Group] = {}  # spare number -> its processes (every one started)
-        self.current: dict[int, Group] = {}  # group -> the processes in its place now
+        self.spares: dict[int, RankGroup] = {}  # spare number -> its processes (every one started)
+        self.current: dict[int, RankGroup] = {}  # group -> the processes in its place now
         self.free: list[int] = []  # spares started, no place yet
-        # every spare given a group's place: group, pid (of rank 0), pids, t, why
-        self.placed: list[dict] = []
+        self.placed: list[
+            dict
+        ] = []  # every spare given a group's place: group, pid (of rank 0), pids, t, why
         self.kills: list[dict] = []
         self.given_up: list[dict] = []
         self.grace_until = 0.0  # no group is given up on before this (the others' time after one was)
         self.started_pids: list[int] = []  # every process this run started, spares never placed included
         self.reference = None  # DiLoCo's: one process training the same batches
 
-    def start_spare(self) -> None:
-        spare, world = len(self.spares), self.cfg.group_size
-        argv, port = self.cfg.group_args(self.lighthouse, spare, self.run_dir), free_port()
-        gpus = list(range(spare * world, (spare + 1) * world)) if torch.accelerator.is_available() else []
-        logs = os.path.join(self.run_dir, "processes", f"spare{spare}")
-        self.spares[spare] = Group([self.context.Process(target=group_process, args=(rank, world, port, gpus, argv,
-                                                                                     f"{logs}.{rank}.log", os.getpid()))
-                                    for rank in range(world)], spare)  # fmt: skip
-        for process in self.spares[spare].processes:
+    def start(self, name, argv: list[str], world: int, gpus: list[int]) -> RankGroup:
+        """train_gpt on `world` processes of its own (torchrun's environment), logging to processes/<name>.<rank>."""
+        port, log = free_port(), os.path.join(self.run_dir, "processes", str(name))
+        group = RankGroup([self.context.Process(target=torchrun_rank, args=(train_gpt.main, argv, rank, world, port,
+                                                                            gpus, f"{log}.{rank}.log", os.getpid()))
+                           for rank in range(world)], name)  # fmt: skip
+        for process in group.processes:
             process.start()
             self.started_pids.append(process.pid)
+        return group
+
+    def start_spare(self) -> None:
+        spare, world = len(self.spares), self.cfg.group_size
+        gpus = list(range(spare * world, (spare + 1) * world)) if torch.accelerator.is_available() else []
+        self.spares[spare] = self.start(
+            spare, self.cfg.group_args(self.lighthouse, spare, self.run_dir), world, gpus
+        )
         self.free.append(spare)
 
-    def is_ready(self, spare: int) -> bool:
+    def is_ready(self, spare: int) -> bool:  # its every rank started up and waiting (strategies/ft.py)
         return all(
             os.path.exists(os.path.join(self.run_dir, f"spare{spare}.go.{r}.ready"))
             for r in range(self.cfg.group_size)
@@ -306,35 +243,28 @@ class Injector:
         self.placed.append({"group": group, "pid": self.spares[spare].pid, "t": time.time(), "why": why,
                             "pids": [p.pid for p in self.spares[spare].processes]})  # fmt: skip
 
-    def last_progress(self, events: list[dict], pid: int) -> float:
-        """When the group last moved on: its placement, a heal, a committed step."""
-        placed = next(p["t"] for p in self.placed if p["pid"] == pid)
-        return max(
-            [placed, *(e["t"] for e in events if e["pid"] == pid and e["event"] in ("healed", "commit"))]
-        )
-
     def watch(self) -> list[dict]:
-        """When a group has made no progress for --rejoin_timeout_s, give up on one (named; the others carry on)
-        and give the others that long again: a live replica that never joins a quorum stalls everyone's (torchft's
-        lighthouse waits for half of the heartbeating replicas). Fail the run when no group has committed a step
-        for twice that long. Returns the events so far."""
-        events, now = read_events(self.run_dir), time.time()
+        """When a group has made no progress (its placement, a heal, a commit) for --rejoin_timeout_s, give up on one
+        (named; the others carry on) and give the others that long again: a live replica that never joins a quorum
+        stalls everyone's (torchft's lighthouse waits for half of the heartbeating replicas). Fail the run when no
+        group has committed a step for twice that long. Returns the events so far."""
+        events, now, placed = read_events(self.groups), time.time(), {p["pid"]: p["t"] for p in self.placed}
         alive = {g: p for g, p in self.current.items() if p.is_alive()}
-        stuck = {g: now - self.last_progress(events, p.pid) for g, p in alive.items()}
-        stuck = {g: seconds for g, seconds in stuck.items() if seconds > self.cfg.rejoin_timeout_s}
+        moved = {g: max([placed[p.pid], *(e["t"] for e in events if e["pid"] == p.pid and e["event"] in ("healed", "commit"))])
+                 for g, p in alive.items()}  # fmt: skip
+        stuck = [g for g in alive if now - moved[g] > self.cfg.rejoin_timeout_s]
         # who to give up on: a replacement that never healed though it had time to (a survivor blocked by it has
         # trained before; its clock may run out first), else the stuck group silent longest
-        placed = {p["pid"]: p["t"] for p in self.placed}
         silent = {g: now - max((e["t"] for e in events if e["pid"] == p.pid), default=placed[p.pid])
                   for g, p in alive.items()}  # fmt: skip
         never = [g for g, p in alive.items() if now - placed[p.pid] > self.cfg.step_timeout_s
                  and not any(e["pid"] == p.pid and e["event"] in ("healed", "commit") for e in events)]  # fmt: skip
         worst = max(never or stuck, key=silent.get) if stuck else None
         if worst is not None and now > self.grace_until:
-            self.current[worst].kill()  # a group that never comes back: named, the survivors carry on
-            waited = now - self.last_progress(events, self.current[worst].pid)
-            self.given_up.append({"group": worst, "pid": self.current[worst].pid, "spare": self.current[worst].spare, "no_progress_s": round(waited, 1),
-                                  "pids": [p.pid for p in self.current[worst].processes]})  # fmt: skip
+            group = self.current[worst]
+            group.kill()  # a group that never comes back: named, the survivors carry on
+            self.given_up.append({"group": worst, "pid": group.pid, "spare": group.name, "no_progress_s":
+                                  round(now - moved[worst], 1), "pids": [p.pid for p in group.processes]})  # fmt: skip
             self.grace_until = now + self.cfg.rejoin_timeout_s
         commits = [e["t"] for e in events if e["event"] == "commit"] or [self.placed[0]["t"]]
         if now - max(*commits, self.grace_until - self.cfg.rejoin_timeout_s) > 2 * self.cfg.rejoin_timeout_s:
@@ -343,7 +273,7 @@ class Injector:
 
     def wait(self, until, what: str) -> None:
         """Until `until(events)` holds, the event files read once a round (and the groups watched, once placed)."""
-        while not until(self.watch() if self.current else read_events(self.run_dir)):
+        while not until(self.watch() if self.current else read_events(self.groups)):
             if self.current and not any(p.is_alive() for p in self.current.values()):
                 raise TimeoutError(f"{what}: every group has ended")
             time.sleep(0.05)
@@ -351,33 +281,28 @@ class Injector:
     def run(self, say) -> None:
         cfg, rng = self.cfg, random.Random(self.cfg.seed)
         # the groups and a hot spare per failure, all started now: a replacement takes a place in a fraction of a
-        # second (a cluster's hot spare) instead of a cold start's seconds, which at this model's ~25 ms a step
-        # would outlast the run
+        # second (a cluster's hot spare) instead of a cold start's seconds, which would outlast the run
         for _ in range(cfg.replica_groups + cfg.failures):
             self.start_spare()
         if cfg.algorithm == "diloco":  # DDP's val_loss for the same batches: one process, no failures
             argv = cfg.train_gpt_args(os.path.join(self.run_dir, "groups", "reference"), 1, parity_steps=0)
-            self.reference = self.context.Process(target=group_process, args=(0, 1, 0, [], argv, os.path.join(
-                self.run_dir, "processes", "reference.log"), os.getpid()))  # fmt: skip
-            self.reference.start()
-            self.started_pids.append(self.reference.pid)
+            self.reference = self.start("reference", argv, 1, [])
         self.wait(
-            lambda events: all(self.is_ready(spare) for spare in range(cfg.replica_groups)),
+            lambda events: all(self.is_ready(s) for s in range(cfg.replica_groups)),
             "the groups getting ready",
         )
         for group in range(cfg.replica_groups):  # all at once: none trains the first steps alone
             self.place(group, "initial")
         total = cfg.max_steps // cfg.sync_every if cfg.algorithm == "diloco" else cfg.max_steps
-        # the first failure after 5 % of the run, the others spread over its first 60 %
-        at = max(1, total // 20)
+        at = max(
+            1, total // 20
+        )  # the first failure after 5 % of the run, the others spread over its first 60 %
         for index in range(cfg.failures):
             recovering = None  # the group whose replacement is healing when this failure hits
             if index % 2 == 1:  # the previous failure's replacement has its place, not yet healed
                 recovering = self.kills[-1]["group"]
-                self.wait(
-                    lambda events, r=self.current[recovering].pid: has(events, r, "started"),
-                    "a replacement's start",
-                )
+                pid = self.current[recovering].pid
+                self.wait(lambda events, r=pid: has(events, r, "started"), "a replacement's start")
                 time.sleep(rng.uniform(0, 0.1))  # in its quorum, or fetching a peer's state
                 # the recovering group itself, or (3 groups or more: a healthy source stays) a healthy peer
                 peers = sorted(g for g, p in self.current.items() if p.is_alive() and g != recovering)
@@ -389,65 +314,40 @@ class Injector:
                 time.sleep(rng.uniform(0, 0.05))
                 group = rng.choice(sorted(g for g, p in self.current.items() if p.is_alive()))
             # was the recovering group still healing at the kill? (it may have been quicker than the injector)
-            events = read_events(self.run_dir)
+            events = read_events(self.groups)
             healing = recovering is not None and not has(
                 events, self.current[recovering].pid, "healed", "commit"
             )
-            processes = self.current[group]
-            processes.kill()
-            self.kills.append({"group": group, "pid": processes.pid, "spare": processes.spare, "pids": [p.pid for p in processes.processes],
-                               "t": time.time(), "step": progress(events), "during_recovery": healing})  # fmt: skip
-            say(f"step {progress(events)}: killed group {group} (pid {processes.pid})"
+            victim = self.current[group]
+            victim.kill()
+            self.kills.append({"group": group, "pid": victim.pid, "spare": victim.name, "t": time.time(),
+                               "step": progress(events), "during_recovery": healing,
+                               "pids": [p.pid for p in victim.processes]})  # fmt: skip
+            say(f"step {progress(events)}: killed group {group} (pid {victim.pid})"
                 + (f" while group {recovering} was still recovering" if healing else ""))  # fmt: skip
             self.place(group, f"replaces group {group} (failure {index + 1})")
         while any(p.is_alive() for p in self.current.values()):
             self.watch()
             time.sleep(0.1)
         if self.reference is not None:
-            self.reference.join(timeout=self.cfg.dist_timeout_s)
+            self.reference.processes[0].join(timeout=self.cfg.dist_timeout_s)
 
     def end_all(self) -> None:
         """Every process this run started is gone when it ends (Ctrl-C, a timeout, a crash included)."""
-        for spare in [*self.spares.values(), Group([self.reference] if self.reference else [], -1)]:
-            for process in spare.processes:
+        for group in [*self.spares.values(), *([self.reference] if self.reference else [])]:
+            for process in group.processes:
                 if process.is_alive():
                     process.kill()
                 process.join(timeout=10)
 
 
-def progress(events: list[dict]) -> int:
-    """Committed steps (or DiLoCo syncs) so far: the most any group has logged."""
-    return max((e["step"] + 1 for e in events if e["event"] == "commit"), default=0)
-
-
-def has(events: list[dict], pid: int, *kinds: str) -> bool:
-    return any(e["pid"] == pid and e["event"] in kinds for e in events)
-
-
-def read_events(run_dir: str) -> list[dict]:
-    """Every group's events (strategies/ft.py writes them: a file a rank, a line an event)."""
-    events, groups = [], os.path.join(run_dir, "groups")
-    for spare in sorted(os.listdir(groups)) if os.path.isdir(groups) else []:
-        folder = os.path.join(groups, spare, "ft_events")
-        for name in sorted(os.listdir(folder)) if os.path.isdir(folder) else []:
-            with open(os.path.join(folder, name)) as handle:  # a last line a kill cut short is not an event
-                events += [json.loads(line) for line in handle if line.endswith("\n")]
-    return sorted(events, key=lambda e: e["t"])
-
-
-@contextlib.contextmanager
-def rust_log(level: str):
-    """torchft's lighthouse and managers (Rust) log every quorum at INFO; RUST_LOG quiets them, for this run and the
-    processes it starts (they inherit it), and is restored after."""
-    saved = os.environ.get("RUST_LOG")
-    os.environ["RUST_LOG"] = level
-    try:
-        yield
-    finally:
-        if saved is None:
-            os.environ.pop("RUST_LOG", None)
-        else:
-            os.environ["RUST_LOG"] = saved
+def finished_groups(run_dir: str) -> dict[str, dict]:
+    """The summary.json of every group's train_gpt run that finished, by its folder."""
+    found = {}
+    for path in sorted(glob.glob(os.path.join(run_dir, "groups", "*", "summary.json"))):
+        with open(path) as handle:
+            found[os.path.basename(os.path.dirname(path))] = json.load(handle)
+    return found
 
 
 def start_lighthouse(cfg: Config):
@@ -464,64 +364,34 @@ def start_lighthouse(cfg: Config):
 
 
 def run(cfg: Config) -> int:
-    from common.text import load_corpus
-
-    # the token cache, built once, before the groups read it
-    load_corpus("", cfg.vocab_size, cfg.block_size, 0.1, cfg.dist_timeout_s)
-    with rust_log("warn"):  # before the lighthouse starts: its logger reads RUST_LOG once
+    load_corpus(
+        "", cfg.vocab_size, cfg.block_size, 0.1, cfg.dist_timeout_s
+    )  # the token cache, built once, first
+    # torchft's lighthouse and managers (Rust) log every quorum at INFO: RUST_LOG quiets them and the processes this
+    # run starts (they inherit it), restored after; set before the lighthouse starts (its logger reads it once)
+    with mock.patch.dict(os.environ, {"RUST_LOG": "warn"}):
         lighthouse = start_lighthouse(cfg)  # first: a port in use is refused before anything is written
-    try:
-        with start_run(cfg, EXPERIMENT) as session, rust_log("warn"):
-            os.makedirs(os.path.join(session.output_dir, "processes"), exist_ok=True)
-            injector = Injector(cfg, lighthouse.address(), session.output_dir)
-            started = time.time()
-            try:
+        try:
+            with start_run(cfg, EXPERIMENT) as session:
+                os.makedirs(os.path.join(session.output_dir, "processes"), exist_ok=True)
+                injector, started = Injector(cfg, lighthouse.address(), session.output_dir), time.time()
                 inside = " x ".join(
                     f"--{d} {getattr(cfg, d)}" for d in ("dp_shard", "tp") if getattr(cfg, d) > 1
                 )
                 session.print(f"{cfg.replica_groups} replica groups{f' of {inside}' if inside else ''} ({cfg.algorithm}), "
                               f"{cfg.failures} failures to inject, lighthouse at {lighthouse.address()}")  # fmt: skip
-                injector.run(session.print)
-            except TimeoutError as error:
-                raise UsageError(
-                    f"the run did not end: {error} (see {session.output_dir}/processes)"
-                ) from None
-            finally:
-                injector.end_all()
-            report(session, cfg, injector, read_events(session.output_dir), time.time() - started)
-    finally:
-        lighthouse.shutdown()
+                try:
+                    injector.run(session.print)
+                except TimeoutError as error:
+                    raise UsageError(
+                        f"the run did not end: {error} (see {session.output_dir}/processes)"
+                    ) from None
+                finally:
+                    injector.end_all()
+                report(session, cfg, injector, read_events(injector.groups), time.time() - started)
+        finally:
+            lighthouse.shutdown()
     return session.exit_code
-
-
-def finished_groups(run_dir: str) -> dict[str, dict]:
-    """The summary.json of every group's train_gpt run that finished, by its folder."""
-    groups = os.path.join(run_dir, "groups")
-    found = {}
-    for spare in sorted(os.listdir(groups)):
-        path = os.path.join(groups, spare, "summary.json")
-        if os.path.exists(path):
-            with open(path) as handle:
-                found[spare] = json.load(handle)
-    return found
-
-
-def effective_training_time(
-    commits: list[dict], kills: list[dict], redos: list[dict], start: float
-) -> float | None:
-    """The share of the wall time (the first group placed to the last step committed) spent in steps that committed
-    with no failure and no redone attempt inside them."""
-    first = {}
-    for e in commits:
-        first.setdefault(e["step"], e["t"])
-    times = [first[s] for s in sorted(first)]
-    if len(times) < 2:
-        return None
-    troubles = [e["t"] for e in [*kills, *redos]]
-    clean = sum(
-        b - a for a, b in zip(times, times[1:], strict=False) if not any(a < t <= b for t in troubles)
-    )
-    return round(clean / (times[-1] - start), 3)
 
 
 def report(session, cfg: Config, injector: Injector, events: list[dict], seconds: float) -> None:
@@ -552,51 +422,37 @@ def report(session, cfg: Config, injector: Injector, events: list[dict], seconds
                   f"back from a peer, training on); never back: {', '.join(lost) or 'none'}; given up on: "
                   f"{injector.given_up or 'none'}; processes that ended on their own: {on_their_own or 'none'}")  # fmt: skip
     # a kill to its group's next committed step (the replacement's first, healed from a peer)
-    recover_s = []
-    for k in injector.kills:
-        again = [e["t"] for e in commits if e["group"] == k["group"] and e["t"] > k["t"]]
-        recover_s.append(round(min(again) - k["t"], 2) if again else None)
-    redos = [e for e in events if e["event"] == "redo"]
-    start = injector.placed[0]["t"] if injector.placed else time.time()
     session.metrics.update(failures_injected=len(injector.kills), failures_survived=sum(back),
                            survivor_restarts=len(injector.placed) - cfg.replica_groups - len(injector.kills),
-                           steps_redone=len(redos), recover_s=recover_s, kills=injector.kills,
-                           processes=injector.placed, given_up=injector.given_up, started_pids=injector.started_pids,
-                           seconds=round(seconds, 1), committed_steps=len(by_step),
-                           effective_training_time=effective_training_time(commits, injector.kills, redos, start))  # fmt: skip
+                           kills=injector.kills, processes=injector.placed, given_up=injector.given_up,
+                           started_pids=injector.started_pids, seconds=round(seconds, 1))  # fmt: skip
     samples_per_commit = cfg.global_batch_size * (cfg.sync_every if cfg.algorithm == "diloco" else 1)
-    session.metrics["samples_per_s"] = round(len(by_step) * samples_per_commit / seconds, 1)
-    # throughput from one step's first commit to the next's, with every group in the quorum and with fewer
-    first = {step: min(by_step[step], key=lambda e: e["t"]) for step in by_step}
-    paced = [
-        (first[s + 1]["t"] - first[s]["t"], first[s + 1]["groups"]) for s in sorted(first) if s + 1 in first
-    ]
-    for name, keep in (
-        ("full", lambda g: g == cfg.replica_groups),
-        ("degraded", lambda g: g < cfg.replica_groups),
-    ):
-        spans = [span for span, groups in paced if keep(groups)]
-        session.metrics[f"samples_per_s_{name}"] = (
-            round(len(spans) * samples_per_commit / sum(spans), 1) if spans else None
-        )
-        session.metrics[f"{name}_steps"] = sum(keep(first[s]["groups"]) for s in first)
-    groups = {name: summary for name, summary in finished_groups(session.output_dir).items()
-              if name != "reference" and not any(name == f"spare{p['spare']}" for p in [*injector.kills, *injector.given_up])}  # fmt: skip
+    start = injector.placed[0]["t"] if injector.placed else time.time()
+    session.metrics.update(
+        pace(events, injector.kills, start, seconds, cfg.replica_groups, samples_per_commit)
+    )
+    lost = {f"spare{k['spare']}" for k in [*injector.kills, *injector.given_up]}
+    groups = {
+        name: s for name, s in finished_groups(session.output_dir).items() if name not in {"reference", *lost}
+    }
     session.metrics["group_checks"] = {
         name: {c: v["passed"] for c, v in s["checks"].items()} for name, s in groups.items()
     }
     own = {"matches_single_process", "grad_norm_is_global"}  # the parity, checked below
     failed = sorted({f"{name}: {c}" for name, s in groups.items() for c, v in s["checks"].items()
                      if c not in own and v["passed"] is False})  # fmt: skip
-    session.check("groups_passed_their_checks", bool(groups) and not failed, f"{len(groups)} finished groups' "
-                  f"train_gpt checks (bytes held and sent against theory, the loss falls): failed: {failed or 'none'}")  # fmt: skip
+    session.check("groups_passed_their_checks", bool(groups) and not failed, f"{len(groups)} finished groups' train_gpt "
+                  f"checks (bytes held and sent against theory, the loss falls): failed: {failed or 'none'}")  # fmt: skip
     sent = [sum(e["allreduce_bytes"]) for e in finished if e["rank"] == 0]
     session.metrics["allreduce_bytes_per_group"] = sent
     if groups:
         session.metrics["val_loss"] = next(iter(groups.values()))["metrics"]["val_loss"]
     if cfg.algorithm == "ddp":
+        expected = {
+            s: (cfg.global_batch_size, *position_sums(s, cfg.global_batch_size)) for s in range(total)
+        }
         wrong = [s for s in range(total) if s not in by_step or any((e["count"], e["position_sum"],
-                 e["position_squares"]) != (cfg.global_batch_size, *position_sums(s, cfg)) for e in by_step[s])]  # fmt: skip
+                 e["position_squares"]) != expected[s] for e in by_step[s])]  # fmt: skip
         session.check("every_sample_once", not wrong,
                       f"{total - len(wrong)} of {total} committed steps trained their global batch's "
                       f"{cfg.global_batch_size} samples exactly once (count and stream-position sums all-reduced "
@@ -627,15 +483,11 @@ def report(session, cfg: Config, injector: Injector, events: list[dict], seconds
         reference = finished_groups(session.output_dir).get("reference", {})
         session.metrics["val_loss_ddp"] = reference.get("metrics", {}).get("val_loss")
     plot_timeline(cfg, events, injector, os.path.join(session.output_dir, "timeline.png"))
-    session.print(f"{len(injector.kills)} failures injected, {sum(back)} survived (recovered in {recover_s} s), "
+    session.print(f"{len(injector.kills)} failures injected, {sum(back)} survived (recovered in "
+                  f"{session.metrics['recover_s']} s), "
                   f"{session.metrics['steps_redone']} steps redone, effective training time "
                   f"{session.metrics['effective_training_time']}, {len(groups)} groups finished, "
                   f"val_loss {session.metrics.get('val_loss', float('nan')):.4f}")  # fmt: skip
-
-
-def position_sums(step: int, cfg: Config) -> tuple[float, float]:
-    positions = torch.arange(cfg.global_batch_size, dtype=torch.float64) + step * cfg.global_batch_size
-    return positions.sum().item(), (positions**2).sum().item()
 
 
 def plot_timeline(cfg: Config, events: list[dict], injector: Injector, path: str) -> None:

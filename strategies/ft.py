@@ -29,6 +29,7 @@ each other instead).
 
 from __future__ import annotations
 
+import glob
 import json
 import logging
 import os
@@ -324,6 +325,63 @@ def load_local_state(model, optimizer, state: dict) -> None:
                                                     stride=p.stride())
                               if isinstance(p, DTensor) and k != "step" else v for k, v in values.items()}  # fmt: skip
     inner.load_state_dict({**state["optim"], "state": optim_state})
+
+
+# --------------------------------------------------------------- the events a group writes, read back
+def progress(events: list[dict]) -> int:
+    """Committed steps (or DiLoCo syncs) so far: the most any group has logged."""
+    return max((e["step"] + 1 for e in events if e["event"] == "commit"), default=0)
+
+
+def has(events: list[dict], pid: int, *kinds: str) -> bool:
+    return any(e["pid"] == pid and e["event"] in kinds for e in events)
+
+
+def read_events(run_dirs: str) -> list[dict]:
+    """The events of the train_gpt runs in `run_dirs` (a glob), in time order: a file a rank, a line an event (a
+    last line a kill cut short is not one)."""
+    events = []
+    for path in glob.glob(os.path.join(run_dirs, "ft_events", "*.jsonl")):
+        with open(path) as handle:
+            events += [json.loads(line) for line in handle if line.endswith("\n")]
+    return sorted(events, key=lambda e: e["t"])
+
+
+def pace(
+    events: list[dict], kills: list[dict], start: float, seconds: float, groups: int, samples: int
+) -> dict:
+    """A fault-tolerant run's figures from its groups' events (rank 0's speak for a group) and the `kills` (each a
+    group and a time): each kill's recover_s (to its group's next committed step), the steps redone, the
+    effective training time (the share of the wall time from `start` to the last commit spent in steps that
+    committed with no failure and no redone attempt inside them), and the throughput (`samples` a commit) over
+    the run's `seconds`, with all `groups` in the quorum and with fewer."""
+    commits = [e for e in events if e["event"] == "commit" and e["rank"] == 0]
+    troubles = [e["t"] for e in events if e["event"] == "redo" and e["rank"] == 0] + [k["t"] for k in kills]
+    first: dict[int, dict] = {}
+    for e in commits:
+        first.setdefault(e["step"], e)
+    recover_s = []
+    for k in kills:
+        again = [e["t"] for e in commits if e["group"] == k["group"] and e["t"] > k["t"]]
+        recover_s.append(round(min(again) - k["t"], 2) if again else None)
+    steps = [first[s] for s in sorted(first)]
+    spans = [(b["t"] - a["t"], b["groups"], not any(a["t"] < t <= b["t"] for t in troubles))
+             for a, b in zip(steps, steps[1:], strict=False) if b["step"] == a["step"] + 1]  # fmt: skip
+    figures = {"recover_s": recover_s, "committed_steps": len(first), "samples_per_s": round(len(first) * samples / seconds, 1),
+               "steps_redone": sum(e["event"] == "redo" and e["rank"] == 0 for e in events),
+               "effective_training_time": round(sum(span for span, _, clean in spans if clean) /
+                                                (steps[-1]["t"] - start), 3) if len(steps) > 1 else None}  # fmt: skip
+    for name, keep in (("full", lambda g: g == groups), ("degraded", lambda g: g < groups)):
+        kept = [span for span, g, _ in spans if keep(g)]
+        figures[f"samples_per_s_{name}"] = round(len(kept) * samples / sum(kept), 1) if kept else None
+        figures[f"{name}_steps"] = sum(keep(e["groups"]) for e in first.values())
+    return figures
+
+
+def position_sums(step: int, global_batch_size: int) -> tuple[float, float]:
+    """The sums of step `step`'s samples' stream positions and of their squares (what a commit's tally holds)."""
+    positions = torch.arange(global_batch_size, dtype=torch.float64) + step * global_batch_size
+    return positions.sum().item(), (positions**2).sum().item()
 
 
 class FaultTolerant(Piece):
