@@ -57,7 +57,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import torch
 import yaml
 
-from benchmarks import compare_strategies, mfu, op_costs
+from benchmarks import compare_strategies, kernel_costs, mfu, op_costs, overhead_costs
 from benchmarks.workers import benchmark_parser, cpu_clock, dated_folder, others_share, write_table
 from common.gpt import GPT, GPTConfig
 from planning.cost_model import predict_step
@@ -116,7 +116,7 @@ def measure_profile(traced: list[dict], work: Workload, args) -> tuple[dict, dic
         peak = mfu.gemm_flops_per_s(2048, 2048, 2048, torch.float32, 0.5 if args.quick else 2.0)
     finally:
         torch.set_num_threads(threads)
-    spec = {**op_costs.shapes_of(traced), "budget_s": 0.05 if args.quick else 0.2,
+    spec = {**kernel_costs.shapes_of(traced), "budget_s": 0.05 if args.quick else 0.2,
             "model_shape": {k: getattr(work.model, k) for k in GPTConfig().__dict__}, "rows": work.rows}  # fmt: skip
     fitted, ops, fitted_shared = op_costs.measure_this_machine(spec)
     link = {"bandwidth_gbps": fitted["all_reduce"]["bandwidth_gbps"],
@@ -238,7 +238,7 @@ def main(argv: list[str] | None = None) -> int:
     profile["description"] += f"; each figure the median of {len(profiles)} rounds"
     # the step beyond its ops fitted from the rounds' median points (each figure's own median need not go through
     # the points of any round); each round's profile kept beside it
-    profile["ops"]["eager_gaps"] = op_costs.gaps_of(profile["ops"]["eager_gaps"].pop("points"))
+    profile["ops"]["eager_gaps"] = overhead_costs.gaps_of(profile["ops"]["eager_gaps"].pop("points"))
     (folder / "this_machine_rounds.json").write_text(json.dumps([p for p, _ in profiles], indent=1))
     (folder / "this_machine.yaml").write_text(yaml.safe_dump({"this_machine": profile}, sort_keys=False))
     (folder / "this_machine_ops.json").write_text(json.dumps(measured_ops, indent=0))

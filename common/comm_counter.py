@@ -83,7 +83,7 @@ def group_of(args: tuple) -> str | None:
 class CollectiveCounter(TorchDispatchMode):
     """`with CollectiveCounter() as counter: ...` then `counter.calls` and `counter.bytes`, by kind, and
     `counter.switched`: the calls on a process group other than the previous call's (on a CPU with more ranks
-    than cores, a collective with a new partner waits longer: benchmarks/op_costs.collectives_between_compute);
+    than cores, a collective with a new partner waits longer: benchmarks/collective_costs.collectives_between_compute);
     `counter.on_groups_of`: per (kind, ranks of the group), the calls and their bytes."""
 
     def __init__(self):

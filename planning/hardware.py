@@ -36,7 +36,7 @@ class Hardware:
     )
     cores: int | None = None  # a CPU's: ranks beyond it share a core, their compute slowed by ranks / cores
     # a CPU's step of two processes sharing one core against one alone: 2.0 if time-slicing cost nothing (the
-    # switches and the caches each process refills cost more, measured: benchmarks/op_costs.shared_core_ratio)
+    # switches and the caches each process refills cost more, measured: benchmarks/overhead_costs.shared_core_ratio)
     shared_core_ratio: float = 2.0
     # as `fitted`, measured with twice as many ranks as cores: each call with a partner other than its rank's
     # last call's; and each with the same one

@@ -51,7 +51,7 @@ class OpModel:
     )
     # what a step costs beyond its ops one by one (nn.Module, autograd, the allocator, caches an op timed alone
     # finds warm): per op dispatched and per byte its ops move, in the forward and in the backward; and per
-    # optimizer step (measured on the GPT: benchmarks/op_costs.eager_gaps)
+    # optimizer step (measured on the GPT: benchmarks/overhead_costs.eager_gaps)
     per_op_overhead_s: dict | None = None  # phase -> seconds per op
     per_byte_overhead_s: dict | None = None  # phase -> seconds per byte the phase's ops read and write
     step_overhead_s: float = 0.0

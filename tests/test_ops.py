@@ -508,7 +508,7 @@ def test_the_step_beyond_its_ops_is_fitted_from_the_combined_points():
     a MB. The rounds' points are combined first (their median, point by point), then fitted: the fit goes
     through the median rounds' point at the rows a layout runs."""
     from benchmarks.at_scale_calibration import median_of
-    from benchmarks.op_costs import gaps_of
+    from benchmarks.overhead_costs import gaps_of
 
     def points(few_us: float, beyond_us: float) -> dict:
         two = [
