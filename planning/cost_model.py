@@ -41,8 +41,9 @@ from common.moe import active_parameter_count
 from planning.communication import clip_collectives_seconds, own_calls, switched_shares, traffic_seconds
 from planning.hardware import Hardware
 from planning.ops import OpCall
-from planning.timeline import TIMELINE_OF, rank_of_stage, simulate, stages_per_rank, step_seconds
+from planning.timeline import TIMELINE_OF, simulate, stages_per_rank, step_seconds
 from strategies.layout import Layout, Workload
+from strategies.pp_schedules import holder
 from strategies.replicate import replicates_whole_model
 from strategies.theory import stage_theories
 
@@ -229,7 +230,7 @@ def predict_step(
         # Megatron's interleaving goes p micro-batches at a time
         if m % layout.pp and schedule == "interleaved_1f1b":
             schedule, v = "1f1b", 1
-        by_chunk = lambda key: [stages[rank_of_stage(c, layout.pp, schedule)][key] / v  # noqa: E731
+        by_chunk = lambda key: [stages[holder(c, layout.pp, schedule)][key] / v  # noqa: E731
                                 for c in range(layout.pp * v)]  # fmt: skip
         send_s = max(s["exposed"]["pp"] for s in stages) / 2
         # a split backward's weight half: a third of it when the backward runs the forward again first

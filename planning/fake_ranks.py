@@ -4,9 +4,9 @@ whole optimizer step, measured as train_gpt measures a real rank (experiments/at
 
 Per rank: the GPT built on the meta device and parallelized there (the meshes hold real rank numbers), its
 parameters made fake (to_empty under FakeTensorMode); the step's micro-batches in the pipeline schedule's order
-(1F1B: min(p - s, m) forwards on stage s before its first backward, GPipe all m), FSDP told which backward is the
-step's last, as the schedule tells it (the schedule itself cannot run on fake tensors: its warm-up vote reads a
-value); AdamW's step. Measured: bytes held at the step's end and while the micro-batches run, the bytes each
+(strategies/pp_schedules.order: 1F1B's min(p - s - 1, m) warm-up forwards on stage s, GPipe all m), FSDP told
+which backward is the step's last, as the schedule tells it (the schedule itself cannot run on fake tensors: its
+warm-up vote reads a value); AdamW's step. Measured: bytes held at the step's end and while the micro-batches run, the bytes each
 forward keeps for backward and the most in flight, FSDP's unsharded gradient sums under a pipeline, every
 collective. Each rank runs in a worker process of its own (DTensor's sharding cache handed a rank the previous
 rank's groups when they shared a process: measured).
@@ -40,6 +40,7 @@ from strategies.job import Instruments, local_bytes
 from strategies.layout import DIMS, Layout, Workload, chunk_rows, stream_dtype, unique_tensors
 from strategies.parallelize import parallelize, quiet
 from strategies.pp import stage_tokens
+from strategies.pp_schedules import order
 from strategies.theory import gathered_bytes, held_bytes, sent_bytes, theory_of
 
 
@@ -96,15 +97,6 @@ class HeldAtStepEnd(Instruments):
         self.held = job.measure_held()
 
 
-def schedule_order(schedule: str, pp_size: int, stage: int, m: int) -> str:
-    """The forwards (F) and backwards (B) of one stage's step: 1F1B's warm-up of p - s - 1 forwards, then one
-    forward and one backward in turn, then the rest of the backwards; GPipe's m forwards then m backwards."""
-    if schedule == "gpipe" or pp_size == 1:
-        return "F" * m + "B" * m
-    warmup = min(pp_size - stage - 1, m)
-    return "F" * warmup + "FB" * (m - warmup) + "B" * warmup
-
-
 def run_rank(cfg, layout: Layout, work: Workload, rank: int) -> dict:
     """One rank of the job, one optimizer step, on fake tensors: what it holds, keeps and sends."""
     from accelerate import Accelerator
@@ -139,7 +131,9 @@ def run_rank(cfg, layout: Layout, work: Workload, rank: int) -> dict:
             )
             with OpRecorder() as ops:
                 with CollectiveCounter() as counter:  # the optimizer's step left out of the count, as before
-                    for action in schedule_order(cfg.pp_schedule, layout.pp, stage_index, m):
+                    # the stage's forwards and backwards in its schedule's order (one model of every schedule)
+                    schedule = cfg.pp_schedule if layout.pp > 1 else "gpipe"
+                    for action in (a.kind for a in order(schedule, stage_index, layout.pp, m)):
                         ops.phase = "forward" if action == "F" else "backward"
                         # the schedule's receive before the action and its send after it, between stages: a
                         # fake rank calls its stage directly, so they are marked, not run

@@ -132,7 +132,7 @@ def in_flight(schedule: str, pp_size: int, stage: int, m: int) -> float:
     """Micro-batches whose activations a stage rank holds at once, in units of a whole micro-batch through all its
     blocks: 1F1B's p - s on stage s (at most m), GPipe's m; interleaved over v chunks, Megatron's warm-up of
     2 (p - s - 1) + (v - 1) p chunk forwards and the one that starts the steady state, each chunk 1/v of the
-    rank's blocks (planning/timeline.order)."""
+    rank's blocks (strategies/pp_schedules.order)."""
     if pp_size == 1:
         return 1
     v = stages_per_rank(schedule)

@@ -15,17 +15,8 @@ time, it gives what no closed form does.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from strategies.pp_schedules import SCHEDULES, SPLIT_BACKWARD, holder, order
 
-
-@dataclass(frozen=True)
-class Action:
-    kind: str  # "F", "B"; split: "I" (the input's gradient) and "W" (the weights')
-    microbatch: int
-    stage: int  # the model chunk: 0 .. p v - 1
-
-
-SPLIT = ("zbv", "interleaved_zero_bubble")  # the schedules that run a backward as I then W
 # --pp_schedule -> the timeline that prices it: the zero-bubble schedules in torch's own order, their backward
 # split in two; dualpipev (its forwards and backwards of two micro-batches overlapped) as 1F1B, an upper bound
 TIMELINE_OF = {"gpipe": "gpipe", "1f1b": "1f1b", "interleaved_1f1b": "interleaved_1f1b",
@@ -35,80 +26,7 @@ TIMELINE_OF = {"gpipe": "gpipe", "1f1b": "1f1b", "interleaved_1f1b": "interleave
 def stages_per_rank(schedule: str) -> int:
     """The model chunks a stage rank holds under `schedule` (strategies/pp.py's SCHEDULES) as the timeline runs
     it: interleaving's and the zero-bubble schedules', else one."""
-    from strategies.pp import SCHEDULES
-
     return SCHEDULES[schedule][1] if TIMELINE_OF.get(schedule, "1f1b") != "1f1b" else 1
-
-
-def stage_of_rank(rank: int, chunk: int, p: int) -> int:
-    """Looped placement (Megatron's, strategies/pp.py's for interleaved_1f1b): rank r holds stages r, r + p, ..."""
-    return chunk * p + rank
-
-
-def rank_of_stage(stage: int, p: int, schedule: str) -> int:
-    """The rank that runs `stage`: zbv's "V" (stages r and 2p - 1 - r on rank r), else looped."""
-    if schedule == "zbv" and stage >= p:
-        return 2 * p - 1 - stage
-    return stage % p
-
-
-def torch_order(schedule: str, rank: int, p: int, m: int) -> list[Action]:
-    """Rank `rank`'s actions as torch's zero-bubble schedule orders them (2 stages a rank), its idle slots left
-    out: the schedule object made without its stages, given what its order reads (its __init__ needs real
-    stages)."""
-    from torch.distributed.pipelining import schedules
-
-    cls = {
-        "zbv": schedules.ScheduleZBVZeroBubble,
-        "interleaved_zero_bubble": schedules.ScheduleInterleavedZeroBubble,
-    }
-    made = object.__new__(cls[schedule])
-    made.pp_group_size, made._n_microbatches, made.n_local_stages, made.num_stages = p, m, 2, 2 * p
-    made.microbatches_per_round = m // max(1, m // p)  # as ScheduleInterleavedZeroBubble.__init__ sets it
-    kind = schedules._ComputationType
-    kinds = {kind.FORWARD: "F", kind.BACKWARD_INPUT: "I", kind.BACKWARD_WEIGHT: "W", kind.FULL_BACKWARD: "B"}
-    return [Action(kinds[a.computation_type], a.microbatch_index, a.stage_index)
-            for a in made._calculate_single_rank_operations(rank)
-            if a is not None and a.microbatch_index < m]  # (zbv orders 2p - 1 of them at least)  # fmt: skip
-
-
-def order(schedule: str, rank: int, p: int, m: int, v: int = 1) -> list[Action]:
-    """Rank `rank`'s actions in the order its schedule runs them."""
-    if schedule == "gpipe":
-        return [Action("F", i, rank) for i in range(m)] + [Action("B", i, rank) for i in range(m)]
-    if schedule == "1f1b":
-        warmup = min(p - rank - 1, m)
-        actions = [Action("F", i, rank) for i in range(warmup)]
-        for i in range(m - warmup):
-            actions += [Action("F", warmup + i, rank), Action("B", i, rank)]
-        return actions + [Action("B", i, rank) for i in range(m - warmup, m)]
-    if schedule == "interleaved_1f1b":
-        if m % p:
-            raise ValueError(
-                f"interleaved_1f1b needs micro-batches in multiples of the stage ranks: m {m}, p {p}"
-            )
-        total = m * v
-
-        def forward(k: int) -> Action:  # micro-batches p at a time through each of the rank's chunks in turn
-            group, within = divmod(k, p * v)
-            chunk, offset = divmod(within, p)
-            return Action("F", group * p + offset, stage_of_rank(rank, chunk, p))
-
-        def backward(k: int) -> Action:  # the same, the chunks last first
-            group, within = divmod(k, p * v)
-            chunk, offset = divmod(within, p)
-            return Action("B", group * p + offset, stage_of_rank(rank, v - 1 - chunk, p))
-
-        warmup = min((p - rank - 1) * 2 + (v - 1) * p, total)  # Megatron's warm-up forwards
-        actions = [forward(k) for k in range(warmup)]
-        for k in range(total - warmup):
-            actions += [forward(warmup + k), backward(k)]
-        return actions + [backward(k) for k in range(total - warmup, total)]
-    if schedule in SPLIT:
-        return torch_order(schedule, rank, p, m)
-    raise ValueError(
-        f"no timeline for --pp_schedule {schedule!r}: gpipe, 1f1b, interleaved_1f1b, zbv, interleaved_zero_bubble"
-    )
 
 
 def simulate(
@@ -123,7 +41,7 @@ def simulate(
     late_s: float = 0.0,
 ) -> dict:
     """The step's seconds: `forward_s[s]`, `backward_s[s]` one micro-batch's forward and backward on model chunk s
-    (a number: the same on every chunk), `send_s` a send between ranks. A split backward (SPLIT) runs
+    (a number: the same on every chunk), `send_s` a send between ranks. A split backward (SPLIT_BACKWARD) runs
     `weight_share` of it as W: each matmul's backward is two matmuls of its size, one for its input's gradient
     and one for its weight's, so about half (attention's and the norms' backwards go with the input's: W is
     at most half, and half is what it can hide at most). `late_s`: a receive its rank posts only after the data
@@ -136,7 +54,7 @@ def simulate(
     backward = per_chunk(backward_s)
     took_of = {"F": per_chunk(forward_s), "B": backward, "W": [b * weight_share for b in backward],
                "I": [b * (1 - weight_share) for b in backward]}  # fmt: skip
-    gradient = "I" if schedule in SPLIT else "B"  # what the stage before waits for
+    gradient = "I" if schedule in SPLIT_BACKWARD else "B"  # what the stage before waits for
     # each action as (its slot, the slots it waits for, its seconds); a slot = (micro-batch, chunk, kind)
     slot = lambda kind, microbatch, stage: (microbatch * stages + stage) * 4 + "FBIW".index(kind)  # noqa: E731
     queues = []
@@ -151,7 +69,7 @@ def simulate(
                 needs = [slot("F", a.microbatch, a.stage)]
                 needs += [slot(gradient, a.microbatch, a.stage + 1)] if a.stage < stages - 1 else []
             # a neighbour's output crosses to this rank: a send (none from a chunk on the same rank)
-            sends = [send_s if rank_of_stage(n // 4 % stages, p, schedule) != r else 0.0 for n in needs]
+            sends = [send_s if holder(n // 4 % stages, p, schedule) != r else 0.0 for n in needs]
             queue.append((slot(a.kind, a.microbatch, a.stage), needs, sends, took_of[a.kind][a.stage]))
         queues.append(queue)
     done: list[float | None] = [None] * (m * stages * 4)

@@ -24,10 +24,9 @@ Theory per rank: it holds its stages' parameters (and the tied copy). Per step, 
 one of its stages and another rank's: m activations (micro-batch rows x its tokens x width, float32: the
 residual stream; bf16 under FSDP's bf16 policy) one way and m gradients of them the other; the loss (4
 bytes) broadcast from the last stage for the log; the tied gradient (its piece of vocab x width) all-reduced
-between the ends. Bubble, the share of a step a rank waits: (p - 1) / (m + p - 1) for gpipe and 1f1b,
-(p - 1) / (v m + p - 1) interleaved over v stages per rank (Narayanan et al. 2021), 0 for zbv with m >= 2p
-when forward, input-backward and weight-backward take equal time (Qi et al. 2024); measured per schedule by
-`report`.
+between the ends. The schedules themselves (where stages sit, each rank's order, the bubble by each schedule's
+paper) are one model shared with the timeline and the fake ranks: strategies/pp_schedules.py; the bubble is
+measured per schedule by `report`.
 """
 
 from __future__ import annotations
@@ -44,6 +43,15 @@ from common.gpt import GPT, lm_loss
 from common.moe import forget_counts, local
 from strategies.layout import Layout, Mistake, Traffic, chunk_rows, stream_dtype, unique_tensors
 from strategies.piece import Context, Piece, Plan, Theory
+from strategies.pp_schedules import (
+    SCHEDULES,
+    SPLIT_BACKWARD,
+    STEADY_FROM,
+    block_bounds,
+    bubble_theory,
+    holder,
+    stages_of,
+)
 
 MISTAKES = {  # each: what it is, and the runs under which it is one
     "pp_unscaled_microbatch_gradients": Mistake.of(
@@ -56,18 +64,6 @@ MISTAKES = {  # each: what it is, and the runs under which it is one
         "pp", "the head's copy of the tied embedding never gets the first stage's gradient"
     ),
 }
-# name: (torch.distributed.pipelining's schedule, stages per rank, where they sit); imported when a pipeline
-# is built: the module costs 0.6 s of start-up (it imports torch._dynamo), which no other piece needs
-SCHEDULES = {
-    "gpipe": ("ScheduleGPipe", 1, "loop"),
-    "1f1b": ("Schedule1F1B", 1, "loop"),
-    "interleaved_1f1b": ("ScheduleInterleaved1F1B", 2, "loop"),
-    "interleaved_zero_bubble": ("ScheduleInterleavedZeroBubble", 2, "loop"),
-    "zbv": ("ScheduleZBVZeroBubble", 2, "v"),
-    "dualpipev": ("ScheduleDualPipeV", 2, "v"),
-}
-# the zero-bubble schedules: each micro-batch's backward split in input gradients, then weight gradients
-SPLIT_BACKWARD = ("interleaved_zero_bubble", "zbv", "dualpipev")
 
 
 @dataclass
@@ -78,24 +74,6 @@ class Flags:
     pp_microbatches: int = flag(
         4, "with --pp: micro-batches per step, each --per_rank_batch_size / this rows"
     )
-
-
-def stages_of(pp_rank: int, pp: int, schedule: str) -> list[int]:
-    """The stage indices stage-rank `pp_rank` of `pp` holds."""
-    _, per_rank, placement = SCHEDULES[schedule]
-    if placement == "v":
-        return [pp_rank, 2 * pp - 1 - pp_rank]
-    return [pp_rank + pp * i for i in range(per_rank)]
-
-
-def holder(stage: int, pp: int, schedule: str) -> int:
-    """The stage-rank that holds `stage`."""
-    return next(r for r in range(pp) if stage in stages_of(r, pp, schedule))
-
-
-def block_bounds(n_layer: int, n_stages: int) -> list[int]:
-    """Stage s holds blocks [bounds[s], bounds[s + 1]): as even as whole blocks allow."""
-    return [round(i * n_layer / n_stages) for i in range(n_stages + 1)]
 
 
 def refuse(plan: Plan) -> None:
@@ -313,20 +291,6 @@ class Pipeline:
             f"{row['steps_measured']} steps), {'n/a' if theory is None else f'{theory:.3f}'} by theory; "
             f"{row['step_ms']:.1f} ms per step; {path}"
         )
-
-
-STEADY_FROM = 3  # the bubble leaves out the first two steps (one-time work: shapes, buffers, warm-up)
-
-
-def bubble_theory(schedule: str, p: int, m: int) -> float | None:
-    """The share of a step a stage-rank idles, by its paper (equal forward, backward, weight-gradient times);
-    None where the paper gives no closed form for this placement."""
-    v = SCHEDULES[schedule][1]
-    if schedule in ("gpipe", "1f1b", "interleaved_1f1b"):
-        return (p - 1) / (v * m + p - 1)
-    if schedule == "zbv" and m >= 2 * p:
-        return 0.0
-    return None
 
 
 # ------------------------------------------------------------------------------------------------ theory

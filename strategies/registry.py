@@ -1,8 +1,8 @@
 """The registry: every piece of parallelism, in the order they are applied (torchtitan's: the pipeline cuts the
 model first, then on each stage tensor parallelism -> context parallelism -> expert parallelism -> activation
-checkpointing -> torch.compile -> FSDP or replicate; then fault tolerance across replica groups), and the engines that replace them all (DeepSpeed's ZeRO,
-chosen by the accelerate config). The flags (strategies/args.py), the refusals, parallelize, the theory, the Job's
-hooks and the tests iterate over `PIECES`; nothing else names a piece.
+checkpointing -> torch.compile -> FSDP or replicate; then fault tolerance across replica groups), and the engines
+that replace them all (DeepSpeed's ZeRO, chosen by the accelerate config). The flags (strategies/args.py), the
+refusals, parallelize, the theory, the Job's hooks and the tests iterate over `PIECES`; nothing else names a piece.
 
 A new piece is one module with one `Piece` subclass (strategies/piece.py), added here, or at run time with
 `register` before strategies.args is imported (its flags are made from the registry then): tests/

@@ -17,11 +17,12 @@ from experiments.at_scale import Config, main
 from helpers import run_in_process, run_main_in_process
 from planning.communication import collective_seconds, link_of
 from planning.cost_model import memory_seconds, model_flops_per_token, predict_step
-from planning.fake_ranks import every_stage, ranks_that_differ, schedule_order
+from planning.fake_ranks import every_stage, ranks_that_differ
 from planning.hardware import load_hardware
 from planning.memory import activation_bytes
 from planning.published import MODELS, PUBLISHED_RUNS, model_named
 from strategies.layout import Layout, Workload
+from strategies.pp_schedules import order
 from strategies.theory import stage_theories
 
 TINY = ("--report_to none --model custom --n_layer 4 --d_model 64 --n_head 4 --vocab_size 512 "
@@ -150,6 +151,12 @@ def test_a_rank_past_the_timeout_is_one_line_naming_it_and_every_worker_is_ended
     assert stderr.strip().count("\n") == 0 and "ranks [0, 4] were still running and are ended" in stderr
     assert time.perf_counter() - started < 20
     assert [p for p in psutil.Process().children(recursive=True) if "spawn" in " ".join(p.cmdline())] == []
+
+
+def schedule_order(schedule: str, p: int, stage: int, m: int) -> str:
+    """A stage's forwards and backwards as the one schedule model orders them (strategies/pp_schedules.py), which
+    the fake ranks, the timeline and the runtime share."""
+    return "".join(action.kind for action in order(schedule, stage, p, m))
 
 
 def test_the_schedule_orders_each_stages_forwards_and_backwards():

@@ -22,6 +22,7 @@ from strategies import (
     deepspeed,
     ep,
     pp,
+    pp_schedules,
     registry,
     replicate,
     shard,
@@ -335,15 +336,18 @@ def test_pieces_that_cannot_work_together_are_refused_together():
 
 
 def test_pipeline_stages_sit_looped_or_in_a_v_and_split_the_blocks_evenly():
-    assert [pp.stages_of(r, 2, "1f1b") for r in range(2)] == [[0], [1]]
-    assert [pp.stages_of(r, 2, "interleaved_1f1b") for r in range(2)] == [[0, 2], [1, 3]]  # looped
-    assert [pp.stages_of(r, 3, "zbv") for r in range(3)] == [
+    assert [pp_schedules.stages_of(r, 2, "1f1b") for r in range(2)] == [[0], [1]]
+    assert [pp_schedules.stages_of(r, 2, "interleaved_1f1b") for r in range(2)] == [[0, 2], [1, 3]]  # looped
+    assert [pp_schedules.stages_of(r, 3, "zbv") for r in range(3)] == [
         [0, 5],
         [1, 4],
         [2, 3],
     ]  # a V: rank 0 holds both ends
-    assert pp.holder(3, 2, "dualpipev") == 0 and pp.holder(3, 2, "interleaved_zero_bubble") == 1
-    assert pp.block_bounds(4, 2) == [0, 2, 4] and pp.block_bounds(6, 4) == [0, 2, 3, 4, 6]
+    assert (
+        pp_schedules.holder(3, 2, "dualpipev") == 0
+        and pp_schedules.holder(3, 2, "interleaved_zero_bubble") == 1
+    )
+    assert pp_schedules.block_bounds(4, 2) == [0, 2, 4] and pp_schedules.block_bounds(6, 4) == [0, 2, 3, 4, 6]
 
 
 def test_pipeline_ranks_hold_the_model_between_them_and_the_tie_once_more():
@@ -357,9 +361,15 @@ def test_pipeline_ranks_hold_the_model_between_them_and_the_tie_once_more():
 
 
 def test_pipeline_bubble_theory_falls_with_micro_batches_and_interleaving():
-    assert pp.bubble_theory("gpipe", 2, 4) == pp.bubble_theory("1f1b", 2, 4) == pytest.approx(1 / 5)
-    assert pp.bubble_theory("interleaved_1f1b", 2, 4) == pytest.approx(1 / 9)  # (p - 1) / (v m + p - 1)
     assert (
-        pp.bubble_theory("zbv", 2, 4) == 0 and pp.bubble_theory("zbv", 4, 4) is None
+        pp_schedules.bubble_theory("gpipe", 2, 4)
+        == pp_schedules.bubble_theory("1f1b", 2, 4)
+        == pytest.approx(1 / 5)
+    )
+    assert pp_schedules.bubble_theory("interleaved_1f1b", 2, 4) == pytest.approx(
+        1 / 9
+    )  # (p - 1) / (v m + p - 1)
+    assert (
+        pp_schedules.bubble_theory("zbv", 2, 4) == 0 and pp_schedules.bubble_theory("zbv", 4, 4) is None
     )  # zero only with m >= 2p
-    assert pp.bubble_theory("dualpipev", 2, 4) is None
+    assert pp_schedules.bubble_theory("dualpipev", 2, 4) is None

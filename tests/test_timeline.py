@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from planning.timeline import Action, order, simulate, step_seconds
+from planning.timeline import simulate, step_seconds
+from strategies.pp_schedules import Action, order
 
 
 @pytest.mark.parametrize("p, m", [(2, 4), (4, 8), (8, 8), (4, 16)])
