@@ -81,17 +81,18 @@ def test_rehearsal_passes_every_other_experiment(tmp_path, experiment, ranks, ar
 
 
 @pytest.mark.launch
-def test_rehearsal_passes_fault_tolerance_with_fsdp_in_each_group(tmp_path):
+def test_rehearsal_passes_fault_tolerance_with_tp_in_each_group(tmp_path):
     """The launcher and every replica group's process (train_gpt with --fault_tolerant: its exact accumulation, the
     torchft all-reduce of its sums and tallies, its one-process reference) under the rehearsal."""
     args = ["--report_to", "none", "--max_steps", "8", "--global_batch_size", "4", "--micro_batch_size", "1",
-            "--d_model", "32", "--replica_groups", "2", "--dp_shard", "2", "--failures", "0"]  # fmt: skip
+            "--d_model", "32", "--replica_groups", "2", "--tp", "2", "--failures", "0"]  # fmt: skip
     env = {**REHEARSAL, "HOME": str(tmp_path)}
     from helpers import clean_env
 
     finished = launch("fault_tolerance.py", args, tmp_path / "run", launcher="python", env=clean_env(**env))
     assert finished.returncode == 0, finished.stderr[-3000:]
-    assert finished.summary["checks"]["matches_one_process"]["passed"]
+    checks = finished.summary["checks"]
+    assert checks["matches_one_process"]["passed"] and checks["groups_passed_their_checks"]["passed"], checks
 
 
 @pytest.mark.launch
