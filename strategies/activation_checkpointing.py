@@ -31,7 +31,7 @@ from torch.utils.checkpoint import (
 
 from common.activations import OutputsCounted, active_counter
 from common.config import flag, require
-from strategies.piece import Context, Piece, Plan, Theory
+from strategies.piece import Context, Piece, Plan, Recomputes, Theory
 
 MODES = ("none", "full", "selective")
 aten = torch.ops.aten
@@ -100,7 +100,7 @@ def _selective_contexts(counter):
     return stack, recompute
 
 
-class ActivationCheckpointing(Piece):
+class ActivationCheckpointing(Piece, Recomputes):
     """No degree, no byte held or sent of its own: it makes tensor parallelism's recomputed blocks send again."""
 
     name = "activation_checkpointing"

@@ -35,6 +35,7 @@ from common.moe import balance, moe_layers
 from common.optim import clip_by_global_norm, set_lr
 from common.reference import max_abs_difference, train_single_process
 from strategies.job import Instruments
+from strategies.piece import GatesSteps, having
 
 
 @dataclass
@@ -189,9 +190,7 @@ def check_layout(session, job, probe: Probe, model_cfg, budget: dict, memory_rto
     elif job.layout.world_size > 1:
         check_communication(session, job, reference, counted)
     unlike = [
-        why
-        for piece in job.pieces
-        if (why := getattr(piece, "unlike_one_process", lambda plan: "")(job.ctx.plan))
+        why for piece in having(job.pieces, GatesSteps) if (why := piece.unlike_one_process(job.ctx.plan))
     ]
     if unlike:
         session.skip_check("matches_single_process", unlike[0])

@@ -38,7 +38,7 @@ from common.config import flag, require
 from common.device import device_time
 from common.gpt import grouped
 from strategies.layout import Layout, Mistake, Traffic
-from strategies.piece import Context, Piece, Plan, Theory
+from strategies.piece import Context, HooksTheStep, Measures, Piece, Plan, Theory
 
 MISTAKES = {  # each: what it is, and the runs under which it is one
     "cp_merge_without_lse": Mistake.of(
@@ -230,7 +230,7 @@ def report(session, attentions: list[ContextParallelAttention], balanced: bool) 
         )
 
 
-class ContextParallel(Piece):
+class ContextParallel(Piece, HooksTheStep, Measures):
     name = dim = "cp"
     Flags = Flags
     MISTAKES = MISTAKES

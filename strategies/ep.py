@@ -49,7 +49,7 @@ from common.config import flag, require
 from common.device import device_time
 from common.moe import moe_layers, run_experts
 from strategies.layout import Layout, Mistake, Traffic, chunk_rows, stream_dtype, submesh
-from strategies.piece import Context, Piece, Plan, Theory
+from strategies.piece import Context, HooksTheStep, Measures, Piece, Plan, SplitsParameters, Theory
 
 # ep's all-to-alls wait in every MoE block (exposed, as tp's); its all-reduces (the experts' gradients over their
 # replicas, the balancing counts) are priced with the data parallel ones (Traffic.term)
@@ -323,7 +323,7 @@ def forget_routing(exchanges: list[AllToAll]) -> None:
         exchange.routing.clear()
 
 
-class ExpertParallel(Piece):
+class ExpertParallel(Piece, SplitsParameters, HooksTheStep, Measures):
     """The piece of a mixture of experts, on whenever the model has experts: its counts summed over the
     data-parallel ranks (any layout), its experts split over ep (ep > 1), its loads reported."""
 

@@ -44,7 +44,7 @@ from common.config import MAX_TIMEOUT_S, flag, require
 from common.device import backend_for
 from common.moe import local
 from strategies.layout import Mistake
-from strategies.piece import Context, Piece, Plan
+from strategies.piece import Context, GatesSteps, Measures, Piece, Plan, RunsTheStep, having
 
 ALGORITHMS = ("ddp", "diloco")
 
@@ -121,7 +121,7 @@ def refuse(plan: Plan) -> None:
     require(not getattr(args, "resume_from_checkpoint", ""), "--resume_from_checkpoint with --fault_tolerant: "
             "not built; a lost group heals from a live peer instead")  # fmt: skip
     inside = sorted(plan.traits & {"collectives_in_attention", "routes_tokens"})
-    whole_step = [p.name for p in plan.on if p.runs_whole_step]
+    whole_step = [p.name for p in having(plan.on, RunsTheStep)]
     require(not inside and not whole_step, f"--fault_tolerant with {', '.join(inside + whole_step)} inside a group: "
             "not built (exact accumulation takes each micro-batch's gradient on its own); use --dp_shard and --tp")  # fmt: skip
 
@@ -384,13 +384,12 @@ def position_sums(step: int, global_batch_size: int) -> tuple[float, float]:
     return positions.sum().item(), (positions**2).sum().item()
 
 
-class FaultTolerant(Piece):
-    """Applied last: nothing of the model changes; the Job asks it for each step (its `gates_steps` capability)."""
+class FaultTolerant(Piece, GatesSteps, Measures):
+    """Applied last: nothing of the model changes; the Job asks it for each step (it gates steps)."""
 
     name = "fault_tolerant"
     Flags = Flags
     MISTAKES = MISTAKES
-    gates_steps = True
 
     def is_on(self, plan: Plan) -> bool:
         return bool(getattr(plan.args, "fault_tolerant", False))

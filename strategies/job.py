@@ -5,7 +5,7 @@ really holds beside its theory. (experiments/at_scale.py's fake ranks still driv
 
 Exact accumulation (a piece's trait `exact_accumulation`: fault tolerance's): each micro-batch's gradient (its loss /
 every micro-batch of the global batch) added in float64 and rounded to float32 once, after a piece that gates steps
-(`gates_steps`) has summed the sums of everyone who shared the step. A sum of a few float32 numbers in float64 is
+(`GatesSteps`) has summed the sums of everyone who shared the step. A sum of a few float32 numbers in float64 is
 exact, so the gradient does not depend on who computed which micro-batch.
 """
 
@@ -23,7 +23,7 @@ from common.gpt import lm_loss
 from common.moe import local
 from common.optim import clip_by_global_norm, set_lr
 from strategies.layout import DIMS, unique_tensors
-from strategies.piece import Context, Theory
+from strategies.piece import Context, GatesSteps, HooksTheStep, Measures, RunsTheStep, Theory, having
 
 
 class Instruments:
@@ -66,7 +66,11 @@ class Job:
         self.pieces = ctx.plan.on
         self.instruments = Instruments()
         # the piece that says whether a step counts (fault tolerance: torchft's should_commit), if one runs
-        self.gate = next((piece for piece in self.pieces if getattr(piece, "gates_steps", False)), None)
+        self.gate = next(iter(having(self.pieces, GatesSteps)), None)
+        self.hooks, self.runner = (
+            having(self.pieces, HooksTheStep),
+            next(iter(having(self.pieces, RunsTheStep)), None),
+        )
         self.exact = "exact_accumulation" in ctx.plan.traits
         # the global batch's micro-batches (each every data-parallel rank's rows), shared by the replica groups
         self.units_per_step = self.work.micro_batches * (self.args.replica_groups if self.gate else 1)
@@ -82,16 +86,16 @@ class Job:
     # never sees it.
     @property
     def steady_step(self) -> int:
-        return max([1, *(piece.steady_step(self) for piece in self.pieces)])
+        return max([1, *(piece.steady_step(self) for piece in self.hooks)])
 
     @property
     def forward_is_whole_step(self) -> bool:
         """A piece that runs every micro-batch's forward and backward in one step (a pipeline): nothing between."""
-        return any(piece.runs_whole_step for piece in self.pieces)
+        return self.runner is not None
 
     def split_batch(self, x: torch.Tensor, y: torch.Tensor) -> tuple:
         """This rank's tokens of its data-parallel rank's rows (context parallelism keeps its chunks)."""
-        for piece in self.pieces:
+        for piece in self.hooks:
             x, y = piece.split_batch(self, x, y)
         return x, y
 
@@ -179,15 +183,15 @@ class Job:
         never the targets, and a plain module, tp, pp and cp move nothing)."""
         x, y = self.split_batch(*on_device((x, y), self.accelerator.device))
         watch = self.instruments.watch
-        for piece in self.pieces:
+        for piece in self.hooks:
             piece.before_micro_batch(self)
-        runner = next((piece for piece in self.pieces if piece.runs_whole_step), None)
+        runner = self.runner
         with watch("forward"), self.accelerator.autocast():
             loss = runner.run_micro_batch(self, x, y) if runner else lm_loss(self.model(x), y)
         with watch("backward"):
             if not runner:
                 start = loss
-                for piece in self.pieces:
+                for piece in self.hooks:
                     start = piece.loss_for_backward(self, start)
                 if self.exact:  # its share of the global batch's gradient (summed, never averaged, after)
                     (start / self.exact_divisor).backward()
@@ -200,18 +204,16 @@ class Job:
 
     def after_backward(self) -> None:
         """Every piece's work on the gradients, in reverse order (the backward unwinds the forward)."""
-        for piece in reversed(self.pieces):
+        for piece in reversed(self.hooks):
             piece.after_backward(self)
 
     def clip(self, local_only: bool = False, exact: bool = False) -> float:
         """Clip to max_norm (--grad_clip) by the global norm and return it (`local_only`: the mistake of each
         rank clipping by its own piece's norm)."""
         with self.instruments.watch("clip"):
-            for piece in self.pieces:
+            for piece in self.hooks:
                 piece.before_clip(self)
-            options = {}
-            for piece in self.pieces:
-                options.update(piece.clip_options(self))
+            options = self.runner.clip_options(self) if self.runner else {}
             return clip_by_global_norm(
                 self.model.parameters(), self.max_norm, local_only=local_only, exact=exact, **options
             )
@@ -230,11 +232,7 @@ class Job:
         """The mean loss over the tokens of a batch, no gradients."""
         x, y = self.split_batch(x, y)
         with self.accelerator.autocast():
-            for piece in self.pieces:
-                loss = piece.evaluate(self, x, y)
-                if loss is not None:
-                    return loss
-            return lm_loss(self.model(x), y)
+            return self.runner.evaluate(self, x, y) if self.runner else lm_loss(self.model(x), y)
 
     def evaluate_rows(self, rows: tuple[torch.Tensor, torch.Tensor], batch_size: int) -> float:
         """The mean loss over the scored tokens of every rank's `rows` (inputs, targets; a target of
@@ -248,7 +246,7 @@ class Job:
             scored = (self.split_batch(x, y)[1] != IGNORED_TARGET).sum().double()
             loss = self.evaluate(x, y).double()
             total += torch.stack([loss * scored if scored else torch.zeros_like(loss), scored])
-        for piece in self.pieces:
+        for piece in self.hooks:
             piece.after_evaluate(self)
         total = self.accelerator.reduce(total, "sum")
         return (total[0] / total[1]).item()
@@ -257,17 +255,15 @@ class Job:
         """PyTorch's distributed checkpoint: any layout reads any other's. The full state is gathered from the
         first rank of each coordinate of a piece whose ranks hold different parameters (a pipeline's stages);
         the others hold copies or pieces of what it gathers."""
-        apart = {piece.dim for piece in self.pieces if piece.holds_apart}
+        apart = {self.runner.dim} if self.runner else set()
         first = all(self.layout.coordinate(self.rank, d) == 0 for d in DIMS if d not in apart)
-        aliases = {}
-        for piece in self.pieces:
-            aliases.update(piece.checkpoint_aliases(self))
+        aliases = self.runner.checkpoint_aliases(self) if self.runner else {}
         return ShardedCheckpointer(self.model, self.optimizer, restore_optimizer, aliases=aliases,
                                    gathers_full_state=first)  # fmt: skip
 
     def report(self, session) -> None:
         """What the pieces measure beyond the checks, at the end (every rank calls it)."""
-        for piece in self.pieces:
+        for piece in having(self.pieces, Measures):
             piece.report(self, session)
 
     def measure_held(self) -> dict:
@@ -299,14 +295,14 @@ class Job:
     def step_figures(self) -> dict:
         """What a step adds to the logged metrics (W&B, metrics.jsonl): each piece's (an MoE's load imbalance)."""
         figures = {}
-        for piece in self.pieces:
+        for piece in having(self.pieces, Measures):
             figures.update(piece.step_figures(self))
         return figures
 
     def theory_inputs(self) -> dict:
         """What the pieces recorded in the last forward that their closed forms take as input."""
         inputs = {}
-        for piece in self.pieces:
+        for piece in having(self.pieces, Measures):
             inputs.update(piece.theory_inputs(self))
         return inputs
 

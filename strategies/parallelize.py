@@ -28,7 +28,7 @@ import torch.distributed as dist
 from strategies import registry
 from strategies.job import Job
 from strategies.layout import Layout, Workload
-from strategies.piece import Context
+from strategies.piece import Context, RunsTheStep, having
 
 
 def parallelize(
@@ -51,7 +51,7 @@ def parallelize(
     ctx = Context(plan, rank, mesh, device, accelerator, stages=[gpt])
     for piece in plan.on:
         ctx.stages = piece.apply(ctx.stages, ctx)
-    for piece in plan.on:
+    for piece in having(plan.on, RunsTheStep):
         piece.connect(ctx)
     model = ctx.model or ctx.stages[0]
     unwrapped = getattr(model, "module", model)  # DDP's wrapped module

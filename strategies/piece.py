@@ -1,28 +1,30 @@
-"""The one interface every piece of parallelism implements, and the three context objects it is handed.
+"""The one interface every piece of parallelism implements, the capabilities some declare, and the three context
+objects they are handed.
 
-A piece is one module (tp.py, shard.py, ...) holding one `Piece` subclass: everything the rest of the project
-asks of a dimension, asked the same way of every dimension. Shared code (the flags, the refusals, parallelize,
-the theory, the Job, the planner) loops over the registry's pieces (strategies/registry.py) and calls these
-methods; it never tests which piece it holds. A method a piece does not need keeps its default here (nothing
-to refuse, nothing sent, no hook), so a piece says only what it does:
-
-  before anything starts (`Plan`: the flags, the layout, the workload; pure arithmetic, any world size)
+A piece is one module (tp.py, shard.py, ...) holding one `Piece` subclass: everything the rest of the project asks
+of a dimension, asked the same way of every dimension. Shared code (the flags, the refusals, parallelize, the
+theory, the Job, the planner) loops over the registry's pieces (strategies/registry.py) and never tests which piece
+it holds. The core, which every piece considers (`Plan`: the flags, the layout, the workload; pure arithmetic, any
+world size):
     Flags, MISTAKES        its flags (a dataclass folded into the CLI) and its deliberate mistakes
     is_on(plan)            whether it runs under this plan (its degree > 1, its flag set)
-    traits(plan)           what it makes of the run that another piece may refuse to run with (say, a
-                           backward in two passes), by the trait's name: the pieces never name each other
+    traits(plan)           what it makes of the run that another piece may refuse (say, a backward in two passes),
+                           by the trait's name: the pieces never name each other
     refuse(plan)           one line (UsageError) for what it cannot do
-  applied (`Context`: the above and this rank, its mesh, device and Accelerator, and what the earlier pieces
-  left: the stages, the parameters a piece claimed, each piece's run-time state)
-    apply(stages, ctx)     to every stage (a GPT, or a pipeline's part of one), in the registry's order
-    claims(stage)          parameters it splits itself, which the data-parallel pieces leave alone
-    connect(ctx)           once every piece is applied
-  by theory (`Theory`: the undistributed GPT, the plan and one rank; no process group, any rank of any world)
-    holds / extra_held / local_shape / claims_name / rest_shape / window_bytes / recomputed_blocks / sent
-  at run time (the Job's hooks; `job.state(self)` is what apply kept)
-    split_batch, before_micro_batch, run_micro_batch, loss_for_backward, after_backward (in reverse order:
-    backward unwinds the forward), before_clip, clip_options, evaluate, after_evaluate, steady_step, report, step_figures,
-    theory_inputs, checkpoint_aliases
+    apply(stages, ctx)     applied (`Context`: the plan, this rank, its mesh, device and Accelerator, and what the
+                           earlier pieces left) to every stage, in the registry's order
+    sent(t)                its collectives of one step for one rank, by theory (`Theory`: the undistributed GPT,
+                           the plan and one rank; no process group, any rank of any world)
+What only some pieces do is a capability, a class the piece also subclasses; shared code asks only the pieces that
+declare it (`having(pieces, Capability)`):
+    SplitsParameters  how it splits a parameter by theory (holds, extra_held, local_shape, claims_name,
+                      rest_shape, window_bytes) and which it splits itself at run time (claims): pp, tp, ep, shard
+    Recomputes        blocks whose forward runs again in backward: activation checkpointing
+    HooksTheStep      its work inside the Job's step (split_batch, before_micro_batch, loss_for_backward,
+                      after_backward, before_clip, after_evaluate, steady_step): cp, ep, pp, replicate, shard, tp
+    Measures          what it measures (report, step_figures, theory_inputs): cp, ep, ft, pp
+    RunsTheStep       a step runner (connect, run_micro_batch, evaluate, clip_options, checkpoint_aliases): pp
+    GatesSteps        whether a step counts and this rank's share of it: ft
 
 docs/train_gpt.md ("How a new piece plugs in") walks through one: tests/test_one_module.py's toy piece.
 """
@@ -87,7 +89,7 @@ class Context:
 
     def claimed(self, stage) -> set:
         """The parameters of `stage` a piece splits itself (the data-parallel pieces leave them alone)."""
-        return {p for piece in self.plan.on for p in piece.claims(stage, self)}
+        return {p for piece in having(self.plan.on, SplitsParameters) for p in piece.claims(stage, self)}
 
 
 class Theory:
@@ -103,7 +105,7 @@ class Theory:
     @cached_property
     def held(self) -> list[tuple[str, list[int]]]:
         """(name, shape of the rank's piece before data parallelism) of every parameter the rank holds."""
-        pieces = self.plan.on
+        pieces = having(self.plan.on, SplitsParameters)
         names = [
             (n, p.shape) for n, p in unique_parameters(self.model) if all(x.holds(n, self) for x in pieces)
         ]
@@ -131,7 +133,7 @@ class Theory:
         return any(name.startswith(("ln_f.", "head.")) for name, _ in self.held)
 
     def claimed(self, name: str) -> bool:
-        return any(piece.claims_name(name, self) for piece in self.plan.on)
+        return any(piece.claims_name(name, self) for piece in having(self.plan.on, SplitsParameters))
 
     @cached_property
     def unclaimed(self) -> list[tuple[str, list[int]]]:
@@ -141,7 +143,7 @@ class Theory:
     def rest_shape(self, name: str, shape) -> list[int]:
         """The piece of a held parameter the rank keeps at rest (after data parallelism's sharding)."""
         shape = list(shape)
-        for piece in self.plan.on:
+        for piece in having(self.plan.on, SplitsParameters):
             shape = piece.rest_shape(name, shape, self)
         return shape
 
@@ -151,7 +153,7 @@ class Theory:
     def window_bytes(self, name: str, shape) -> int:
         """Bytes of a held parameter between a micro-batch's forward and its backward: the first piece's that
         says (a gathered copy), else at rest."""
-        for piece in self.plan.on:
+        for piece in having(self.plan.on, SplitsParameters):
             size = piece.window_bytes(name, shape, self)
             if size is not None:
                 return size
@@ -160,7 +162,7 @@ class Theory:
     @cached_property
     def recomputed_blocks(self) -> int:
         """Blocks whose forward runs again in backward (their collectives sent again)."""
-        return sum(piece.recomputed_blocks(self) for piece in self.plan.on)
+        return sum(piece.recomputed_blocks(self) for piece in having(self.plan.on, Recomputes))
 
     @cached_property
     def traffic(self) -> list[Traffic]:
@@ -173,7 +175,7 @@ class Theory:
         params = sum(self.rest_bytes(name, shape) for name, shape in self.held)
         # a piece that runs forward and backward as one step (a pipeline) leaves nothing between them to see
         # from outside: a run measures it at rest (experiments/at_scale.py sees inside: gathered_bytes)
-        whole_step = any(piece.runs_whole_step for piece in self.plan.on)
+        whole_step = bool(having(self.plan.on, RunsTheStep))
         return {
             "params": params,
             "grads": params,
@@ -209,39 +211,45 @@ class NoFlags:
 
 
 class Piece:
-    """A dimension of parallelism, or a feature that applies to any layout (the module docstring lists what
-    each method is for). Subclasses set `name` (its degree's name where it has one: `dim`) and `Flags`."""
+    """A dimension of parallelism, or a feature that applies to any layout: the core every piece implements.
+    Subclasses set `name` (its degree's name where it has one: `dim`), `Flags` and `MISTAKES`; what only some
+    pieces do is a capability they declare by also subclassing it (below)."""
 
     name: str = ""
     dim: str | None = None  # its degree in strategies/layout.py, if it has one
     Flags: type = NoFlags
     MISTAKES: dict = {}
-    # whether its ranks hold different parameters (not pieces of the same ones): each of its coordinates'
-    # first rank gathers its own for a checkpoint
-    holds_apart: bool = False
-    runs_whole_step: bool = False  # whether its run_micro_batch runs forward and backward as one
 
-    # ------------------------------------------------------------------------ before anything starts
     def is_on(self, plan: Plan) -> bool:
+        """Whether it runs under this plan (default: its degree > 1)."""
         return self.dim is not None and getattr(plan.layout, self.dim) > 1
 
     def traits(self, plan: Plan) -> set[str]:
+        """What it makes of the run that another piece may refuse to run with, by the trait's name."""
         return set()
 
     def refuse(self, plan: Plan) -> None:
-        pass
+        """One line (UsageError) for what it cannot do, before anything starts."""
 
-    # ---------------------------------------------------------------------------------------- applied
     def apply(self, stages: list, ctx: Context) -> list:
+        """Applied to every stage (a GPT, or a pipeline's part of one), in the registry's order."""
         return stages
 
-    def claims(self, stage, ctx: Context) -> list:
+    def sent(self, t: Theory) -> list[Traffic]:
+        """Its collectives of one step for the rank `t` describes (its closed form)."""
         return []
 
-    def connect(self, ctx: Context) -> None:
-        pass
 
-    # ----------------------------------------------------------------------------------------- theory
+def having(pieces, capability: type) -> list:
+    """The pieces that declare `capability`."""
+    return [piece for piece in pieces if isinstance(piece, capability)]
+
+
+# ------------------------------------------------------------------------------------------------ capabilities
+class SplitsParameters:
+    """How it splits a parameter, by theory (each method handed one rank's `Theory`), and which parameters it splits
+    itself at run time (which the data-parallel pieces then leave alone)."""
+
     def holds(self, name: str, t: Theory) -> bool:
         return True
 
@@ -260,22 +268,28 @@ class Piece:
     def window_bytes(self, name: str, shape: list[int], t: Theory) -> int | None:
         return None
 
+    def claims(self, stage, ctx: Context) -> list:
+        return []
+
+
+class Recomputes:
+    """It runs some blocks' forward again in backward (their collectives sent again)."""
+
     def recomputed_blocks(self, t: Theory) -> int:
         return 0
 
-    def sent(self, t: Theory) -> list[Traffic]:
-        return []
 
-    # ------------------------------------------------------------------------------ at run time (Job)
+class HooksTheStep:
+    """Its work inside the Job's step (strategies/job.py), each hook handed the Job (`job.state(self)`: what
+    `apply` kept): the batch's split, before each micro-batch, the loss backward starts from, after backward (in
+    reverse order: backward unwinds the forward), before the clipping, after an evaluation, and the first step free
+    of its one-time work (its collectives are then counted)."""
+
     def split_batch(self, job, x: torch.Tensor, y: torch.Tensor) -> tuple:
         return x, y
 
     def before_micro_batch(self, job) -> None:
         pass
-
-    def run_micro_batch(self, job, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor | None:
-        """The micro-batch's loss if this piece runs it itself (forward and backward), else None."""
-        return None
 
     def loss_for_backward(self, job, loss: torch.Tensor) -> torch.Tensor:
         """What backward starts from (a loss scale, say); the loss reported stays the model's."""
@@ -287,20 +301,16 @@ class Piece:
     def before_clip(self, job) -> None:
         pass
 
-    def clip_options(self, job) -> dict:
-        """common/optim.clip_by_global_norm's `across` (a group the norm is summed over) and
-        `counted_elsewhere` (parameters another rank counts)."""
-        return {}
-
-    def evaluate(self, job, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor | None:
-        return None
-
     def after_evaluate(self, job) -> None:
         pass
 
     def steady_step(self, job) -> int:
-        """The first step free of this piece's one-time work (its collectives are then counted)."""
         return 1
+
+
+class Measures:
+    """What it measures beyond the checks: at the end (`report`), each step's logged figures, and what the last
+    forward recorded that its closed form takes as input ({key: [records]})."""
 
     def report(self, job, session) -> None:
         pass
@@ -309,8 +319,35 @@ class Piece:
         return {}
 
     def theory_inputs(self, job) -> dict:
-        """What the last forward recorded that this piece's closed form takes as input, {key: [records]}."""
+        return {}
+
+
+class RunsTheStep:
+    """It runs each micro-batch's forward and backward itself, as one (a pipeline's schedule): connected once every
+    piece is applied, it runs a micro-batch and an evaluation, says how the norm is summed (common/optim.
+    clip_by_global_norm's `across` and `counted_elsewhere`) and which names a checkpoint keeps once; its ranks hold
+    different parameters (its coordinates' first ranks each gather their own for a checkpoint)."""
+
+    def connect(self, ctx: Context) -> None:
+        pass
+
+    def run_micro_batch(self, job, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError
+
+    def evaluate(self, job, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError
+
+    def clip_options(self, job) -> dict:
         return {}
 
     def checkpoint_aliases(self, job) -> dict:
         return {}
+
+
+class GatesSteps:
+    """It says whether a step counts (fault tolerance: torchft's should_commit) and which share of it this rank
+    trains; its run-time state (`job.state(self)`) is asked by the Job (strategies/ft.py). A run under it may be
+    another algorithm than one process's: `unlike_one_process` says why ('' where it is not)."""
+
+    def unlike_one_process(self, plan: Plan) -> str:
+        return ""

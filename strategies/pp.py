@@ -42,7 +42,16 @@ from common.device import device_time
 from common.gpt import GPT, lm_loss
 from common.moe import forget_counts, local
 from strategies.layout import Layout, Mistake, Traffic, chunk_rows, stream_dtype, unique_tensors
-from strategies.piece import Context, Piece, Plan, Theory
+from strategies.piece import (
+    Context,
+    HooksTheStep,
+    Measures,
+    Piece,
+    Plan,
+    RunsTheStep,
+    SplitsParameters,
+    Theory,
+)
 from strategies.pp_schedules import (
     SCHEDULES,
     SPLIT_BACKWARD,
@@ -372,15 +381,13 @@ def sent(t: Theory) -> list[Traffic]:
     return [t for t in traffic if t.bytes]
 
 
-class PipelineParallel(Piece):
+class PipelineParallel(Piece, SplitsParameters, HooksTheStep, Measures, RunsTheStep):
     """Applied first: it cuts the GPT into the stages every other piece is then applied to, and connects them
     (the schedule) once they are; it runs each step itself (forward and backward in one schedule step)."""
 
     name = dim = "pp"
     Flags = Flags
     MISTAKES = MISTAKES
-    holds_apart = True
-    runs_whole_step = True
 
     def traits(self, plan: Plan) -> set[str]:
         return {"pipeline"} | (

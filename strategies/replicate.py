@@ -30,7 +30,7 @@ import torch
 
 from common.config import flag
 from strategies.layout import Traffic, submesh
-from strategies.piece import Context, Piece, Plan, Theory
+from strategies.piece import Context, HooksTheStep, Piece, Plan, Theory
 
 
 @dataclass
@@ -82,7 +82,7 @@ def sent(t: Theory) -> list[Traffic]:
     return [Traffic("all_reduce", size, layout.size(layout.replicate_dims), "dp_replicate")]
 
 
-class Replicate(Piece):
+class Replicate(Piece, HooksTheStep):
     """Applied last: around each stage as every other piece left it."""
 
     name = dim = "dp_replicate"

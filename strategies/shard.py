@@ -41,7 +41,7 @@ from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 
 from common.config import flag, require
 from strategies.layout import Layout, Mistake, Traffic, Workload, chunk_rows, padded_numel, submesh
-from strategies.piece import Context, Piece, Plan, Theory
+from strategies.piece import Context, HooksTheStep, Piece, Plan, SplitsParameters, Theory
 
 RESHARD = ("default", "never", "always")
 
@@ -199,7 +199,7 @@ def fsdp_mesh(mesh, layout: Layout):
     return mesh[("dp_replicate", "_".join(layout.shard_dims))]
 
 
-class Shard(Piece):
+class Shard(Piece, SplitsParameters, HooksTheStep):
     """Applied last (with replicate, which it replaces under dp_shard): around each stage as the others left it."""
 
     name = dim = "dp_shard"

@@ -61,7 +61,7 @@ from torch.distributed.tensor.parallel import (
 
 from common.config import flag, require
 from strategies.layout import Layout, Mistake, Traffic, chunk_rows, stream_dtype
-from strategies.piece import Context, Piece, Plan, Theory
+from strategies.piece import Context, HooksTheStep, Piece, Plan, SplitsParameters, Theory
 
 RECOMPUTES_BLOCKS = "recomputes_blocks"  # a trait: some piece runs each block's forward again in backward
 
@@ -291,7 +291,7 @@ def sent(t: Theory) -> list[Traffic]:
     return [Traffic(kind, size, layout.tp, "tp") for kind, size in sizes.items() if size]
 
 
-class TensorParallel(Piece):
+class TensorParallel(Piece, SplitsParameters, HooksTheStep):
     name = dim = "tp"
     Flags = Flags
     MISTAKES = MISTAKES

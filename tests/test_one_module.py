@@ -26,7 +26,7 @@ import torch.distributed as dist
 
 from common.config import flag, require
 from strategies.layout import Mistake, Traffic
-from strategies.piece import Piece, Plan, Theory
+from strategies.piece import HooksTheStep, Piece, Plan, Theory
 
 
 @dataclass
@@ -34,7 +34,7 @@ class LossScaleFlags:
     loss_scale: float = flag(1.0, "static loss scaling: backward starts from the loss times this (1: off)")
 
 
-class LossScale(Piece):
+class LossScale(Piece, HooksTheStep):
     """Static loss scaling: the loss multiplied before backward, the gradients divided after it."""
 
     name = "loss_scale"
