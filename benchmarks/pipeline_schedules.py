@@ -21,7 +21,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from benchmarks.compare_strategies import QUICK
 from benchmarks.workers import accelerate_launch, checks_verdict, dated_folder, run_for_summary, write_table
 from common.config import finite_float  # noqa: E402
-from strategies.pp import SCHEDULES
+from strategies.pp_schedules import SCHEDULES
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -4,15 +4,13 @@ and interleaved_zero_bubble: stages r and r + p, "looped"; zbv and dualpipev: st
 "V"), and torch.distributed.pipelining's schedule (--pp_schedule) runs --pp_microbatches micro-batches
 through them: each stage sends its activations forward and their gradients back, point to point.
 
-A stage is the GPT itself holding None for what it does not run (as torchtitan's models do): its blocks keep
-their names (blocks.2 is blocks.2 on whichever rank holds it), so its checkpoint is a piece of the GPT's, and
-the GPT's own forward runs it. The other dimensions apply to each stage as to a whole model (tensor
-parallelism to its blocks, FSDP2 or replicate around it: the schedules reduce their gradients once per step).
+A stage is the GPT itself holding None for what it does not run (as torchtitan's models do): its blocks keep their
+names (blocks.2 on whichever rank holds it), so its checkpoint is a piece of the GPT's and the GPT's own forward
+runs it. The other dimensions apply to each stage as to a whole model (the schedules reduce once per step).
 
-A pipeline cannot run forward apart from backward: `step` is the schedule's whole step (each micro-batch's
-loss the mean over its tokens), `after_backward` what follows it: the micro-batch gradients, which the
-schedule summed, divided by m once per parameter (the schedule's own scale_grads would divide a parameter
-that two of a rank's stages share twice), then the tied embedding's gradient summed.
+A pipeline cannot run forward apart from backward: `step` is the schedule's whole step (each micro-batch's loss
+the mean over its tokens), `after_backward` what follows: the gradients the schedule summed divided by m once per
+parameter (its own scale_grads would divide one two stages share twice), then the tied embedding's summed.
 
 The tied embedding (--tie_weights, the default): the first stage's token embedding is the last stage's head.
 As in Megatron-LM the last stage keeps a copy (its own parameter, head.weight), and the two ends sum their
@@ -41,6 +39,7 @@ from common.config import flag, require
 from common.device import device_time
 from common.gpt import GPT, lm_loss
 from common.moe import forget_counts, local
+from strategies import pp_schedules as schedules  # where stages sit, each rank's order, the bubble by paper
 from strategies.layout import Layout, Mistake, Traffic, chunk_rows, stream_dtype, unique_tensors
 from strategies.piece import (
     Context,
@@ -51,15 +50,6 @@ from strategies.piece import (
     RunsTheStep,
     SplitsParameters,
     Theory,
-)
-from strategies.pp_schedules import (
-    SCHEDULES,
-    SPLIT_BACKWARD,
-    STEADY_FROM,
-    block_bounds,
-    bubble_theory,
-    holder,
-    stages_of,
 )
 
 MISTAKES = {  # each: what it is, and the runs under which it is one
@@ -79,7 +69,7 @@ MISTAKES = {  # each: what it is, and the runs under which it is one
 class Flags:
     pp: int = flag(0, "pipeline-parallel degree: ranks that each hold some of the blocks (0, 1: off)")
     pp_schedule: str = flag("1f1b", "with --pp: the schedule (gpipe, 1f1b: one stage per rank; interleaved_*, zbv, "
-                            "dualpipev: two)", choices=tuple(SCHEDULES))  # fmt: skip
+                            "dualpipev: two)", choices=tuple(schedules.SCHEDULES))  # fmt: skip
     pp_microbatches: int = flag(
         4, "with --pp: micro-batches per step, each --per_rank_batch_size / this rows"
     )
@@ -89,7 +79,7 @@ def refuse(plan: Plan) -> None:
     args, layout, work = plan.args, plan.layout, plan.work
     if layout.pp == 1:
         return
-    _, per_rank, _ = SCHEDULES[args.pp_schedule]
+    _, per_rank, _ = schedules.SCHEDULES[args.pp_schedule]
     p, m, n_stages = layout.pp, args.pp_microbatches, layout.pp * per_rank
     require(m > 0, f"--pp_microbatches must be > 0, got {m}")
     require(work.micro_batches == 1, f"--gradient_accumulation_steps {work.micro_batches} with --pp: the "
@@ -141,7 +131,7 @@ class Pipeline:
             sent_dtype  # the residual stream's: bf16 under FSDP's bf16 policy (layout.stream_dtype)
         )
         self.pp_rank = layout.coordinate(rank, "pp")
-        self.stage_ids = stages_of(self.pp_rank, self.p, self.schedule_name)
+        self.stage_ids = schedules.stages_of(self.pp_rank, self.p, self.schedule_name)
         self.n_stages = self.p * len(self.stage_ids)
         self.holds_first, self.holds_last = 0 in self.stage_ids, self.n_stages - 1 in self.stage_ids
         self.unscaled = args.wrong_variant == "pp_unscaled_microbatch_gradients"
@@ -150,7 +140,7 @@ class Pipeline:
         if self.tied:
             gpt.head.weight = nn.Parameter(gpt.tok_emb.weight.detach().clone())
         self.aliases = {"head.weight": "tok_emb.weight"} if self.tied and self.holds_last else {}
-        bounds = block_bounds(gpt.cfg.n_layer, self.n_stages)
+        bounds = schedules.block_bounds(gpt.cfg.n_layer, self.n_stages)
         blocks_of = {s: [str(i) for i in range(bounds[s], bounds[s + 1])] for s in self.stage_ids}
         if args.wrong_variant == "pp_whole_model_on_every_rank":  # the mistake: nothing is cut away
             self.model = gpt
@@ -164,7 +154,7 @@ class Pipeline:
         self.schedule = None
 
     def holder(self, stage: int) -> int:
-        return holder(stage, self.p, self.schedule_name)
+        return schedules.holder(stage, self.p, self.schedule_name)
 
     def sent_tokens(self, sequence: int) -> int:
         return stage_tokens(self.layout, self.rank, self.traits, sequence)
@@ -186,7 +176,7 @@ class Pipeline:
                 group = dist.new_group(ends)
                 if rank in ends:
                     self.groups["tied"] = group
-        name, per_rank, _ = SCHEDULES[self.schedule_name]
+        name, per_rank, _ = schedules.SCHEDULES[self.schedule_name]
         stages = [
             pipelining.PipelineStage(stage, s, self.n_stages, device, group=self.groups["pp"])
             for stage, s in zip(self.stages, self.stage_ids, strict=True)
@@ -283,12 +273,14 @@ class Pipeline:
         first_pipeline = {}
         for pp_rank, timelines in every_rank:  # rank order: the first rank of each stage-rank is pipeline 0's
             first_pipeline.setdefault(pp_rank, timelines)
-        labels = [f"stage-rank {r} (stages {', '.join(map(str, stages_of(r, self.p, self.schedule_name)))})"
+        labels = [f"stage-rank {r} (stages {', '.join(map(str, schedules.stages_of(r, self.p, self.schedule_name)))})"
                   for r in range(self.p)]  # fmt: skip
-        theory = bubble_theory(self.schedule_name, self.p, self.microbatches)
+        theory = schedules.bubble_theory(self.schedule_name, self.p, self.microbatches)
         title = f"{self.schedule_name}: {self.p} stage-ranks x {self.n_stages // self.p} stage(s), m = {self.microbatches}"
         path = f"{session.output_dir}/pipeline_timeline.png"
-        row = pipeline_bubble([first_pipeline[r] for r in range(self.p)], labels, STEADY_FROM, title, path)
+        row = pipeline_bubble(
+            [first_pipeline[r] for r in range(self.p)], labels, schedules.STEADY_FROM, title, path
+        )
         if row is None:
             return
         row = {"schedule": self.schedule_name, "stage_ranks": self.p, "stages": self.n_stages,
@@ -325,9 +317,9 @@ def holding(layout: Layout, rank: int, args, n_layer: int, tied: bool) -> Holdin
     """By theory, what rank `rank` holds (the whole model when there is no pipeline)."""
     if layout.pp == 1:
         return Holding(tuple(range(n_layer)), True, True, False)
-    stage_ids = stages_of(layout.coordinate(rank, "pp"), layout.pp, args.pp_schedule)
+    stage_ids = schedules.stages_of(layout.coordinate(rank, "pp"), layout.pp, args.pp_schedule)
     n_stages = layout.pp * len(stage_ids)
-    bounds = block_bounds(n_layer, n_stages)
+    bounds = schedules.block_bounds(n_layer, n_stages)
     blocks = tuple(i for s in stage_ids for i in range(bounds[s], bounds[s + 1]))
     last = n_stages - 1 in stage_ids
     return Holding(blocks, 0 in stage_ids, last, tied and last)
@@ -354,7 +346,7 @@ def sent(t: Theory) -> list[Traffic]:
     layout, rank, args, work = t.layout, t.rank, t.args, t.work
     m, p, schedule = args.pp_microbatches, layout.pp, args.pp_schedule
     pp_rank = layout.coordinate(rank, "pp")
-    stage_ids = stages_of(pp_rank, p, schedule)
+    stage_ids = schedules.stages_of(pp_rank, p, schedule)
     n_stages = p * len(stage_ids)
     element = stream_dtype(layout, work).itemsize
     activation = (
@@ -364,15 +356,15 @@ def sent(t: Theory) -> list[Traffic]:
         * element
     )
     boundaries = sum(
-        (s > 0 and holder(s - 1, p, schedule) != pp_rank)
-        + (s < n_stages - 1 and holder(s + 1, p, schedule) != pp_rank)
+        (s > 0 and schedules.holder(s - 1, p, schedule) != pp_rank)
+        + (s < n_stages - 1 and schedules.holder(s + 1, p, schedule) != pp_rank)
         for s in stage_ids
     )
     traffic = [
         Traffic(kind, boundaries * m * activation, 2, "pp", calls=boundaries * m) for kind in ("send", "recv")
     ]
     traffic.append(Traffic("broadcast", 4, p, "pp", calls=1, term="pp_step"))  # the loss, for the log
-    first, last = holder(0, p, schedule), holder(n_stages - 1, p, schedule)
+    first, last = schedules.holder(0, p, schedule), schedules.holder(n_stages - 1, p, schedule)
     if work.model.tie_weights and first != last and pp_rank in (first, last):
         tied = next(shape for name, shape in t.held if name in ("tok_emb.weight", "head.weight"))
         traffic.append(
@@ -391,7 +383,7 @@ class PipelineParallel(Piece, SplitsParameters, HooksTheStep, Measures, RunsTheS
 
     def traits(self, plan: Plan) -> set[str]:
         return {"pipeline"} | (
-            {"backward_in_two_passes"} if plan.args.pp_schedule in SPLIT_BACKWARD else set()
+            {"backward_in_two_passes"} if plan.args.pp_schedule in schedules.SPLIT_BACKWARD else set()
         )
 
     def refuse(self, plan: Plan) -> None:

@@ -47,7 +47,7 @@ from planning.memory import memory_estimate
 from planning.published import MODELS, model_named
 from strategies.args import ParallelArgs
 from strategies.layout import DIMS, Layout, Workload
-from strategies.pp import SCHEDULES
+from strategies.pp_schedules import SCHEDULES
 from strategies.shard import RESHARD
 
 
