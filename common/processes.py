@@ -113,6 +113,7 @@ def torchrun_rank(main, argv: list[str], rank: int, world: int, port: int, gpus:
     runs under the GPU rehearsal when the run is one."""
     import os
     import sys
+    import threading
     import traceback
 
     import torch
@@ -134,6 +135,12 @@ def torchrun_rank(main, argv: list[str], rank: int, world: int, port: int, gpus:
         os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(world),
                           MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))  # fmt: skip
     torch.set_num_threads(1)
+    # tqdm's default lock is a multiprocessing one, registered with the launcher's resource tracker: a rank killed by
+    # SIGKILL (a fault injected) never unregisters it, and the launcher warns of "leaked semaphores" at its exit. One
+    # process writes these bars: a thread lock is enough
+    from tqdm import tqdm
+
+    tqdm.set_lock(threading.RLock())
     code = 1
     try:
         with rehearse_if_asked():

@@ -17,8 +17,9 @@ the result (the groups' parameters 0.0 from one process on replicas and FSDP ins
 splits each matmul's sum: within train_gpt's tolerance).
 
 Checks (each has a --wrong_variant that fails it; tests/test_fault_tolerance.py):
-- matches_one_process  every finished group passed train_gpt's matches_single_process after --max_steps steps (the
-                       parity steps are all of them), the largest |parameter - one process| of any group said;
+- matches_one_process  every finished group passed train_gpt's matches_single_process (over all --max_steps steps;
+                       train_gpt's first 15 under --tp, whose split sums round apart), the largest |parameter - one
+                       process| of any group said;
 - every_sample_once    every committed step trained its B samples exactly once: the groups all-reduce their row
                        count and the sums of their samples' stream positions (and squares) beside the gradients;
 - failures_survived    failures injected = failures survived (the group back, healed from a peer, training on),
@@ -157,6 +158,13 @@ class Config(RunArgs):
     def group_size(self) -> int:
         return self.dp_shard * self.tp
 
+    @property
+    def parity_steps(self) -> int:
+        """Steps compared with one process: all of them where the sums are exact (replicas, FSDP inside a group);
+        train_gpt's 15 under tensor parallelism, whose split matmuls round apart from one process's (AdamW then
+        amplifies it: 4.2e-02 after 200 steps, measured; docs/train_gpt.md)."""
+        return self.max_steps if self.tp == 1 else min(15, self.max_steps)
+
     def train_gpt_args(self, output_dir: str, groups: int, **more) -> list[str]:
         """train_gpt's flags for a run of this model and batch, `groups` replica groups sharing each batch."""
         accumulation = self.global_batch_size // (self.micro_batch_size * self.dp_shard * groups)
@@ -173,7 +181,7 @@ class Config(RunArgs):
         replacement = spare >= self.replica_groups
         variant = self.wrong_variant if replacement or self.wrong_variant != "replacement_hangs" else ""
         argv = self.train_gpt_args(os.path.join(run_dir, "groups", f"spare{spare}"), self.replica_groups,
-                                   parity_steps=self.max_steps, dp_shard=self.dp_shard, tp=self.tp,
+                                   parity_steps=self.parity_steps, dp_shard=self.dp_shard, tp=self.tp,
                                    replica_groups=self.replica_groups, lighthouse=lighthouse, ft_algorithm=self.algorithm,
                                    sync_every=self.sync_every, outer_lr=self.outer_lr, ft_timeout_s=self.step_timeout_s,
                                    ft_start_file=os.path.join(run_dir, f"spare{spare}.go"), wrong_variant=variant)  # fmt: skip
@@ -458,14 +466,17 @@ def report(session, cfg: Config, injector: Injector, events: list[dict], seconds
                       f"{cfg.global_batch_size} samples exactly once (count and stream-position sums all-reduced "
                       "with the gradients)" + (f"; wrong or missing: steps {wrong[:10]}" if wrong else ""))  # fmt: skip
         parity = {name: s["checks"].get("matches_single_process", {}) for name, s in groups.items()}
+        # a group that healed after the steps compared trained none of them: train_gpt skips its check, saying so
+        compared = {name: p for name, p in parity.items() if not p.get("skipped")}
         worst = max(
-            (s["metrics"].get("param_max_abs_diff", math.inf) for s in groups.values()), default=math.inf
+            (groups[name]["metrics"].get("param_max_abs_diff", math.inf) for name in compared),
+            default=math.inf,
         )
-        session.check("matches_one_process", bool(parity) and all(p.get("passed") for p in parity.values()),
-                      f"{len(parity)} finished groups against one process on the same global batches after "
-                      f"{cfg.max_steps} steps (train_gpt's matches_single_process): passed "
-                      f"{[name for name, p in parity.items() if p.get('passed')]}, max |parameter - one process| = "
-                      f"{worst:.2e}")  # fmt: skip
+        session.check("matches_one_process", bool(compared) and all(p.get("passed") for p in compared.values()),
+                      f"{len(compared)} of {len(parity)} finished groups against one process on the same global batches "
+                      f"over {cfg.parity_steps} steps (train_gpt's matches_single_process; the others healed after "
+                      f"them): passed {[name for name, p in compared.items() if p.get('passed')]}, max |parameter - "
+                      f"one process| = {worst:.2e}")  # fmt: skip
         # every attempt all-reduces the float64 gradient sum (of the rank's shard) and 4 float64 tallies, nothing else
         session.metrics["allreduce_bytes_match_theory"] = bool(finished) and all(
             set(e["allreduce_bytes"]) <= {e["gradient_bytes"], 32} for e in finished
