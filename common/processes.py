@@ -159,8 +159,8 @@ def torchrun_rank(main, argv: list[str], rank: int, world: int, port: int, gpus:
 class RankGroup:
     """The processes of one launch an experiment started (torchrun_rank's); its rank 0 speaks for it."""
 
-    def __init__(self, processes: list, name=None):
-        self.processes, self.name = processes, name
+    def __init__(self, processes: list):
+        self.processes = processes
 
     @property
     def pid(self) -> int:

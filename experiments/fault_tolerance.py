@@ -74,7 +74,7 @@ from common.config import (
 from common.gpt import GPTConfig, refuse_gpt
 from common.processes import RankGroup, free_port, torchrun_rank
 from common.run import start_run
-from common.text import load_corpus, require_vocabulary
+from common.text import require_vocabulary
 from experiments import train_gpt
 from strategies.ft import has, pace, position_sums, progress, read_events
 
@@ -221,11 +221,14 @@ class Injector:
         port, log = free_port(), os.path.join(self.run_dir, "processes", str(name))
         group = RankGroup([self.context.Process(target=torchrun_rank, args=(train_gpt.main, argv, rank, world, port,
                                                                             gpus, f"{log}.{rank}.log", os.getpid()))
-                           for rank in range(world)], name)  # fmt: skip
+                           for rank in range(world)])  # fmt: skip
         for process in group.processes:
             process.start()
             self.started_pids.append(process.pid)
         return group
+
+    def spare_of(self, group: RankGroup) -> int:
+        return next(spare for spare, started in self.spares.items() if started is group)
 
     def start_spare(self) -> None:
         spare, world = len(self.spares), self.cfg.group_size
@@ -271,7 +274,7 @@ class Injector:
         if worst is not None and now > self.grace_until:
             group = self.current[worst]
             group.kill()  # a group that never comes back: named, the survivors carry on
-            self.given_up.append({"group": worst, "pid": group.pid, "spare": group.name, "no_progress_s":
+            self.given_up.append({"group": worst, "pid": group.pid, "spare": self.spare_of(group), "no_progress_s":
                                   round(now - moved[worst], 1), "pids": [p.pid for p in group.processes]})  # fmt: skip
             self.grace_until = now + self.cfg.rejoin_timeout_s
         commits = [e["t"] for e in events if e["event"] == "commit"] or [self.placed[0]["t"]]
@@ -328,7 +331,7 @@ class Injector:
             )
             victim = self.current[group]
             victim.kill()
-            self.kills.append({"group": group, "pid": victim.pid, "spare": victim.name, "t": time.time(),
+            self.kills.append({"group": group, "pid": victim.pid, "spare": self.spare_of(victim), "t": time.time(),
                                "step": progress(events), "during_recovery": healing,
                                "pids": [p.pid for p in victim.processes]})  # fmt: skip
             say(f"step {progress(events)}: killed group {group} (pid {victim.pid})"
@@ -372,9 +375,6 @@ def start_lighthouse(cfg: Config):
 
 
 def run(cfg: Config) -> int:
-    load_corpus(
-        "", cfg.vocab_size, cfg.block_size, 0.1, cfg.dist_timeout_s
-    )  # the token cache, built once, first
     # torchft's lighthouse and managers (Rust) log every quorum at INFO: RUST_LOG quiets them and the processes this
     # run starts (they inherit it), restored after; set before the lighthouse starts (its logger reads it once)
     with mock.patch.dict(os.environ, {"RUST_LOG": "warn"}):
@@ -429,7 +429,7 @@ def report(session, cfg: Config, injector: Injector, events: list[dict], seconds
                   f"{cfg.failures} failures to inject, {len(injector.kills)} injected, {sum(back)} survived (the group "
                   f"back from a peer, training on); never back: {', '.join(lost) or 'none'}; given up on: "
                   f"{injector.given_up or 'none'}; processes that ended on their own: {on_their_own or 'none'}")  # fmt: skip
-    # a kill to its group's next committed step (the replacement's first, healed from a peer)
+    plot_timeline(cfg, events, injector, os.path.join(session.output_dir, "timeline.png"))
     session.metrics.update(failures_injected=len(injector.kills), failures_survived=sum(back),
                            survivor_restarts=len(injector.placed) - cfg.replica_groups - len(injector.kills),
                            kills=injector.kills, processes=injector.placed, given_up=injector.given_up,
@@ -439,9 +439,9 @@ def report(session, cfg: Config, injector: Injector, events: list[dict], seconds
     session.metrics.update(
         pace(events, injector.kills, start, seconds, cfg.replica_groups, samples_per_commit)
     )
-    lost = {f"spare{k['spare']}" for k in [*injector.kills, *injector.given_up]}
+    gone = {f"spare{k['spare']}" for k in [*injector.kills, *injector.given_up]}  # killed, given up on
     groups = {
-        name: s for name, s in finished_groups(session.output_dir).items() if name not in {"reference", *lost}
+        name: s for name, s in finished_groups(session.output_dir).items() if name not in {"reference", *gone}
     }
     session.metrics["group_checks"] = {
         name: {c: v["passed"] for c, v in s["checks"].items()} for name, s in groups.items()
@@ -493,7 +493,6 @@ def report(session, cfg: Config, injector: Injector, events: list[dict], seconds
             session.metrics["bytes_vs_ddp"] = round(max(sent) / session.metrics["ddp_bytes_same_tokens"], 4)
         reference = finished_groups(session.output_dir).get("reference", {})
         session.metrics["val_loss_ddp"] = reference.get("metrics", {}).get("val_loss")
-    plot_timeline(cfg, events, injector, os.path.join(session.output_dir, "timeline.png"))
     session.print(f"{len(injector.kills)} failures injected, {sum(back)} survived (recovered in "
                   f"{session.metrics['recover_s']} s), "
                   f"{session.metrics['steps_redone']} steps redone, effective training time "
