@@ -398,6 +398,14 @@ class ExpertParallel(Piece, SplitsParameters, HooksTheStep, Measures):
         """The step's loads (summed over the data-parallel ranks) move the balancing bias."""
         job.state(self)["balance_history"].append(moe.balance(job.model))
 
+    def assumed_inputs(self, t: Theory) -> dict:
+        """A uniform routing's records (what experiments/at_scale.py assumes, the planner prices)."""
+        return (
+            {"routing": uniform_routing(t.layout, t.work, t.args, t.rank, t.blocks)}
+            if t.layout.ep > 1
+            else {}
+        )
+
     def theory_inputs(self, job) -> dict:
         """What this rank's exchanges sent and received in the last forward."""
         return {

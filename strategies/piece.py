@@ -22,7 +22,8 @@ declare it (`having(pieces, Capability)`):
     Recomputes        blocks whose forward runs again in backward: activation checkpointing
     HooksTheStep      its work inside the Job's step (split_batch, before_micro_batch, loss_for_backward,
                       after_backward, before_clip, after_evaluate, steady_step): cp, ep, pp, replicate, shard, tp
-    Measures          what it measures (report, step_figures, theory_inputs): cp, ep, ft, pp
+    Measures          what it measures (report, step_figures, theory_inputs, and assumed_inputs: what those would
+                      hold on a run that has not run): cp, ep, ft, pp
     RunsTheStep       a step runner (connect, run_micro_batch, evaluate, clip_options, checkpoint_aliases): pp
     GatesSteps        whether a step counts and this rank's share of it: ft
 
@@ -319,6 +320,10 @@ class Measures:
         return {}
 
     def theory_inputs(self, job) -> dict:
+        return {}
+
+    def assumed_inputs(self, t: Theory) -> dict:
+        """What `theory_inputs` would hold on a rank of a run that has not run (`t`), as its closed form assumes."""
         return {}
 
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from strategies import registry
 from strategies.layout import Layout, Workload
-from strategies.piece import Plan, Theory
+from strategies.piece import Measures, Plan, Theory, having
 
 
 def theory_of(model, layout: Layout, rank: int, args, work: Workload, counted: dict | None = None) -> Theory:
@@ -46,15 +46,16 @@ def sent_bytes(model, layout: Layout, rank: int, args, work: Workload, routing: 
 
 def stage_theories(model, layout: Layout, args, work: Workload) -> list[Theory]:
     """The theory of each pipeline stage's first rank (every rank, when there is no pipeline), what it holds and
-    sends composed: what planning/cost_model.py prices. A mixture of experts' all-to-alls as a uniform routing
-    sends them (strategies/ep.uniform_routing: what experiments/at_scale.py assumes and counts)."""
-    from strategies.ep import uniform_routing
-
+    sends composed: what planning/cost_model.py prices. What a piece's closed form takes from a run (a mixture of
+    experts' routing) is what it assumes of one (`assumed_inputs`: a uniform routing, what experiments/at_scale.py
+    assumes and counts); it needs the rank's blocks first."""
     theories = []
     for rank in (layout.rank_at(pp=stage) for stage in range(layout.pp)):
         theory = theory_of(model, layout, rank, args, work)
-        if layout.ep > 1:  # the all-to-alls need the rank's blocks first
-            routing = uniform_routing(layout, work, args, rank, theory.blocks)
-            theory = theory_of(model, layout, rank, args, work, {"routing": routing})
-        theories.append(theory)
+        assumed = {
+            k: v
+            for piece in having(theory.plan.on, Measures)
+            for k, v in piece.assumed_inputs(theory).items()
+        }
+        theories.append(theory_of(model, layout, rank, args, work, assumed) if assumed else theory)
     return theories
