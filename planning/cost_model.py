@@ -42,9 +42,10 @@ from planning.communication import clip_collectives_seconds, own_calls, switched
 from planning.hardware import Hardware
 from planning.ops import OpCall
 from planning.timeline import TIMELINE_OF, simulate, stages_per_rank, step_seconds
+from strategies import registry
 from strategies.layout import Layout, Workload
+from strategies.piece import Plan
 from strategies.pp_schedules import holder
-from strategies.replicate import replicates_whole_model
 from strategies.theory import stage_theories
 
 # reads and writes of the activation per token, per block, in units of d (the rest of the block's ops): two
@@ -180,7 +181,7 @@ def predict_step(
     shared_core = max(1.0, layout.world_size / cores) * sliced
     # every rank a replica of the whole model: a launch runs DDP, whose reducer is C++; a fake rank, which
     # Accelerate did not launch, runs PyTorch's replicate (FSDP2's hooks): not priced
-    ddp = replicates_whole_model(layout)
+    ddp = "whole_model_replicas" in Plan(args, layout, work, None, registry.PIECES).traits
     stages = []
     for t in per_stage:
         ops = recorded.get(layout.coordinate(t.rank, "pp"))

@@ -92,6 +92,11 @@ class Replicate(Piece, HooksTheStep):
         # the replicas of what no sharding covers (under dp_shard, FSDP2's HSDP holds the replicas)
         return not plan.layout.shard_dims and bool(plan.layout.replicate_dims)
 
+    def traits(self, plan: Plan) -> set[str]:
+        # every rank a replica of the whole model: a launch runs Accelerate's DDP, its gradient reducer in C++ (the
+        # planner prices a fake replica's FSDP2 hooks as that, not as themselves)
+        return {"whole_model_replicas"} if replicates_whole_model(plan.layout) else set()
+
     def apply(self, stages: list, ctx: Context) -> list:
         layout, whole_world = ctx.layout, runs_ddp(ctx.layout, ctx.accelerator)
         return [apply(stage, submesh(ctx.mesh, layout.replicate_dims), ctx.accelerator, whole_world, ctx.claimed(stage))
