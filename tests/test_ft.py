@@ -75,3 +75,44 @@ def test_exact_accumulation_is_the_same_whatever_the_split_and_clips_by_the_same
     norm = clip_by_global_norm([whole], 1.0, exact=True)
     assert norm.dtype == torch.float64 and torch.equal(norm, clip_by_global_norm(halves, 1.0, exact=True))
     assert torch.equal(whole.grad, torch.cat([h.grad for h in halves]))
+
+
+def test_the_loop_redoes_a_step_that_did_not_count_and_follows_a_group_that_healed(tmp_path):
+    """common/training.TrainLoop under a trainer that gates its steps: a step that did not commit moves neither the
+    step nor the samples seen and is read again from the same position; a quorum that could not form is asked
+    again; a group healed to its peer's step reads that step's batch."""
+    from dataclasses import dataclass
+
+    from common.checkpoint import ResumableArgs
+    from common.config import flag
+    from common.run import start_run
+    from common.training import TrainLoop
+
+    @dataclass
+    class Args(ResumableArgs):
+        max_steps: int = flag(6, "steps")
+        log_every: int = flag(100, "log interval")
+
+    # step 0 tried twice (redone), a quorum that could not form, a heal from step 1 to step 4
+    asked = iter([(0, 0), None, (0, 0), (1, 1), (4, 4), (5, 5)])
+    commits = iter([False, True, True, True, True])
+    positions = []
+
+    def batch_at(position: int) -> list:
+        positions.append(position)
+        return [position]
+
+    with start_run(Args(output_dir=str(tmp_path / "run"), report_to="none"), "loop_test") as session:
+        model = torch.nn.Linear(2, 2)
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+        loop = TrainLoop(session, model, optimizer, samples_per_micro_batch=4)
+        for _ in loop.steps(batch_at, 3, lambda step: next(asked)):
+            loop.record_step([torch.tensor(1.0)], next(commits))
+        assert positions == [
+            0,
+            0,
+            12,
+            48,
+            60,
+        ]  # 3 micro-batches of 4 samples a step; step 4's batch after the heal
+        assert (loop.step, loop.samples_seen, loop.steps_redone) == (6, 72, 1)
