@@ -1,15 +1,16 @@
 """Fake ranks: one rank of an N-rank job at a time, on PyTorch's fake process group (every collective returns at
 once and moves nothing) and fake tensors (shapes and dtypes, no memory), running the real `parallelize` and one
-whole optimizer step, measured as train_gpt measures a real rank (experiments/at_scale.py is the experiment).
+whole optimizer step, train_gpt's own (`Job.train_step`), measured as train_gpt measures a real rank
+(experiments/at_scale.py is the experiment).
 
 Per rank: the GPT built on the meta device and parallelized there (the meshes hold real rank numbers), its
-parameters made fake (to_empty under FakeTensorMode); the step's micro-batches in the pipeline schedule's order
-(strategies/pp_schedules.order: 1F1B's min(p - s - 1, m) warm-up forwards on stage s, GPipe all m), FSDP told
-which backward is the step's last, as the schedule tells it (the schedule itself cannot run on fake tensors: its
-warm-up vote reads a value); AdamW's step. Measured: bytes held at the step's end and while the micro-batches run, the bytes each
-forward keeps for backward and the most in flight, FSDP's unsharded gradient sums under a pipeline, every
-collective. Each rank runs in a worker process of its own (DTensor's sharding cache handed a rank the previous
-rank's groups when they shared a process: measured).
+parameters made fake (to_empty under FakeTensorMode); the step's micro-batches as the Job runs them, a pipeline's
+in the order of the one schedule model (strategies/pp_schedules.order, run by the pipeline itself: torch's schedule
+cannot run on fake tensors, its warm-up vote reads a value), FSDP told which backward is the step's last; AdamW's
+step. Measured (`Measured`, the Job's instruments): bytes held at the step's end and while the micro-batches run,
+the bytes each forward keeps for backward and the most in flight, FSDP's unsharded gradient sums under a pipeline,
+every collective. Each rank runs in a worker process of its own (DTensor's sharding cache handed a rank the
+previous rank's groups when they shared a process: measured).
 """
 
 from __future__ import annotations
@@ -32,15 +33,13 @@ from tqdm import tqdm
 from common.activations import SavedActivations
 from common.comm_counter import CollectiveCounter
 from common.config import UsageError
-from common.gpt import GPT, GPTConfig, adamw, lm_loss
+from common.gpt import GPT, GPTConfig, adamw
 from common.moe import moe_layers
 from planning.memory import activation_bytes, memory_estimate
 from planning.ops import OpRecorder
 from strategies.job import Instruments, local_bytes
-from strategies.layout import DIMS, Layout, Workload, chunk_rows, stream_dtype, unique_tensors
+from strategies.layout import DIMS, Layout, Workload, chunk_rows, unique_tensors
 from strategies.parallelize import parallelize, quiet
-from strategies.pp import stage_tokens
-from strategies.pp_schedules import order
 from strategies.theory import gathered_bytes, held_bytes, sent_bytes, theory_of
 
 
@@ -87,14 +86,78 @@ def playing(rank: int, world_size: int):
         dist.destroy_process_group()
 
 
-class HeldAtStepEnd(Instruments):
-    """The job's instruments: the bytes held when AdamW has stepped (gradients still there)."""
+class Measured(Instruments):
+    """A fake rank's instruments: what its Job reports as it trains one step (strategies/job.Job.train_step), kept
+    as train_gpt's probe keeps it, and more: each phase's ops (`ops.phase`); the collectives of the forwards and
+    backwards and the pieces' work after them (one count), the clipping's apart; the bytes each forward keeps for
+    backward, the most in flight, what is held gathered after the first forward, FSDP's unsharded gradient sums
+    between a pipeline's micro-batches; the bytes held when AdamW has stepped (gradients still there); and AdamW's
+    step taken again on the same gradients: its first makes its state (two moments and a count a parameter: 454 ops
+    on a 2-rank ddp rank of the calibration's GPT against 4 a step after it), one-time work a run's median step leaves
+    out, so the step priced is a second one. The loop's own scalars (the step's loss summed) are a phase not
+    priced. A pipeline's actions are phases inside its step's (depth 2)."""
 
-    def __init__(self):
-        self.held: dict = {}
+    def __init__(self, job, ops, microbatches: int):
+        self.job, self.ops, self.microbatches, self.depth = job, ops, microbatches, 0
+        self.counter, self.clipping = CollectiveCounter(), CollectiveCounter()
+        self.kept, self.live, self.peak_live, self.in_flight, self.most_in_flight = [], 0, 0, 0, 0
+        self.gathered = self.accumulated = None
+        self.backwards, self.held = 0, {}
 
-    def after_step(self, job, loss, grad_norm) -> None:
+    @contextlib.contextmanager
+    def watch(self, phase: str):
+        self.depth += 1
+        action = self.depth == 2 or self.job.runner is None  # one forward or backward, not a pipeline's step
+        try:
+            if phase == "forward" and self.depth == 1:
+                self.ops.phase = "forward"
+                self.counter.__enter__()  # until the pieces' work after backward
+            if phase == "forward" and action:
+                self.ops.phase = "forward"
+                with SavedActivations() as saved:
+                    yield
+                self.kept.append(saved.bytes)
+                self.live += saved.bytes
+                self.peak_live, self.in_flight = max(self.peak_live, self.live), self.in_flight + 1
+                self.most_in_flight = max(self.most_in_flight, self.in_flight)
+                self.gathered = self.job.measure_window() if self.gathered is None else self.gathered
+            elif phase == "backward" and action:
+                self.ops.phase = "backward"
+                yield
+                self.live -= self.kept[self.backwards]
+                self.in_flight, self.backwards = self.in_flight - 1, self.backwards + 1
+                if (
+                    self.accumulated is None and self.backwards < self.microbatches
+                ):  # FSDP's sums, until the last
+                    self.accumulated = unsharded_gradient_bytes(self.job.model, self.job.stages)
+            elif phase == "after_backward":
+                self.ops.phase = "step"
+                yield
+                self.counter.__exit__(None, None, None)
+                self.ops.phase = "loop"  # the loop's own scalars (the step's loss summed): not priced
+            elif (
+                phase == "clip"
+            ):  # its all-reduces of a few bytes each, counted apart (not in the layout's theory)
+                self.ops.phase = "clip"
+                with self.clipping:
+                    self.clipping.passed(self.counter.last_group)
+                    yield
+            elif phase == "optimizer":
+                self.ops.phase = "first_step"
+                yield
+            else:
+                yield
+        finally:
+            self.depth -= 1
+
+    def passed(self, dim: str) -> None:
+        self.counter.passed(dim)
+
+    def after_step(self, job, loss, grad_norm, step=None) -> None:
         self.held = job.measure_held()
+        self.ops.phase = "step"
+        job.optimizer.step()
+        self.ops.phase = "loop"
 
 
 def run_rank(cfg, layout: Layout, work: Workload, rank: int) -> dict:
@@ -107,101 +170,27 @@ def run_rank(cfg, layout: Layout, work: Workload, rank: int) -> dict:
     with playing(rank, layout.world_size), quiet():
         with torch.device("meta"):
             gpt = GPT(work.model)
-        job = parallelize(gpt, layout, cfg, work, accelerator, lambda p: adamw(p, 3e-4, 0.1), 0.0)
-        job.instruments = instruments = HeldAtStepEnd()
+        # the clipping by the global norm, as train_gpt runs it (at its default norm, unless the config says another)
+        max_norm = getattr(cfg, "grad_clip", 1.0)
+        job = parallelize(gpt, layout, cfg, work, accelerator, lambda p: adamw(p, 3e-4, 0.1), max_norm)
         for layer in moe_layers(job.model):  # fake tensors hold no routing: every rank routes uniformly
             layer.order = functools.partial(uniform_order, layer)
             if hasattr(layer.exchange, "assume_same_routing"):  # expert parallelism's all-to-all
                 layer.exchange.assume_same_routing = True
-        stage = job.stages[0]  # gpipe and 1f1b: one stage per rank
-        stage_index = layout.coordinate(rank, "pp")
-        first, last = stage_index == 0, stage_index == layout.pp - 1
         m = cfg.pp_microbatches if layout.pp > 1 else 1
-        rows, tokens = work.rows // m, work.model.block_size
         with FakeTensorMode(allow_non_fake_inputs=True):
             made_fake(job, accelerator.device)
-            in_flight, kept, live, peak_live, most_in_flight, gathered, accumulated = (
-                [],
-                [],
-                0,
-                0,
-                0,
-                None,
-                None,
-            )
             with OpRecorder() as ops:
-                with CollectiveCounter() as counter:  # the optimizer's step left out of the count, as before
-                    # the stage's forwards and backwards in its schedule's order (one model of every schedule)
-                    schedule = cfg.pp_schedule if layout.pp > 1 else "gpipe"
-                    for action in (a.kind for a in order(schedule, stage_index, layout.pp, m)):
-                        ops.phase = "forward" if action == "F" else "backward"
-                        # the schedule's receive before the action and its send after it, between stages: a
-                        # fake rank calls its stage directly, so they are marked, not run
-                        receives = not first if action == "F" else not last
-                        if receives:
-                            counter.passed("pp")
-                        if action == "F":
-                            ids = torch.randint(
-                                0, work.model.vocab_size, (rows, tokens), device=accelerator.device
-                            )
-                            x, y = job.split_batch(ids, ids)
-                            if not first:  # the previous stage's output, as the schedule hands it over
-                                sent = (
-                                    x.shape[0],
-                                    stage_tokens(layout, rank, job.ctx.plan.traits, x.shape[1]),
-                                    work.model.d_model,
-                                )
-                                x = torch.empty(*sent, dtype=stream_dtype(layout, work), requires_grad=True)
-                            with SavedActivations() as saved, accelerator.autocast():
-                                out = stage(x)
-                                out = lm_loss(out, y) / m if last else out
-                            in_flight.append(out)
-                            most_in_flight = max(most_in_flight, len(in_flight))
-                            kept.append(saved.bytes)
-                            live += saved.bytes
-                            peak_live = max(peak_live, live)
-                            gathered = job.measure_window() if gathered is None else gathered
-                            if not last:
-                                counter.passed("pp")
-                        else:
-                            done = len(kept) - len(in_flight)  # backwards done so far
-                            last_backward = done == m - 1
-                            if isinstance(stage, FSDPModule):  # as the schedule tells FSDP (and replicate)
-                                stage.set_is_last_backward(last_backward)
-                                stage.set_reshard_after_backward(last_backward or layout.pp == 1)
-                                stage.set_requires_gradient_sync(last_backward)
-                            out = in_flight.pop(0)
-                            out.backward() if last else out.backward(torch.empty_like(out))
-                            live -= kept[done]
-                            if not first:
-                                counter.passed("pp")
-                            if (
-                                accumulated is None and not last_backward
-                            ):  # FSDP's unsharded sums, until the last
-                                accumulated = unsharded_gradient_bytes(job.model, job.stages)
-                    # what the pieces do to the gradients after backward (the experts' over their replicas, the m
-                    # micro-batches' mean, the tied gradient's all-reduce), as Job.forward_backward does
-                    ops.phase = "step"
-                    job.after_backward()
-                # the clipping by the global norm, as train_gpt runs it before each optimizer step (at its default
-                # norm, unless the config says another); its all-reduces of a few bytes each counted apart: the
-                # layout's theory of the bytes sent leaves them out, as a run's count does (strategies/checks.py)
-                ops.phase = "clip"
-                job.max_norm = getattr(cfg, "grad_clip", 1.0)
-                with CollectiveCounter() as clipping:
-                    clipping.passed(counter.last_group)
-                    job.clip()
-                # AdamW's first step makes its state (two moments and a count a parameter: 454 ops on a 2-rank
-                # ddp rank of the calibration's GPT against 4 a step after it), one-time work a run's median step
-                # leaves out; the step priced is a second one, on the same gradients
-                optimizer = getattr(job.optimizer, "optimizer", job.optimizer)
-                grads = [(p, p.grad) for group in optimizer.param_groups for p in group["params"]]
-                ops.phase = "first_step"
-                job.step(None)
-                for parameter, grad in grads:
-                    parameter.grad = grad
-                ops.phase = "step"
-                job.optimizer.step()
+                shape = (work.rows, work.model.block_size)
+                ids = torch.randint(0, work.model.vocab_size, shape, device=accelerator.device)
+                # train_gpt's step (strategies/job.py), one global batch; a pipeline's in its schedule's order
+                job.instruments = measured = Measured(job, ops, m)
+                job.train_step([(ids, ids)], 3e-4)
+        counter, clipping, kept = measured.counter, measured.clipping, measured.kept
+        instruments, gathered, accumulated = measured, measured.gathered, measured.accumulated
+        peak_live, most_in_flight = measured.peak_live, measured.most_in_flight
+        stage_index = layout.coordinate(rank, "pp")
+        first, last = stage_index == 0, stage_index == layout.pp - 1
         routing = job.theory_inputs().get(
             "routing", []
         )  # what the MoE blocks sent and received: ep's theory's

@@ -105,7 +105,7 @@ class Probe(Instruments):
     def watch(self, phase: str):
         # the forward's and backward's collectives, which the layout's theory counts (the clipping's all-reduces of
         # a few bytes each and the optimizer's are not in it)
-        counting = self.counting and phase in ("forward", "backward")
+        counting = self.counting and phase in ("forward", "backward", "after_backward")
         counter = CollectiveCounter() if counting else None
         first_forward = counting and phase == "forward" and "saved_activation_bytes" not in self.held
         saved = SavedActivations() if first_forward and not self.job.forward_is_whole_step else None
@@ -118,7 +118,9 @@ class Probe(Instruments):
             self.held["saved_activation_bytes"] = saved.bytes
         if phase == "forward" and "params_between_forward_and_backward" not in self.held:
             self.held["params_between_forward_and_backward"] = self.job.measure_window()
-        self.phase_s[phase] = self.phase_s.get(phase, 0.0) + device_time(device) - started
+        # the pieces' work after backward is the backward's, in the step's time
+        timed = "backward" if phase == "after_backward" else phase
+        self.phase_s[timed] = self.phase_s.get(timed, 0.0) + device_time(device) - started
         if counter and phase == "forward":  # what the pieces' closed forms take as input (an MoE's routing)
             for key, records in self.job.theory_inputs().items():
                 self.collectives.setdefault(key, []).extend(records)

@@ -1,7 +1,9 @@
 """A rank's part of a parallelized GPT at run time (what strategies/parallelize.py returns, and what DeepSpeed's
 engine becomes in strategies/deepspeed.py): a training step (`train_step`: its micro-batches' forwards and
 backwards, the clipping by the global norm, the optimizer step), the evaluation, the checkpointer, and the bytes it
-really holds beside its theory. (experiments/at_scale.py's fake ranks still drive its parts by hand: issue #67.)
+really holds beside its theory. Every program that trains calls train_step: train_gpt's loop (each replica group
+of a fault-tolerant run included), DeepSpeed's job, and the fake ranks of experiments/at_scale.py
+(planning/fake_ranks.py), whose instruments measure what it does.
 
 Exact accumulation (a piece's trait `exact_accumulation`: fault tolerance's): each micro-batch's gradient (its loss /
 every micro-batch of the global batch) added in float64 and rounded to float32 once, after a piece that gates steps
@@ -38,6 +40,10 @@ class Instruments:
     def recount(self, committed: bool) -> None:
         """The step in progress is not the one the theory describes (not committed, or trained by fewer replica
         groups than the run has): whoever counts its collectives counts another."""
+
+    def passed(self, dim: str) -> None:
+        """A send or receive between the ranks of `dim` that this run does not make (a fake rank: its peers do not
+        run), where the real step makes it."""
 
 
 @dataclass
@@ -197,6 +203,7 @@ class Job:
                     (start / self.exact_divisor).backward()
                 else:
                     self.accelerator.backward(start)  # divided by the accumulation steps
+        with watch("after_backward"):  # the pieces' work on the gradients (their collectives: the backward's)
             self.after_backward()
         self._step_loss += loss.detach()
         self._micro_batches += 1

@@ -34,13 +34,15 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch._subclasses.fake_tensor import is_fake
+from torch.distributed.fsdp import FSDPModule
 
 from common.config import flag, require
 from common.device import device_time
 from common.gpt import GPT, lm_loss
 from common.moe import forget_counts, local
 from strategies import pp_schedules as schedules  # where stages sit, each rank's order, the bubble by paper
-from strategies.layout import Layout, Mistake, Traffic, chunk_rows, stream_dtype, unique_tensors
+from strategies.layout import Layout, Mistake, Traffic, stream_dtype, unique_tensors
 from strategies.piece import (
     Context,
     HooksTheStep,
@@ -157,7 +159,7 @@ class Pipeline:
         return schedules.holder(stage, self.p, self.schedule_name)
 
     def sent_tokens(self, sequence: int) -> int:
-        return stage_tokens(self.layout, self.rank, self.traits, sequence)
+        return schedules.stage_tokens(self.layout, self.rank, self.traits, sequence)
 
     def connect(self, layout: Layout, rank: int, pp_mesh, device, variant: str) -> None:
         """After the other dimensions are applied to the stages: the pipeline's group, the tied ends' groups,
@@ -217,6 +219,42 @@ class Pipeline:
         self.step_timelines.append([(kind, s - step_start, e - step_start) for kind, s, e in self.timeline])
         loss = torch.stack(losses).mean().detach() if losses else torch.zeros((), device=x.device)
         return self._from_last_stage(loss)
+
+    def step_in_order(self, x: torch.Tensor, y: torch.Tensor, instruments) -> torch.Tensor:
+        """The step as the one schedule model orders this rank's actions (pp_schedules.order), each run here: on fake
+        tensors (experiments/at_scale.py), where torch's schedule cannot run (its warm-up reads values). One stage a
+        rank (gpipe, 1f1b). The sends and receives are not made (no peer runs): each is `instruments.passed("pp")`,
+        and each action a phase of its own (`instruments.watch`). FSDP is told which backward is the step's last."""
+        stage, m, first, last = self.stages[0], self.microbatches, self.holds_first, self.holds_last
+        xs, ys, in_flight, losses, done = x.chunk(m), y.chunk(m), [], [], 0
+        for action in schedules.order(self.schedule_name, self.pp_rank, self.p, m):
+            if not (
+                first if action.kind == "F" else last
+            ):  # the previous stage's output, or the next's gradient
+                instruments.passed("pp")
+            if action.kind == "F":
+                with instruments.watch("forward"):
+                    i = action.microbatch
+                    shape = (xs[i].shape[0], self.sent_tokens(xs[i].shape[1]), stage.cfg.d_model)
+                    out = stage(
+                        xs[i] if first else torch.empty(*shape, dtype=self.sent_dtype, requires_grad=True)
+                    )
+                    in_flight.append(lm_loss(out, ys[i]) / m if last else out)
+                losses += [in_flight[-1].detach()] if last else []
+                if not last:
+                    instruments.passed("pp")
+                continue
+            if isinstance(stage, FSDPModule):  # as the schedule tells FSDP (and replicate)
+                stage.set_is_last_backward(done == m - 1)
+                stage.set_reshard_after_backward(done == m - 1 or self.p == 1)
+                stage.set_requires_gradient_sync(done == m - 1)
+            with instruments.watch("backward"), torch.autocast(x.device.type, enabled=False):
+                out = in_flight.pop(0)
+                out.backward() if last else out.backward(torch.empty_like(out))
+            done += 1
+            if not first:
+                instruments.passed("pp")
+        return torch.stack(losses).sum() if losses else torch.zeros((), device=x.device)
 
     def _from_last_stage(self, loss: torch.Tensor) -> torch.Tensor:
         dist.broadcast(loss, group=self.groups["pp"], group_src=self.holder(self.n_stages - 1))  # for the log
@@ -295,50 +333,6 @@ class Pipeline:
 
 
 # ------------------------------------------------------------------------------------------------ theory
-@dataclass(frozen=True)
-class Holding:
-    """What a rank of a pipeline holds: its stages' blocks, whether it holds the embeddings (`first`) and the
-    final norm and head (`last`), and whether its head is the tied embedding's copy."""
-
-    blocks: tuple[int, ...]
-    first: bool
-    last: bool
-    tied_copy: bool
-
-    def holds(self, name: str) -> bool:
-        if name.startswith("blocks."):
-            return int(name.split(".")[1]) in self.blocks
-        if name.startswith(("tok_emb.", "pos_emb.")):
-            return self.first
-        return self.last  # ln_f, the head
-
-
-def holding(layout: Layout, rank: int, args, n_layer: int, tied: bool) -> Holding:
-    """By theory, what rank `rank` holds (the whole model when there is no pipeline)."""
-    if layout.pp == 1:
-        return Holding(tuple(range(n_layer)), True, True, False)
-    stage_ids = schedules.stages_of(layout.coordinate(rank, "pp"), layout.pp, args.pp_schedule)
-    n_stages = layout.pp * len(stage_ids)
-    bounds = schedules.block_bounds(n_layer, n_stages)
-    blocks = tuple(i for s in stage_ids for i in range(bounds[s], bounds[s + 1]))
-    last = n_stages - 1 in stage_ids
-    return Holding(blocks, 0 in stage_ids, last, tied and last)
-
-
-SEQUENCE_SPLIT = (
-    "sequence_split_over_tp"  # tp's trait under sequence parallelism: a rank runs its share of tokens
-)
-
-
-def stage_tokens(layout: Layout, rank: int, traits, tokens: int) -> int:
-    """The tokens of each sequence a stage sends on, of the `tokens` the rank runs (context parallelism's chunks
-    already): where the plan splits the sequence over tp (its traits: sequence parallelism), the rank's own share
-    of them (strategies/tp.py hands a stage's local tokens over)."""
-    if SEQUENCE_SPLIT in traits:
-        return chunk_rows(tokens, layout.tp, layout.coordinate(rank, "tp"))
-    return tokens
-
-
 def sent(t: Theory) -> list[Traffic]:
     """The rank's point-to-point bytes of one step: activations and their gradients across each of its stages'
     boundaries with another rank (m each way); the loss's broadcast; the tied gradient's all-reduce (this
@@ -351,7 +345,7 @@ def sent(t: Theory) -> list[Traffic]:
     element = stream_dtype(layout, work).itemsize
     activation = (
         (work.rows // m)
-        * stage_tokens(layout, rank, t.plan.traits, work.tokens // work.rows // layout.cp)
+        * schedules.stage_tokens(layout, rank, t.plan.traits, work.tokens // work.rows // layout.cp)
         * work.model.d_model
         * element
     )
@@ -412,17 +406,19 @@ class PipelineParallel(Piece, SplitsParameters, HooksTheStep, Measures, RunsTheS
         return sent(t)
 
     @staticmethod
-    def _holding(t: Theory) -> Holding:
+    def _holding(t: Theory) -> schedules.Holding:
         # asked once per parameter name: computed once per theory (the planner's 70B on 512 GPUs spent 98 of
         # 115 s recomputing it, profiled)
         if "pp_holding" not in t.__dict__:
-            t.__dict__["pp_holding"] = holding(
+            t.__dict__["pp_holding"] = schedules.holding(
                 t.layout, t.rank, t.args, t.model.cfg.n_layer, t.model.cfg.tie_weights
             )
         return t.__dict__["pp_holding"]
 
     # at run time
     def run_micro_batch(self, job, x, y):
+        if is_fake(x):  # at scale (experiments/at_scale.py): the schedule model's order, run here
+            return job.state(self).step_in_order(x, y, job.instruments)
         return job.state(self).step(x, y)
 
     def after_backward(self, job) -> None:

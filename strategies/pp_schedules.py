@@ -2,12 +2,15 @@
 (planning/timeline.py) and the fake ranks at scale (planning/fake_ranks.py): which torch.distributed.pipelining
 schedule each --pp_schedule is, where its stages sit (looped: rank r holds stages r, r + p, ...; a "V": r and
 2p - 1 - r), which blocks a stage holds, each rank's forwards and backwards in the order its schedule runs them
-(torch's own order for the zero-bubble schedules, read from torch's schedule without a stage), and the bubble by
-each schedule's paper."""
+(torch's own order for the zero-bubble schedules, read from torch's schedule without a stage), the bubble by each
+schedule's paper, and what a rank holds and hands on by theory (its stages' blocks, the ends, the tokens it
+sends)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+
+from strategies.layout import Layout, chunk_rows
 
 # name: (torch.distributed.pipelining's schedule, stages per rank, where they sit); imported when a pipeline
 # is built: the module costs 0.6 s of start-up (it imports torch._dynamo), which no other piece needs
@@ -42,6 +45,50 @@ def holder(stage: int, pp: int, schedule: str) -> int:
 def block_bounds(n_layer: int, n_stages: int) -> list[int]:
     """Stage s holds blocks [bounds[s], bounds[s + 1]): as even as whole blocks allow."""
     return [round(i * n_layer / n_stages) for i in range(n_stages + 1)]
+
+
+@dataclass(frozen=True)
+class Holding:
+    """What a rank of a pipeline holds: its stages' blocks, whether it holds the embeddings (`first`) and the
+    final norm and head (`last`), and whether its head is the tied embedding's copy."""
+
+    blocks: tuple[int, ...]
+    first: bool
+    last: bool
+    tied_copy: bool
+
+    def holds(self, name: str) -> bool:
+        if name.startswith("blocks."):
+            return int(name.split(".")[1]) in self.blocks
+        if name.startswith(("tok_emb.", "pos_emb.")):
+            return self.first
+        return self.last  # ln_f, the head
+
+
+def holding(layout: Layout, rank: int, args, n_layer: int, tied: bool) -> Holding:
+    """By theory, what rank `rank` holds (the whole model when there is no pipeline)."""
+    if layout.pp == 1:
+        return Holding(tuple(range(n_layer)), True, True, False)
+    stage_ids = stages_of(layout.coordinate(rank, "pp"), layout.pp, args.pp_schedule)
+    n_stages = layout.pp * len(stage_ids)
+    bounds = block_bounds(n_layer, n_stages)
+    blocks = tuple(i for s in stage_ids for i in range(bounds[s], bounds[s + 1]))
+    last = n_stages - 1 in stage_ids
+    return Holding(blocks, 0 in stage_ids, last, tied and last)
+
+
+SEQUENCE_SPLIT = (
+    "sequence_split_over_tp"  # tp's trait under sequence parallelism: a rank runs its share of tokens
+)
+
+
+def stage_tokens(layout: Layout, rank: int, traits, tokens: int) -> int:
+    """The tokens of each sequence a stage sends on, of the `tokens` the rank runs (context parallelism's chunks
+    already): where the plan splits the sequence over tp (its traits: sequence parallelism), the rank's own share
+    of them (strategies/tp.py hands a stage's local tokens over)."""
+    if SEQUENCE_SPLIT in traits:
+        return chunk_rows(tokens, layout.tp, layout.coordinate(rank, "tp"))
+    return tokens
 
 
 STEADY_FROM = 3  # the bubble leaves out the first two steps (one-time work: shapes, buffers, warm-up)
