@@ -14,7 +14,7 @@ Two choices made for distributed training:
   every key of a query, so softmax ignores it and its true gradient is exactly zero. Under AdamW
   that bias would turn float noise (~1e-9, different in every strategy) into full-size updates
   (Adam divides by the square root of its tiny second moment): a 1.2e-3 parity difference from
-  a parameter that does nothing (measured, FIELD_NOTES).
+  a parameter that does nothing (measured).
 """
 
 from __future__ import annotations

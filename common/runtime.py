@@ -105,7 +105,7 @@ def deepspeed_on_cpu():
     (each recorded upstream by tests/test_deepspeed.py, so we learn when it changes):
     - the process-group backend named (gloo, passed by make_accelerator): on CPU Accelerate leaves it None,
       and its state falls back to "no distributed" (num_processes 1 on every rank) while DeepSpeed's own
-      group has all of them; prepare() then dies on DeepSpeed's batch-size assertion (FIELD_NOTES);
+      group has all of them; prepare() then dies on DeepSpeed's batch-size assertion (measured);
     - DeepSpeed's shared-memory all-reduce op is not built: DeepSpeed JIT-compiles it with g++ when its
       communication backend starts (40 s here, and a failure on a machine without a compiler), and it
       serves inference all-reduces only; training's collectives go through torch.distributed (gloo).

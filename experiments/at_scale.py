@@ -22,11 +22,12 @@ every rank's routing is assumed uniform (said in its report), and its step is pr
 Per rank run (by default the first rank of each pipeline stage whose theory differs, and the world's last):
   1. the GPT built on the meta device and parallelized there (tensor parallelism, FSDP, the pipeline cut: the
      meshes hold real rank numbers), then its parameters made fake (to_empty under FakeTensorMode);
-  2. the step's micro-batches in the pipeline schedule's order: 1F1B runs min(p - s, m) forwards on stage s
-     before its first backward, GPipe all m; FSDP told which backward is the step's last, as the schedule tells
-     it. The schedule itself cannot run on fake tensors (its warm-up vote reads a value), so the pipeline's
-     point-to-point sends are the theory's, not counted;
-  3. AdamW's step.
+  2. train_gpt's own step (strategies/job.Job.train_step), a pipeline's micro-batches in the order of the one
+     schedule model (strategies/pp_schedules.order: 1F1B runs min(p - s - 1, m) warm-up forwards on stage s,
+     GPipe all m) run by the pipeline itself, FSDP told which backward is the step's last. torch's schedule cannot
+     run on fake tensors (its warm-up vote reads a value), so the pipeline's point-to-point sends are the
+     theory's, not counted;
+  3. the clipping and AdamW's step, as train_gpt's.
 Measured: the bytes of parameters, gradients and AdamW state at the step's end, and of the parameters held while
 the micro-batches run (FSDP's gathered copies); the bytes each micro-batch's forward keeps for backward
 (common/activations.py) and the most in flight at once; the gradients FSDP accumulates unsharded over a

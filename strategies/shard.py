@@ -20,9 +20,9 @@ each shard is also all-reduced over the replicas (HSDP: FSDP2 on a 2-D mesh).
            this size: its gradient buckets hold the whole model.
   always   as default, and the root resharded after forward too (gathered again for backward).
 
-Why PyTorch's API and not Accelerate's plugin: Accelerate 1.16 silently runs DDP instead of FSDP on CPU
-(measured, FIELD_NOTES); `fully_shard` on a DeviceMesh of the accelerator's device type runs over gloo on CPU
-and NCCL on GPU, inside the process group Accelerate made: one code path.
+Why PyTorch's API and not Accelerate's plugin: Accelerate 1.16 silently runs DDP instead of FSDP on CPU (measured:
+tests/test_runtime.py records it); `fully_shard` on a DeviceMesh of the accelerator's device type runs over gloo on
+CPU and NCCL on GPU, inside the process group Accelerate made: one code path.
 
 Theory per rank, N = dp_shard x cp sharding ranks: at rest each parameter's dim-0 chunk (of its TP piece),
 its gradient the same, AdamW's two moments the same plus a step per tensor; between forward and backward the

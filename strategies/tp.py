@@ -22,7 +22,7 @@ their gradients come out equal everywhere. The sharded weights come from rank 0 
 (distribute_tensor's src_data_rank); the replicated ones are whatever each rank built, so every rank
 must build the same model (seed_per_rank shows what happens otherwise).
 
-Why PyTorch's API: Accelerate's TP path needs a transformers model (FIELD_NOTES). Refused: heads that do
+Why PyTorch's API: Accelerate's TP path needs a transformers model (its tp_plan). Refused: heads that do
 not divide the degree (each rank must hold whole heads).
 
 --sequence_parallel (Megatron's sequence parallelism): between the sub-layers each rank holds 1/N of the

@@ -36,7 +36,7 @@ def test_one_process_runs_the_api_on_a_one_rank_group(tmp_path, capsys):
 
 @pytest.mark.launch
 def test_strided_inputs_are_caught_as_wrong(tmp_path):
-    """FIELD_NOTES' trap: gloo all_reduce on a non-contiguous view returns wrong values, silently."""
+    """A measured trap: gloo all_reduce on a non-contiguous view returns wrong values, silently."""
     finished = fork_launch(
         main, [*QUIET, "--ops", "all_reduce", "--noncontiguous", "--dist_timeout_s", "30"], tmp_path / "run"
     )

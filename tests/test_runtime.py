@@ -3,16 +3,15 @@ refusal of them; launches that asked for several processes but started one."""
 
 from __future__ import annotations
 
-import os
-
 import pytest
 
 from common.config import RunArgs, UsageError
 from common.runtime import launched_world_size, refuse_plugins_dropped_on_cpu
 
 
-def _accelerate_with_an_fsdp2_plugin():
-    """Runs in each of 2 forked CPU ranks: what Accelerate makes of an FSDP2 plugin here."""
+def accelerate_with_an_fsdp2_plugin(argv: list[str]) -> int:
+    """Runs in each of 2 CPU ranks (forked from tests/helpers' fork server, torchrun's environment): what Accelerate
+    makes of an FSDP2 plugin here, written to argv[0] + the rank."""
     import torch
     from accelerate import Accelerator
     from accelerate.utils import FullyShardedDataParallelPlugin
@@ -20,18 +19,22 @@ def _accelerate_with_an_fsdp2_plugin():
     accelerator = Accelerator(cpu=True, fsdp_plugin=FullyShardedDataParallelPlugin(fsdp_version=2))
     model = accelerator.prepare(torch.nn.Linear(4, 4))
     record = f"{accelerator.distributed_type.value} {accelerator.is_fsdp2} {type(model).__name__}\n"
-    with open(os.environ["FALLBACK_RECORD"] + str(accelerator.process_index), "w") as handle:
+    with open(argv[0] + str(accelerator.process_index), "w") as handle:
         handle.write(record)
+    accelerator.end_training()
+    return 0
 
 
 @pytest.mark.launch
-def test_accelerate_still_drops_fsdp_on_cpu_silently(tmp_path, monkeypatch):
+def test_accelerate_still_drops_fsdp_on_cpu_silently(tmp_path):
     """The fallback our refusal exists for, recorded: when this fails, Accelerate changed (re-measure,
-    and perhaps let train_gpt use Accelerate's FSDP path)."""
-    from accelerate import debug_launcher
+    and perhaps let train_gpt use Accelerate's FSDP path). Two ranks from the fork server (Accelerate's
+    debug_launcher forks the xdist worker itself, which deadlocked or lost a rank under a loaded suite)."""
+    from helpers import fork_launch
 
-    monkeypatch.setenv("FALLBACK_RECORD", str(tmp_path / "rank"))
-    debug_launcher(_accelerate_with_an_fsdp2_plugin, num_processes=2)
+    record = str(tmp_path / "rank")
+    finished = fork_launch(accelerate_with_an_fsdp2_plugin, [record], tmp_path / "run", output_flag=False)
+    assert finished.returncode == 0, finished.stderr[-2000:]
     records = {(tmp_path / f"rank{r}").read_text().strip() for r in (0, 1)}
     assert records == {"MULTI_CPU False DistributedDataParallel"}
 
