@@ -62,6 +62,8 @@ def test_nothing_fits_is_said_in_words(capsys):
         ),
         (["--gpus", "8", "--tp", "-2"], "--tp must be >= 0, got -2"),
         (["--pp_schedule", "pipedream"], "argument --pp_schedule: invalid choice: 'pipedream'"),
+        (["--model", "custom", "--gpus", "8"], "--model custom needs --global_batch"),
+        (["--model", "llama3_8b", "--n_head", "7", "--gpus", "8"], "--n_head 7 must divide --d_model 4096"),
     ],
 )
 def test_unknown_input_is_one_line_and_exit_2(args, message, capsys):
@@ -167,3 +169,38 @@ def test_an_interleaved_schedule_halves_the_bubble_and_a_refused_flag_is_one_lin
                "--global_batch", "128", "--sequence_parallel"]  # fmt: skip
     with pytest.raises(UsageError, match="--sequence_parallel with --cp: not built"):
         main(with_cp)  # with context parallelism: the strategies' refusal
+
+
+def test_a_shape_of_your_own_is_planned_and_its_check_at_scale_runs_the_same_shape(capsys):
+    """tools.plan takes train_gpt's model flags: a published shape changed by the ones given (or `custom`, the
+    project's GPT changed so); the at_scale command it prints carries them, and the batch when it is not the
+    published one."""
+    import dataclasses
+
+    from common.gpt import parameter_count
+    from planning.published import MODELS
+
+    changed = dict(n_layer=48, d_model=6144, n_head=48)
+    assert (
+        main(
+            [
+                "--model",
+                "llama3_8b",
+                *(f"--{k}={v}" for k, v in changed.items()),
+                "--gpus",
+                "256",
+                "--top",
+                "1",
+            ]
+        )
+        == 0
+    )
+    out = capsys.readouterr().out
+    expected = parameter_count(dataclasses.replace(MODELS["llama3_8b"].shape, **changed))
+    assert f"llama3_8b: {expected:,} parameters" in out
+    command = out.split("check the first at the real size: ")[1].splitlines()[0]
+    assert all(f"--{k} {v}" in command for k, v in changed.items()) and "--per_rank_batch_size" not in command
+    assert main(["--model", "custom", "--n_layer", "4", "--d_model", "256", "--n_head", "4", "--global_batch", "64",
+                 "--gpus", "8", "--top", "1"]) == 0  # fmt: skip
+    command = capsys.readouterr().out.split("check the first at the real size: ")[1].splitlines()[0]
+    assert "--model custom" in command and "--n_layer 4" in command and "--per_rank_batch_size" in command

@@ -5,6 +5,13 @@
     python -m tools.plan --model gpt3_175b --gpus 1024 --hardware a100_80gb --block_size 4096
     python -m tools.plan --model llama3_70b --gpus 512 --tp 8 --pp 4 --dp_shard 16   # this one layout, priced
     python -m tools.plan --model olmoe_1b_7b --gpus 64 --json                          # the fitting ones, as JSON
+    python -m tools.plan --model llama3_8b --n_layer 48 --d_model 6144 --n_head 48 --gpus 256   # a shape of yours
+    python -m tools.plan --model custom --n_layer 24 --d_model 2048 --n_head 16 --vocab_size 32000 \
+        --block_size 4096 --global_batch 512 --gpus 64                               # from the project's GPT
+
+A model is a published shape (--model) changed by the model flags given (train_gpt's: --n_layer --d_model --n_head
+--n_kv_head --d_ff --vocab_size --block_size --n_experts --top_k, ...), or `custom`: the project's GPT changed so,
+with --global_batch given.
 
 A layout given by its degrees (--dp_replicate --dp_shard --tp --pp --cp --ep, the rest 1) is priced alone and
 printed whether or not it fits (exit 1 if not, said in words). --json prints the layouts that fit, fastest first
@@ -29,6 +36,7 @@ profile it does not know is one line and exit 2; a request nothing fits says so 
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import os
@@ -40,7 +48,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import torch
 
 from common.config import UsageError, flag, parse_config, require, run_cli
-from common.gpt import GPT, GPTConfig, parameter_count
+from common.gpt import GPT, GPTConfig, ModelFlags, parameter_count
 from planning.cost_model import model_flops_per_token, predict_step
 from planning.hardware import hardware_names, load_hardware
 from planning.memory import memory_estimate
@@ -52,12 +60,14 @@ from strategies.shard import RESHARD
 
 
 @dataclass
-class PlanArgs:
-    model: str = flag("llama3_70b", "a published shape: " + ", ".join(MODELS))
+class PlanArgs(ModelFlags):
+    model: str = flag("llama3_70b", "a published shape, changed by the model flags given: " + ", ".join(MODELS)
+                      + "; custom: the project's GPT (train_gpt's), changed so")  # fmt: skip
     gpus: int = flag(512, "GPUs of the job (the world size)")
     hardware: str = flag("h100_sxm", "the profile: " + ", ".join(hardware_names()))
-    block_size: int = flag(0, "sequence length in tokens (0: the model's)")
-    global_batch: int = flag(0, "sequences per optimizer step (0: the model's published batch)")
+    global_batch: int = flag(
+        0, "sequences per optimizer step (0: the model's published batch; custom: required)"
+    )
     mixed_precision: str = flag("bf16", "bf16 or no (float32)", choices=("bf16", "no"))
     top: int = flag(10, "fitting layouts to list")
     # one given layout instead of every one: any degree given prices that layout alone (the others 1)
@@ -88,7 +98,11 @@ class PlanArgs:
         return {d: getattr(self, d) or 1 for d in DIMS}
 
     def validate(self) -> None:
-        model_named(self.model)  # an unknown shape: one line
+        require(self.model == "custom" or self.model in MODELS,
+                f"--model {self.model!r} is not a shape this project knows; known: {', '.join(MODELS)}, custom")  # fmt: skip
+        require(self.model != "custom" or self.global_batch > 0,
+                "--model custom needs --global_batch (sequences a step: no published run says it)")  # fmt: skip
+        self.refuse_model(self.shape())  # a shape no GPT can have: one line
         load_hardware(self.hardware)
         for name in ("gpus", "top"):
             require(getattr(self, name) > 0, f"--{name} must be > 0, got {getattr(self, name)}")
@@ -101,9 +115,16 @@ class PlanArgs:
                     + f" = {product:,} GPU(s), but --gpus {self.gpus:,}: the degrees multiply to the GPUs")  # fmt: skip
         require(self.gpus <= MOST_GPUS, f"--gpus {self.gpus:,}: at most {MOST_GPUS:,} (the largest published runs use "
                 "tens of thousands)")  # fmt: skip
-        require(
-            self.block_size >= 0 and self.global_batch >= 0, "--block_size and --global_batch must be >= 0"
-        )
+        require(self.global_batch >= 0, f"--global_batch must be >= 0, got {self.global_batch}")
+
+    def shape(self) -> GPTConfig:
+        """--model's shape, changed by the model flags given (custom: the project's GPT)."""
+        return self.model_config(GPTConfig() if self.model == "custom" else model_named(self.model).shape)
+
+    def model_flags(self) -> str:
+        """The model flags given, as at_scale takes them (the same shape checked at the real size)."""
+        given = [f.name for f in dataclasses.fields(ModelFlags) if f.name in getattr(self, "given_flags", ())]
+        return "".join(f" --{name} {getattr(self, name)}" for name in given)
 
 
 MOST_GPUS = 2**20
@@ -264,17 +285,20 @@ def at_scale_command(args: PlanArgs, row: dict) -> str:
     extra = " --activation_checkpointing full" if row["checkpointing"] == "full" else ""
     extra += " --sequence_parallel" if row["sequence_parallel"] else ""
     extra += f" --pp_schedule {row['pp_schedule']}" if row["pp_schedule"] != "1f1b" else ""
+    if (
+        args.model == "custom" or args.global_batch != model_named(args.model).global_batch
+    ):  # not the published batch
+        extra += f" --per_rank_batch_size {args.global_batch // Layout(**row['degrees']).dp}"
     return (
-        f"python experiments/at_scale.py --model {args.model} --world_size {args.gpus} {degrees}{extra} "
+        f"python experiments/at_scale.py --model {args.model}{args.model_flags()} --world_size {args.gpus} {degrees}{extra} "
         f"--hardware {args.hardware}"
     )
 
 
 def plan(args: PlanArgs) -> int:
     hardware = load_hardware(args.hardware)
-    model = model_named(args.model)
-    cfg = GPTConfig(**{**model.shape.__dict__, "block_size": args.block_size or model.shape.block_size})
-    args.global_batch = args.global_batch or model.global_batch
+    cfg = args.shape()
+    args.global_batch = args.global_batch or model_named(args.model).global_batch
     with torch.device("meta"):
         reference = GPT(cfg)
     given = args.given()
