@@ -4,6 +4,8 @@ step from its recorded ops and its collectives, compare.
 
     python -m benchmarks.at_scale_calibration                # 9 layouts x 5 rounds, the op model: ~15 min
     python -m benchmarks.at_scale_calibration --quick        # a tiny GPT, 12 steps, 1 round: checks the figures are made
+    python -m benchmarks.at_scale_calibration --no_layouts_of_4 --layouts dp_shard=4,tp=2:cp=2 \
+        --model_flags "--n_layer 6 --d_model 192 --n_head 6"    # held out: layouts and a shape it was not fitted on
 
 1. Each layout's run: train_gpt through `accelerate launch`, one thread per rank: ddp, zero2, fsdp, tp, pp, cp on
    2 ranks, dp_shard x tp, tp x pp, pp x dp_shard on 4; its median step (forward + backward + optimizer) and the
@@ -47,6 +49,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import shlex
 import statistics
 import sys
 import time
@@ -59,7 +62,9 @@ import yaml
 
 from benchmarks import compare_strategies, kernel_costs, mfu, op_costs, overhead_costs
 from benchmarks.workers import benchmark_parser, cpu_clock, dated_folder, others_share, write_table
+from common.config import parse_config
 from common.gpt import GPT, GPTConfig
+from experiments import train_gpt
 from planning.cost_model import predict_step
 from planning.fake_ranks import run_ranks
 from planning.hardware import hardware_from
@@ -169,17 +174,24 @@ def predicted_ms(summary: dict, traced: list[dict], hardware) -> dict:
     }
 
 
-def runs_of(strategies: list[str], with_layouts_of_4: bool) -> list:
+def runs_of(strategies: list[str], with_layouts_of_4: bool, layouts: list, model_flags: list[str]) -> list:
+    """The presets, the three 4-rank layouts, and any others (--layouts), each with the model flags given."""
     runs = [compare_strategies.Run(name, ["--strategy", name], PRESETS[name].ranks, PRESETS[name].launch_config)
             for name in strategies]  # fmt: skip
-    return runs + [compare_strategies.layout_run(Layout(**degrees), degrees)
-                   for degrees in (LAYOUTS_OF_4 if with_layouts_of_4 else ())]  # fmt: skip
+    runs += [compare_strategies.layout_run(Layout(**degrees), degrees)
+             for degrees in (LAYOUTS_OF_4 if with_layouts_of_4 else ())]  # fmt: skip
+    return [dataclasses.replace(run, flags=[*run.flags, *model_flags]) for run in [*runs, *layouts]]
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = benchmark_parser(__doc__)
     parser.add_argument("--strategies", default=",".join(STRATEGIES), help="presets to run, 2 ranks each")
     parser.add_argument("--no_layouts_of_4", action="store_true", help="leave out the three 4-rank layouts")
+    parser.add_argument("--layouts", default="", help="more layouts to run (a held-out check: the predictor was not "
+                        "fitted on them), as compare_strategies takes them: dp_shard=4,tp=2:cp=2 (comma between "
+                        "layouts, ':' between degrees)")  # fmt: skip
+    parser.add_argument("--model_flags", default="", help="train_gpt's model flags for every run, one string (a "
+                        "held-out shape: '--n_layer 6 --d_model 192 --n_head 6'); after --quick's own")  # fmt: skip
     parser.add_argument(
         "--max_steps", type=int, default=40, help="steps per run (the median step is compared)"
     )
@@ -205,7 +217,16 @@ def main(argv: list[str] | None = None) -> int:
     )
     if args.rounds < 1:
         parser.error(f"--rounds {args.rounds}: at least 1")
-    runs, finished, rows = runs_of(strategies, not args.no_layouts_of_4), [], []
+    model_flags = shlex.split(args.model_flags)
+    # train_gpt's own refusal of them, in one line, exit 2, before any run
+    quick = compare_strategies.QUICK if args.quick else []
+    parse_config(
+        train_gpt.Config,
+        ["--report_to", "none", *quick, *model_flags],
+        prog="at_scale_calibration --model_flags",
+    )
+    layouts = compare_strategies.layout_runs(args.layouts, parser.error)
+    runs, finished, rows = runs_of(strategies, not args.no_layouts_of_4, layouts, model_flags), [], []
     steps_s: dict[str, list[float]] = {run.label: [] for run in runs}  # each round's median step
     # the share of the cores other processes used during each round's run (a disturbed timing reads slow)
     others: dict[str, list[float | None]] = {run.label: [] for run in runs}

@@ -74,18 +74,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         parser.error(f"--strategies: {unknown} not among {', '.join(PRESETS)}")
     args.runs = [Run(name, ["--strategy", name], PRESETS[name].ranks, PRESETS[name].launch_config)
                  for name in args.strategies]  # fmt: skip
-    for text in (t.strip() for t in args.layouts.split(",") if t.strip()):
-        parts = text.split(":")
-        sequence_parallel = "sequence_parallel" in parts
-        try:
-            degrees = {
-                dim: int(n) for dim, n in (part.split("=") for part in parts if part != "sequence_parallel")
-            }
-            layout = Layout(**degrees)
-        except (TypeError, ValueError):
-            parser.error(f"--layouts: {text!r} is not degrees like dp_shard=2:tp=2 (of {', '.join(DIMS)}), "
-                         "optionally :sequence_parallel")  # fmt: skip
-        args.runs.append(layout_run(layout, degrees, sequence_parallel))
+    args.runs += layout_runs(args.layouts, parser.error)
     if not args.runs:
         parser.error("nothing to run: --strategies and --layouts are both empty")
     if args.max_steps < 0:
@@ -104,6 +93,24 @@ class Run:
     flags: list
     ranks: int
     launch_config: str
+
+
+def layout_runs(text: str, error) -> list[Run]:
+    """--layouts' rows: comma-separated layouts, each its degrees joined by ':' (dp_shard=2:tp=2), ':sequence_parallel'
+    adding tp's flag; `error(message)` for one that is not (argparse's: one line, exit 2)."""
+    runs = []
+    for item in (t.strip() for t in text.split(",") if t.strip()):
+        parts = item.split(":")
+        try:
+            degrees = {
+                dim: int(n) for dim, n in (part.split("=") for part in parts if part != "sequence_parallel")
+            }
+            layout = Layout(**degrees)
+        except (TypeError, ValueError):
+            error(f"--layouts: {item!r} is not degrees like dp_shard=2:tp=2 (of {', '.join(DIMS)}), optionally "
+                  ":sequence_parallel")  # fmt: skip
+        runs.append(layout_run(layout, degrees, "sequence_parallel" in parts))
+    return runs
 
 
 def layout_run(layout: Layout, degrees: dict, sequence_parallel: bool = False) -> Run:
