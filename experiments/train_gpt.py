@@ -199,10 +199,10 @@ class Config(ResumableArgs, ModelFlags, ParallelArgs, CheckArgs):
         return trajectory
 
     def global_batch_size(self) -> int:
-        """Samples per optimizer step: per-rank rows x accumulation x data-parallel ranks (x the replica groups of
-        a fault-tolerant run, which share it)."""
-        groups = self.replica_groups if self.fault_tolerant else 1
-        return self.per_rank_batch_size * self.gradient_accumulation_steps * self.layout().dp * groups
+        """Samples per optimizer step: per-rank rows x accumulation x data-parallel ranks (x the launches that share
+        it: a fault-tolerant run's replica groups)."""
+        launches = self.plan(self.layout(), self.workload()).launches
+        return self.per_rank_batch_size * self.gradient_accumulation_steps * self.layout().dp * launches
 
     def resume_hint(self, difference: str) -> str:
         """Said after a refused resume's difference, where the fix is not obvious."""

@@ -144,7 +144,9 @@ class FaultTolerance:
         self.world = dist.get_world_size() if dist.is_initialized() else 1
         self.manager = None
         self.sent: list[int] = []  # bytes of every all-reduce across the groups
-        self.attempts = self.redone = 0
+        self.attempts = self.redone = 0  # steps tried (the own_data_position mistake reads its batch by it)
+        self.waiting = False  # a replacement alone in its quorum, said once
+        self.replacement = self.args.ft_replacement  # until it has healed from a peer
         self.group = self.args.replica_id
         self.synced = self.inner = 0  # DiLoCo: the syncs seen, the inner steps since the last
         folder = os.path.join(ctx.accelerator.project_dir or ".", "ft_events")
@@ -231,13 +233,13 @@ class FaultTolerance:
         step = manager.current_step()
         if step != before:
             self.say("healed", step=step, behind=step - before)  # a peer's state, live: no checkpoint read
-        elif self.args.ft_replacement and step == 0:  # alone, no peer to heal from: never train from scratch
-            if not self.attempts:
+        elif self.replacement and step == 0:  # alone, no peer to heal from: never train from scratch
+            if not self.waiting:
                 self.say("waiting_for_a_peer")
-            self.attempts = max(self.attempts, 1)
+            self.waiting = True
             time.sleep(0.1)
             return None
-        self.args.ft_replacement = False
+        self.replacement = False
         batch = self.attempts if self.args.wrong_variant == "own_data_position" else step
         self.attempts += 1
         self.step, self.batch = step, batch
@@ -404,6 +406,9 @@ class FaultTolerant(Piece, GatesSteps, Measures):
     def apply(self, stages: list, ctx: Context) -> list:
         ctx.runtime[self.name] = FaultTolerance(ctx)
         return stages
+
+    def launches(self, plan: Plan) -> int:
+        return plan.args.replica_groups
 
     def unlike_one_process(self, plan: Plan) -> str:
         """Why this run is not compared with one process ('' where it is)."""

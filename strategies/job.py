@@ -79,7 +79,7 @@ class Job:
         )
         self.exact = "exact_accumulation" in ctx.plan.traits
         # the global batch's micro-batches (each every data-parallel rank's rows), shared by the replica groups
-        self.units_per_step = self.work.micro_batches * (self.args.replica_groups if self.gate else 1)
+        self.units_per_step = self.work.micro_batches * ctx.plan.launches
         self._step_loss, self._micro_batches = torch.zeros((), device=ctx.accelerator.device), 0
 
     def state(self, piece):

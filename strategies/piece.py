@@ -61,6 +61,11 @@ class Plan:
     def traits(self) -> frozenset[str]:
         return frozenset(t for piece in self.on for t in piece.traits(self))
 
+    @cached_property
+    def launches(self) -> int:
+        """The launches that share each global batch: a fault-tolerant run's replica groups (GatesSteps), else 1."""
+        return math.prod(piece.launches(self) for piece in self.on if isinstance(piece, GatesSteps))
+
 
 @dataclass
 class Context:
@@ -356,3 +361,7 @@ class GatesSteps:
 
     def unlike_one_process(self, plan: Plan) -> str:
         return ""
+
+    def launches(self, plan: Plan) -> int:
+        """The launches (this one included) that share each global batch."""
+        return 1
