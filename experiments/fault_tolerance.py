@@ -216,9 +216,9 @@ class Injector:
         self.started_pids: list[int] = []  # every process this run started, spares never placed included
         self.reference = None  # DiLoCo's: one process training the same batches
 
-    def start(self, name, argv: list[str], world: int, gpus: list[int]) -> RankGroup:
+    def start(self, name: str, argv: list[str], world: int, gpus: list[int]) -> RankGroup:
         """train_gpt on `world` processes of its own (torchrun's environment), logging to processes/<name>.<rank>."""
-        port, log = free_port(), os.path.join(self.run_dir, "processes", str(name))
+        port, log = free_port(), os.path.join(self.run_dir, "processes", name)
         group = RankGroup([self.context.Process(target=torchrun_rank, args=(train_gpt.main, argv, rank, world, port,
                                                                             gpus, f"{log}.{rank}.log", os.getpid()))
                            for rank in range(world)])  # fmt: skip
@@ -233,9 +233,8 @@ class Injector:
     def start_spare(self) -> None:
         spare, world = len(self.spares), self.cfg.group_size
         gpus = list(range(spare * world, (spare + 1) * world)) if torch.accelerator.is_available() else []
-        self.spares[spare] = self.start(
-            spare, self.cfg.group_args(self.lighthouse, spare, self.run_dir), world, gpus
-        )
+        argv = self.cfg.group_args(self.lighthouse, spare, self.run_dir)
+        self.spares[spare] = self.start(f"spare{spare}", argv, world, gpus)
         self.free.append(spare)
 
     def is_ready(self, spare: int) -> bool:  # its every rank started up and waiting (strategies/ft.py)

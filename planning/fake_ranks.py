@@ -186,32 +186,30 @@ def run_rank(cfg, layout: Layout, work: Workload, rank: int) -> dict:
                 # train_gpt's step (strategies/job.py), one global batch; a pipeline's in its schedule's order
                 job.instruments = measured = Measured(job, ops, m)
                 job.train_step([(ids, ids)], 3e-4)
-        counter, clipping, kept = measured.counter, measured.clipping, measured.kept
-        instruments, gathered, accumulated = measured, measured.gathered, measured.accumulated
-        peak_live, most_in_flight = measured.peak_live, measured.most_in_flight
+        counter, clipping = measured.counter, measured.clipping
         stage_index = layout.coordinate(rank, "pp")
         first, last = stage_index == 0, stage_index == layout.pp - 1
         routing = job.theory_inputs().get(
             "routing", []
         )  # what the MoE blocks sent and received: ep's theory's
     reference = meta_gpt(work.model)
-    held, theory = instruments.held, held_bytes(reference, layout, rank, cfg, work)
+    theory = held_bytes(reference, layout, rank, cfg, work)
     holding = theory_of(reference, layout, rank, cfg, work)  # its blocks
     return {
         "rank": rank,
         "coordinates": {d: layout.coordinate(rank, d) for d in DIMS if getattr(layout, d) > 1},
         "blocks": holding.blocks,
-        "held": {**held, "params_gathered": gathered},
+        "held": {**measured.held, "params_gathered": measured.gathered},
         "theory": {
             **{k: theory[k] for k in ("params", "grads", "optimizer")},
             "params_gathered": gathered_bytes(reference, layout, rank, cfg, work),
         },  # fmt: skip
-        "activations_per_microbatch": max(kept),
-        "activations_peak": peak_live,
+        "activations_per_microbatch": max(measured.kept),
+        "activations_peak": measured.peak_live,
         "activations_estimate": round(activation_bytes(work, layout, cfg, holding.blocks, first, last)),
         "peak_estimate": round(memory_estimate(reference, layout, cfg, work, rank)["peak"]),
-        "in_flight": most_in_flight,
-        "grads_accumulated_unsharded": accumulated or 0,
+        "in_flight": measured.most_in_flight,
+        "grads_accumulated_unsharded": measured.accumulated or 0,
         "counted": {
             "calls": dict(counter.calls),
             "bytes": dict(counter.bytes),
