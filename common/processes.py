@@ -157,21 +157,35 @@ def torchrun_rank(main, argv: list[str], rank: int, world: int, port: int, gpus:
 
 
 class RankGroup:
-    """The processes of one launch an experiment started (torchrun_rank's); its rank 0 speaks for it."""
+    """One launch an experiment starts itself: `main(argv)` on `world` processes from `context` (a fork server's),
+    each with torchrun's environment for its rank (torchrun_rank), its GPUs of `gpus`, logging to `log`.<rank>.log.
+    Its rank 0 speaks for it."""
 
-    def __init__(self, processes: list):
-        self.processes = processes
+    def __init__(self, context, main, argv: list[str], world: int, gpus: list[int], log: str):
+        import os
+
+        port = free_port()
+        self.processes = [context.Process(target=torchrun_rank, args=(main, argv, rank, world, port, gpus,
+                                                                      f"{log}.{rank}.log", os.getpid()))
+                          for rank in range(world)]  # fmt: skip
+        for process in self.processes:
+            process.start()
 
     @property
     def pid(self) -> int:
         return self.processes[0].pid
 
+    @property
+    def pids(self) -> list[int]:
+        return [p.pid for p in self.processes]
+
     def is_alive(self) -> bool:
         return any(p.is_alive() for p in self.processes)
 
-    def kill(self) -> None:
-        """SIGKILL, every process of it."""
+    def kill(self, timeout_s: float | None = None) -> None:
+        """SIGKILL, every process of it (those still alive), each waited for (at most `timeout_s`)."""
         for p in self.processes:
-            p.kill()
+            if p.is_alive():
+                p.kill()
         for p in self.processes:
-            p.join()
+            p.join(timeout=timeout_s)

@@ -1,48 +1,32 @@
 """fault_tolerance: can training lose a replica group, go on without restarting anyone, and end where a run without
 failures ends?
 
-Each replica group is train_gpt (experiments/train_gpt.py) with --fault_tolerant (strategies/ft.py: torchft's
-Manager owns the replicated dimension, its should_commit gates each step, a lost group's replacement heals from a
-live peer's state, never from disk; each global batch is shared by the live groups and summed exactly, in float64).
-This file is the experiment around them, on one machine:
-  - torchft's lighthouse (LighthouseServer), which forms a quorum of the live groups before every step;
-  - --replica_groups groups, each --dp_shard x --tp processes (FSDP, tensor parallelism inside the group; torchft
-    replicates across the groups: fault-tolerant HSDP and beyond, as torchtitan wires it), and a hot spare per
-    failure: each a train_gpt run of its own (<run>/groups/spare<k>), started at once, ready and waiting;
-  - a fault injector that SIGKILLs a random group --failures times at random moments (every second failure while
-    the previous one's replacement is still recovering) and hands the group's place to a spare;
-  - the report: train_gpt's own checks of every finished group, and this experiment's.
-No survivor restarts, and a step a failure interrupts is redone with the same batch: failures change the time, not
-the result (the groups' parameters 0.0 from one process on replicas and FSDP inside a group; tensor parallelism
-splits each matmul's sum: within train_gpt's tolerance).
+Each replica group is train_gpt with --fault_tolerant (strategies/ft.py: torchft's Manager owns the replicated
+dimension, its should_commit gates each step, a lost group's replacement heals from a live peer's state, each global
+batch is shared by the live groups and summed exactly, in float64), --dp_shard x --tp processes inside it. This file
+is the experiment around them, on one machine: torchft's lighthouse; the groups and a hot spare per failure, all
+started at once; a fault injector that SIGKILLs a random group --failures times at random moments (every second one
+while the previous replacement is still recovering) and gives its place to a spare; and the report. A step a failure
+interrupts is redone with the same batch: failures change the time, never the result.
 
-Checks (each has a --wrong_variant that fails it; tests/test_fault_tolerance.py):
-- matches_one_process  every finished group passed train_gpt's matches_single_process (over all --max_steps steps;
-                       train_gpt's first 15 under --tp, whose split sums round apart), the largest |parameter - one
-                       process| of any group said;
-- every_sample_once    every committed step trained its B samples exactly once: the groups all-reduce their row
-                       count and the sums of their samples' stream positions (and squares) beside the gradients;
-- failures_survived    failures injected = failures survived (the group back, healed from a peer, training on),
-                       no survivor restarted, no group given up on.
-Figures: recover_s (a kill to its group's next committed step), effective_training_time (the wall time in steps
-that committed with no failure inside them; Llama 3 reports > 90 % over its 54-day run, its paper's section 3.3.4),
-throughput with every group and with fewer. With --algorithm diloco (torchft's DiLoCo) the run is another
-algorithm: it is not compared with one process; its bytes are set against DDP's for the same tokens, its val_loss
-beside a one-process run's on the same batches.
+Checks (docs/fault_tolerance.md; each fails on a --wrong_variant): matches_one_process (every finished group passed
+train_gpt's matches_single_process), every_sample_once (each committed step trained its global batch's samples
+exactly once), failures_survived (failures injected = survived, no survivor restarted, no group given up on).
+Figures: recover_s (a kill to its group's next commit), effective_training_time (the wall time in steps committed
+with no failure inside them; Llama 3: > 90 %), throughput with every group and with fewer. With --algorithm diloco
+its bytes are set against DDP's for the same tokens, its val_loss beside one process's.
 
 Run it (CPU, over gloo):
     python experiments/fault_tolerance.py --replica_groups 3 --failures 4
     python experiments/fault_tolerance.py --replica_groups 3 --dp_shard 2 --failures 4     # FSDP inside each group
     python experiments/fault_tolerance.py --replica_groups 3 --tp 2 --failures 4           # TP inside each group
     python experiments/fault_tolerance.py --algorithm diloco --sync_every 10
-On a cluster the same roles run as jobs: `torchft_lighthouse --min_replicas 1 ...` once, then one `torchrun` job
-per replica group running `experiments/train_gpt.py --fault_tolerant --replica_groups G --replica_id g` with
-TORCHFT_LIGHTHOUSE set (torchft's README); the injector is this file's only addition.
+On a cluster: `torchft_lighthouse --min_replicas 1 ...` once, then one torchrun job per replica group running
+`experiments/train_gpt.py --fault_tolerant --replica_groups G --replica_id g` with TORCHFT_LIGHTHOUSE set.
 """
 
 from __future__ import annotations
 
-import glob
 import json
 import math
 import multiprocessing
@@ -51,6 +35,7 @@ import random
 import sys
 import time
 from dataclasses import dataclass
+from pathlib import Path
 from unittest import mock
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -72,18 +57,15 @@ from common.config import (
     run_cli,
 )
 from common.gpt import GPTConfig, refuse_gpt
-from common.processes import RankGroup, free_port, torchrun_rank
+from common.processes import RankGroup
 from common.run import start_run
 from common.text import require_vocabulary
 from experiments import train_gpt
-from strategies.ft import has, pace, position_sums, progress, read_events
+from strategies.ft import MISTAKES, has, pace, progress, read_events, steps_not_once
 
 EXPERIMENT = "fault_tolerance"
-WRONG_VARIANTS = {  # strategies/ft.py's mistakes, made by the groups (the last by the replacements only)
-    "own_data_position": "each group reads its own data, a batch per attempt (torchft's own loop)",
-    "average_over_groups": "torchft's default AVG of gradients already divided by the whole batch",
-    "replacement_hangs": "a replacement hangs before its first quorum: after --rejoin_timeout_s it is given up on",
-}
+# the piece's mistakes, made by the groups (replacement_hangs by the replacements only)
+WRONG_VARIANTS = MISTAKES
 
 
 @dataclass
@@ -105,9 +87,7 @@ class Config(RunArgs):
     n_layer: int = flag(2, "transformer blocks")
     n_head: int = flag(2, "attention heads")
     lr: float = flag(3e-3, "AdamW learning rate (DiLoCo's inner optimizer's)")
-    outer_lr: float = flag(
-        0.7, "with --algorithm diloco: the outer Nesterov SGD's learning rate (DiLoCo's 0.7)"
-    )
+    outer_lr: float = flag(0.7, "with --algorithm diloco: the outer Nesterov SGD's learning rate (DiLoCo's 0.7)")  # fmt: skip
     lighthouse_port: int = flag(0, "the lighthouse's port (0: a free one)")
     step_timeout_s: float = flag(5.0, "torchft's timeout of a quorum, a collective and a state transfer: how long "
                                  "survivors wait for a dead peer before a new quorum")  # fmt: skip
@@ -123,14 +103,12 @@ class Config(RunArgs):
         require_positive(self, "replica_groups", "dp_shard", "tp", "max_steps", "global_batch_size",
                          "micro_batch_size", "sync_every", "lr", "outer_lr", "step_timeout_s", "rejoin_timeout_s")  # fmt: skip
         for name in ("step_timeout_s", "rejoin_timeout_s"):  # a timedelta, a deadline: bounded (a week)
-            require(
-                getattr(self, name) <= MAX_TIMEOUT_S,
-                f"--{name} must be <= {MAX_TIMEOUT_S}, got {getattr(self, name)}",
-            )
+            value = getattr(self, name)
+            require(value <= MAX_TIMEOUT_S, f"--{name} must be <= {MAX_TIMEOUT_S}, got {value}")  # fmt: skip
         require(self.failures >= 0, f"--failures must be >= 0, got {self.failures}")
         require(self.replica_groups >= 2 or self.failures == 0, f"--failures {self.failures} with --replica_groups "
                 f"{self.replica_groups}: a failure needs a healthy group to recover from (>= 2 groups)")  # fmt: skip
-        steps = self.max_steps // self.sync_every if self.algorithm == "diloco" else self.max_steps
+        steps = self.commits
         require(self.failures <= steps // 4, f"--failures {self.failures}: at most {steps // 4} in {steps} "
                 f"{'syncs' if self.algorithm == 'diloco' else 'steps'} (a failure needs steps around it to be "
                 "survived and seen); raise --max_steps")  # fmt: skip
@@ -138,17 +116,12 @@ class Config(RunArgs):
         require(self.global_batch_size % unit == 0, f"--global_batch_size {self.global_batch_size} must be a multiple "
                 f"of --micro_batch_size x --dp_shard x --replica_groups = {unit} (every group's ranks a micro-batch "
                 "each, as many for every group)")  # fmt: skip
-        require(
-            0 <= self.lighthouse_port < 65536,
-            f"--lighthouse_port must be in [0, 65535], got {self.lighthouse_port}",
-        )
-        processes, devices = (
-            self.group_size * (self.replica_groups + self.failures),
-            torch.accelerator.device_count(),
-        )
-        require(not torch.accelerator.is_available() or processes <= devices, f"{processes} processes (--replica_groups "
-                f"{self.replica_groups} + a spare a failure, x {self.group_size}) need a GPU each; this machine has "
-                f"{devices}")  # fmt: skip
+        require(0 <= self.lighthouse_port < 65536,
+                f"--lighthouse_port must be in [0, 65535], got {self.lighthouse_port}")  # fmt: skip
+        processes = self.group_size * (self.replica_groups + self.failures)  # a GPU each, where GPUs are
+        require(not torch.accelerator.is_available() or processes <= torch.accelerator.device_count(), f"{processes} "
+                f"processes (--replica_groups {self.replica_groups} + a spare a failure, x {self.group_size}) need a GPU "
+                f"each; there are {torch.accelerator.device_count()}")  # fmt: skip
         require(self.algorithm == "ddp" or self.group_size == 1, f"--algorithm {self.algorithm} with {self.group_size} "
                 "processes a group: DiLoCo runs plain replicas here (--dp_shard 1, --tp 1)")  # fmt: skip
         require(self.wrong_variant in ("", *WRONG_VARIANTS),
@@ -159,10 +132,14 @@ class Config(RunArgs):
         return self.dp_shard * self.tp
 
     @property
+    def commits(self) -> int:
+        """What the groups commit: steps (ddp), or syncs of --sync_every inner steps (diloco)."""
+        return self.max_steps // self.sync_every if self.algorithm == "diloco" else self.max_steps
+
+    @property
     def parity_steps(self) -> int:
-        """Steps compared with one process: all of them where the sums are exact (replicas, FSDP inside a group);
-        train_gpt's 15 under tensor parallelism, whose split matmuls round apart from one process's (AdamW then
-        amplifies it: 4.2e-02 after 200 steps, measured; docs/train_gpt.md)."""
+        """Steps compared with one process: all where the sums are exact; train_gpt's 15 under tensor parallelism,
+        whose split matmuls round apart from one process's (AdamW amplifies it; docs/train_gpt.md)."""
         return self.max_steps if self.tp == 1 else min(15, self.max_steps)
 
     def train_gpt_args(self, output_dir: str, groups: int, **more) -> list[str]:
@@ -190,58 +167,36 @@ class Config(RunArgs):
 
 # ------------------------------------------------------------------------------------------------ the run
 class Injector:
-    """Starts the replica groups and a hot spare per failure (each a train_gpt launch of its own, from a fork server
-    that has imported torch: a start in a fraction of a second, not a fresh interpreter's ~2 s; torchft is imported
-    in each process, its Rust runtime must not be forked), kills a group (SIGKILL, every process of it) at each
-    chosen moment, gives its place to a spare, gives up on a group that makes no progress, and waits for every
-    group's last process to end. It reads the groups' progress from their event files (a killed process may have
+    """Starts the groups and a hot spare per failure (each a train_gpt launch, from a fork server that has imported
+    torch: a start in a fraction of a second; torchft's Rust runtime, imported in each process, is never forked),
+    kills a group (SIGKILL, every process of it) at each chosen moment, gives its place to a spare, gives up on a
+    group that makes no progress. It reads the groups' progress from their event files (a killed process may have
     held a lock on anything shared: files are safe)."""
 
     def __init__(self, cfg: Config, lighthouse: str, run_dir: str):
         self.cfg, self.lighthouse, self.run_dir = cfg, lighthouse, run_dir
         self.groups = os.path.join(run_dir, "groups", "*")  # each spare's train_gpt run
+        self.logs = os.path.join(run_dir, "processes")  # <name>.<rank>.log: each process's output
         self.context = multiprocessing.get_context("forkserver")
-        self.context.set_forkserver_preload(
-            ["torch", "torch.distributed", "accelerate", "experiments.train_gpt"]
-        )
-        self.spares: dict[int, RankGroup] = {}  # spare number -> its processes (every one started)
+        self.context.set_forkserver_preload(["torch", "torch.distributed", "accelerate", "experiments.train_gpt"])  # fmt: skip
+        self.spares: list[RankGroup] = []  # by spare number, every one started
         self.current: dict[int, RankGroup] = {}  # group -> the processes in its place now
         self.free: list[int] = []  # spares started, no place yet
-        self.placed: list[
-            dict
-        ] = []  # every spare given a group's place: group, pid (of rank 0), pids, t, why
-        self.kills: list[dict] = []
-        self.given_up: list[dict] = []
+        self.placed: list[dict] = []  # every spare given a group's place: group, pid (rank 0's), pids, t, why
+        self.kills, self.given_up = [], []  # groups killed, given up on: group, pid, pids, spare, ...
         self.grace_until = 0.0  # no group is given up on before this (the others' time after one was)
-        self.started_pids: list[int] = []  # every process this run started, spares never placed included
         self.reference = None  # DiLoCo's: one process training the same batches
-
-    def start(self, name: str, argv: list[str], world: int, gpus: list[int]) -> RankGroup:
-        """train_gpt on `world` processes of its own (torchrun's environment), logging to processes/<name>.<rank>."""
-        port, log = free_port(), os.path.join(self.run_dir, "processes", name)
-        group = RankGroup([self.context.Process(target=torchrun_rank, args=(train_gpt.main, argv, rank, world, port,
-                                                                            gpus, f"{log}.{rank}.log", os.getpid()))
-                           for rank in range(world)])  # fmt: skip
-        for process in group.processes:
-            process.start()
-            self.started_pids.append(process.pid)
-        return group
-
-    def spare_of(self, group: RankGroup) -> int:
-        return next(spare for spare, started in self.spares.items() if started is group)
 
     def start_spare(self) -> None:
         spare, world = len(self.spares), self.cfg.group_size
         gpus = list(range(spare * world, (spare + 1) * world)) if torch.accelerator.is_available() else []
         argv = self.cfg.group_args(self.lighthouse, spare, self.run_dir)
-        self.spares[spare] = self.start(f"spare{spare}", argv, world, gpus)
+        self.spares.append(RankGroup(self.context, train_gpt.main, argv, world, gpus, f"{self.logs}/spare{spare}"))  # fmt: skip
         self.free.append(spare)
 
     def is_ready(self, spare: int) -> bool:  # its every rank started up and waiting (strategies/ft.py)
-        return all(
-            os.path.exists(os.path.join(self.run_dir, f"spare{spare}.go.{r}.ready"))
-            for r in range(self.cfg.group_size)
-        )
+        go = os.path.join(self.run_dir, f"spare{spare}.go")
+        return all(os.path.exists(f"{go}.{r}.ready") for r in range(self.cfg.group_size))
 
     def place(self, group: int, why: str) -> None:
         """The oldest spare takes `group`'s place (waiting for it to be ready if a failure came too soon)."""
@@ -251,7 +206,7 @@ class Injector:
             handle.write(str(group))
         self.current[group] = self.spares[spare]
         self.placed.append({"group": group, "pid": self.spares[spare].pid, "t": time.time(), "why": why,
-                            "pids": [p.pid for p in self.spares[spare].processes]})  # fmt: skip
+                            "pids": self.spares[spare].pids})  # fmt: skip
 
     def watch(self) -> list[dict]:
         """When a group has made no progress (its placement, a heal, a commit) for --rejoin_timeout_s, give up on one
@@ -273,8 +228,8 @@ class Injector:
         if worst is not None and now > self.grace_until:
             group = self.current[worst]
             group.kill()  # a group that never comes back: named, the survivors carry on
-            self.given_up.append({"group": worst, "pid": group.pid, "spare": self.spare_of(group), "no_progress_s":
-                                  round(now - moved[worst], 1), "pids": [p.pid for p in group.processes]})  # fmt: skip
+            self.given_up.append({"group": worst, "pid": group.pid, "spare": self.spares.index(group), "no_progress_s":
+                                  round(now - moved[worst], 1), "pids": group.pids})  # fmt: skip
             self.grace_until = now + self.cfg.rejoin_timeout_s
         commits = [e["t"] for e in events if e["event"] == "commit"] or [self.placed[0]["t"]]
         if now - max(*commits, self.grace_until - self.cfg.rejoin_timeout_s) > 2 * self.cfg.rejoin_timeout_s:
@@ -296,17 +251,14 @@ class Injector:
             self.start_spare()
         if cfg.algorithm == "diloco":  # DDP's val_loss for the same batches: one process, no failures
             argv = cfg.train_gpt_args(os.path.join(self.run_dir, "groups", "reference"), 1, parity_steps=0)
-            self.reference = self.start("reference", argv, 1, [])
-        self.wait(
-            lambda events: all(self.is_ready(s) for s in range(cfg.replica_groups)),
-            "the groups getting ready",
-        )
+            self.reference = RankGroup(self.context, train_gpt.main, argv, 1, [], f"{self.logs}/reference")
+        groups = range(cfg.replica_groups)
+        self.wait(lambda events: all(self.is_ready(s) for s in groups), "the groups getting ready")
         for group in range(cfg.replica_groups):  # all at once: none trains the first steps alone
             self.place(group, "initial")
-        total = cfg.max_steps // cfg.sync_every if cfg.algorithm == "diloco" else cfg.max_steps
-        at = max(
-            1, total // 20
-        )  # the first failure after 5 % of the run, the others spread over its first 60 %
+        total = cfg.commits
+        # the first failure after 5 % of the run, the others spread over its first 60 %
+        at = max(1, total // 20)
         for index in range(cfg.failures):
             recovering = None  # the group whose replacement is healing when this failure hits
             if index % 2 == 1:  # the previous failure's replacement has its place, not yet healed
@@ -325,14 +277,11 @@ class Injector:
                 group = rng.choice(sorted(g for g, p in self.current.items() if p.is_alive()))
             # was the recovering group still healing at the kill? (it may have been quicker than the injector)
             events = read_events(self.groups)
-            healing = recovering is not None and not has(
-                events, self.current[recovering].pid, "healed", "commit"
-            )
+            healing = recovering is not None and not has(events, self.current[recovering].pid, "healed", "commit")  # fmt: skip
             victim = self.current[group]
             victim.kill()
-            self.kills.append({"group": group, "pid": victim.pid, "spare": self.spare_of(victim), "t": time.time(),
-                               "step": progress(events), "during_recovery": healing,
-                               "pids": [p.pid for p in victim.processes]})  # fmt: skip
+            self.kills.append({"group": group, "pid": victim.pid, "spare": self.spares.index(victim), "t": time.time(),
+                               "step": progress(events), "during_recovery": healing, "pids": victim.pids})  # fmt: skip
             say(f"step {progress(events)}: killed group {group} (pid {victim.pid})"
                 + (f" while group {recovering} was still recovering" if healing else ""))  # fmt: skip
             self.place(group, f"replaces group {group} (failure {index + 1})")
@@ -342,59 +291,43 @@ class Injector:
         if self.reference is not None:
             self.reference.processes[0].join(timeout=self.cfg.dist_timeout_s)
 
-    def end_all(self) -> None:
-        """Every process this run started is gone when it ends (Ctrl-C, a timeout, a crash included)."""
-        for group in [*self.spares.values(), *([self.reference] if self.reference else [])]:
-            for process in group.processes:
-                if process.is_alive():
-                    process.kill()
-                process.join(timeout=10)
+    def every_group(self) -> list[RankGroup]:  # spares never placed included
+        return [*self.spares, *([self.reference] if self.reference else [])]
 
 
 def finished_groups(run_dir: str) -> dict[str, dict]:
     """The summary.json of every group's train_gpt run that finished, by its folder."""
-    found = {}
-    for path in sorted(glob.glob(os.path.join(run_dir, "groups", "*", "summary.json"))):
-        with open(path) as handle:
-            found[os.path.basename(os.path.dirname(path))] = json.load(handle)
-    return found
-
-
-def start_lighthouse(cfg: Config):
-    """torchft's lighthouse: a quorum as soon as one group is there (min_replicas 1), waiting a moment for the others
-    (join_timeout), and a group that stops sending heartbeats for a second is out of the next quorum."""
-    from torchft.coordination import LighthouseServer
-
-    try:
-        return LighthouseServer(bind=f"[::]:{cfg.lighthouse_port}", min_replicas=1, join_timeout_ms=200,
-                                quorum_tick_ms=20, heartbeat_timeout_ms=1000)  # fmt: skip
-    except Exception as error:  # a port in use: the Rust server's bind error
-        raise UsageError(f"--lighthouse_port {cfg.lighthouse_port}: the lighthouse cannot listen there "
-                         f"({str(error).splitlines()[0][:200]}); pass another, or 0 for a free one") from None  # fmt: skip
+    paths = sorted(Path(run_dir, "groups").glob("*/summary.json"))
+    return {path.parent.name: json.loads(path.read_text()) for path in paths}
 
 
 def run(cfg: Config) -> int:
     # torchft's lighthouse and managers (Rust) log every quorum at INFO: RUST_LOG quiets them and the processes this
     # run starts (they inherit it), restored after; set before the lighthouse starts (its logger reads it once)
     with mock.patch.dict(os.environ, {"RUST_LOG": "warn"}):
-        lighthouse = start_lighthouse(cfg)  # first: a port in use is refused before anything is written
+        from torchft.coordination import LighthouseServer
+
+        try:  # a quorum as soon as one group is there, waiting a moment (join_timeout) for the others; a group
+            # silent for a second is out of the next. First: a port in use is refused before anything is written
+            lighthouse = LighthouseServer(bind=f"[::]:{cfg.lighthouse_port}", min_replicas=1, join_timeout_ms=200,
+                                          quorum_tick_ms=20, heartbeat_timeout_ms=1000)  # fmt: skip
+        except Exception as error:  # the Rust server's bind error
+            raise UsageError(f"--lighthouse_port {cfg.lighthouse_port}: the lighthouse cannot listen there "
+                             f"({str(error).splitlines()[0][:200]}); pass another, or 0 for a free one") from None  # fmt: skip
         try:
             with start_run(cfg, EXPERIMENT) as session:
                 os.makedirs(os.path.join(session.output_dir, "processes"), exist_ok=True)
                 injector, started = Injector(cfg, lighthouse.address(), session.output_dir), time.time()
-                inside = " x ".join(
-                    f"--{d} {getattr(cfg, d)}" for d in ("dp_shard", "tp") if getattr(cfg, d) > 1
-                )
+                inside = " x ".join(f"--{d} {getattr(cfg, d)}" for d in ("dp_shard", "tp") if getattr(cfg, d) > 1)  # fmt: skip
                 session.print(f"{cfg.replica_groups} replica groups{f' of {inside}' if inside else ''} ({cfg.algorithm}), "
                               f"{cfg.failures} failures to inject, lighthouse at {lighthouse.address()}")  # fmt: skip
                 try:
                     injector.run(session.print)
                 except TimeoutError as error:
-                    raise UsageError(
-                        f"the run did not end: {error} (see {session.output_dir}/processes)"
-                    ) from None
-                finally:
-                    injector.end_all()
+                    raise UsageError(f"the run did not end: {error} (see {session.output_dir}/processes)") from None  # fmt: skip
+                finally:  # every process this run started is gone when it ends (Ctrl-C, a timeout, a crash)
+                    for group in injector.every_group():
+                        group.kill(timeout_s=10)
                 report(session, cfg, injector, read_events(injector.groups), time.time() - started)
         finally:
             lighthouse.shutdown()
@@ -407,22 +340,13 @@ def report(session, cfg: Config, injector: Injector, events: list[dict], seconds
     finished = [e for e in events if e["event"] == "finished"]  # every rank's
     events = [e for e in events if e["rank"] == 0]
     commits = [e for e in events if e["event"] == "commit"]
-    by_step: dict[int, list[dict]] = {}
-    for e in commits:
-        by_step.setdefault(e["step"], []).append(e)
-    total = cfg.max_steps // cfg.sync_every if cfg.algorithm == "diloco" else cfg.max_steps
     # a failure survived: its group back (a later process of it healed or committed) and training went on
     back = [any(e["group"] == k["group"] and e["t"] > k["t"] and e["event"] in ("healed", "commit") for e in events)
             and any(e["t"] > k["t"] for e in commits) for k in injector.kills]  # fmt: skip
-    ended = {pid for k in [*injector.kills, *injector.given_up] for pid in k["pids"]} | {
-        f["pid"] for f in finished
-    }
+    ended = {pid for k in [*injector.kills, *injector.given_up] for pid in k["pids"]} | {f["pid"] for f in finished}  # fmt: skip
     on_their_own = [pid for p in injector.placed for pid in p["pids"] if pid not in ended]
-    lost = [
-        f"group {k['group']} (killed at step {k['step']})"
-        for k, ok in zip(injector.kills, back, strict=True)
-        if not ok
-    ]
+    lost = [f"group {k['group']} (killed at step {k['step']})" for k, ok in zip(injector.kills, back, strict=True)
+            if not ok]  # fmt: skip
     session.check("failures_survived", sum(back) == len(injector.kills) == cfg.failures and not on_their_own
                   and not injector.given_up,
                   f"{cfg.failures} failures to inject, {len(injector.kills)} injected, {sum(back)} survived (the group "
@@ -432,19 +356,15 @@ def report(session, cfg: Config, injector: Injector, events: list[dict], seconds
     session.metrics.update(failures_injected=len(injector.kills), failures_survived=sum(back),
                            survivor_restarts=len(injector.placed) - cfg.replica_groups - len(injector.kills),
                            kills=injector.kills, processes=injector.placed, given_up=injector.given_up,
-                           started_pids=injector.started_pids, seconds=round(seconds, 1))  # fmt: skip
+                           started_pids=[pid for g in injector.every_group() for pid in g.pids],
+                           seconds=round(seconds, 1))  # fmt: skip
     samples_per_commit = cfg.global_batch_size * (cfg.sync_every if cfg.algorithm == "diloco" else 1)
     start = injector.placed[0]["t"] if injector.placed else time.time()
-    session.metrics.update(
-        pace(events, injector.kills, start, seconds, cfg.replica_groups, samples_per_commit)
-    )
+    session.metrics.update(pace(events, injector.kills, start, seconds, cfg.replica_groups, samples_per_commit))  # fmt: skip
     gone = {f"spare{k['spare']}" for k in [*injector.kills, *injector.given_up]}  # killed, given up on
-    groups = {
-        name: s for name, s in finished_groups(session.output_dir).items() if name not in {"reference", *gone}
-    }
-    session.metrics["group_checks"] = {
-        name: {c: v["passed"] for c, v in s["checks"].items()} for name, s in groups.items()
-    }
+    groups = {name: s for name, s in finished_groups(session.output_dir).items() if name not in {"reference", *gone}}  # fmt: skip
+    session.metrics["group_checks"] = {name: {c: v["passed"] for c, v in s["checks"].items()}
+                                       for name, s in groups.items()}  # fmt: skip
     own = {"matches_single_process", "grad_norm_is_global"}  # the parity, checked below
     failed = sorted({f"{name}: {c}" for name, s in groups.items() for c, v in s["checks"].items()
                      if c not in own and v["passed"] is False})  # fmt: skip
@@ -455,11 +375,8 @@ def report(session, cfg: Config, injector: Injector, events: list[dict], seconds
     if groups:
         session.metrics["val_loss"] = next(iter(groups.values()))["metrics"]["val_loss"]
     if cfg.algorithm == "ddp":
-        expected = {
-            s: (cfg.global_batch_size, *position_sums(s, cfg.global_batch_size)) for s in range(total)
-        }
-        wrong = [s for s in range(total) if s not in by_step or any((e["count"], e["position_sum"],
-                 e["position_squares"]) != expected[s] for e in by_step[s])]  # fmt: skip
+        total = cfg.commits
+        wrong = steps_not_once(commits, total, cfg.global_batch_size)
         session.check("every_sample_once", not wrong,
                       f"{total - len(wrong)} of {total} committed steps trained their global batch's "
                       f"{cfg.global_batch_size} samples exactly once (count and stream-position sums all-reduced "
@@ -467,10 +384,8 @@ def report(session, cfg: Config, injector: Injector, events: list[dict], seconds
         parity = {name: s["checks"].get("matches_single_process", {}) for name, s in groups.items()}
         # a group that healed after the steps compared trained none of them: train_gpt skips its check, saying so
         compared = {name: p for name, p in parity.items() if not p.get("skipped")}
-        worst = max(
-            (groups[name]["metrics"].get("param_max_abs_diff", math.inf) for name in compared),
-            default=math.inf,
-        )
+        worst = max((groups[name]["metrics"].get("param_max_abs_diff", math.inf) for name in compared),
+                    default=math.inf)  # fmt: skip
         session.check("matches_one_process", bool(compared) and all(p.get("passed") for p in compared.values()),
                       f"{len(compared)} of {len(parity)} finished groups against one process on the same global batches "
                       f"over {cfg.parity_steps} steps (train_gpt's matches_single_process; the others healed after "
@@ -478,8 +393,7 @@ def report(session, cfg: Config, injector: Injector, events: list[dict], seconds
                       f"one process| = {worst:.2e}")  # fmt: skip
         # every attempt all-reduces the float64 gradient sum (of the rank's shard) and 4 float64 tallies, nothing else
         session.metrics["allreduce_bytes_match_theory"] = bool(finished) and all(
-            set(e["allreduce_bytes"]) <= {e["gradient_bytes"], 32} for e in finished
-        )
+            set(e["allreduce_bytes"]) <= {e["gradient_bytes"], 32} for e in finished)  # fmt: skip
     else:
         session.skip_check("every_sample_once", "DiLoCo: a group killed mid-window loses its inner steps since the "
                            "last sync with it (its replacement trains that window's batches again)")  # fmt: skip
@@ -492,11 +406,11 @@ def report(session, cfg: Config, injector: Injector, events: list[dict], seconds
             session.metrics["bytes_vs_ddp"] = round(max(sent) / session.metrics["ddp_bytes_same_tokens"], 4)
         reference = finished_groups(session.output_dir).get("reference", {})
         session.metrics["val_loss_ddp"] = reference.get("metrics", {}).get("val_loss")
-    session.print(f"{len(injector.kills)} failures injected, {sum(back)} survived (recovered in "
-                  f"{session.metrics['recover_s']} s), "
-                  f"{session.metrics['steps_redone']} steps redone, effective training time "
-                  f"{session.metrics['effective_training_time']}, {len(groups)} groups finished, "
-                  f"val_loss {session.metrics.get('val_loss', float('nan')):.4f}")  # fmt: skip
+    figures = session.metrics
+    session.print(f"{len(injector.kills)} failures injected, {sum(back)} survived (recovered in {figures['recover_s']}"
+                  f" s), {figures['steps_redone']} steps redone, effective training time "
+                  f"{figures['effective_training_time']}, {len(groups)} groups finished, "
+                  f"val_loss {figures.get('val_loss', float('nan')):.4f}")  # fmt: skip
 
 
 def plot_timeline(cfg: Config, events: list[dict], injector: Injector, path: str) -> None:
@@ -510,20 +424,20 @@ def plot_timeline(cfg: Config, events: list[dict], injector: Injector, path: str
     start = injector.placed[0]["t"]
     figure = Figure(figsize=(10, 5), layout="constrained")
     loss_axis, groups_axis = figure.subplots(2, 1, sharex=True)
-    loss_axis.plot([e["t"] - start for e in commits], [e["loss"] for e in commits], ".", markersize=2)
+    seconds = [e["t"] - start for e in commits]
+    loss_axis.plot(seconds, [e["loss"] for e in commits], ".", markersize=2)
     shards = f" of {cfg.dp_shard} FSDP ranks" if cfg.dp_shard > 1 else ""
     loss_axis.set(ylabel="loss of the committed step", title=f"{cfg.replica_groups} replica groups{shards}, "
                   f"{len(injector.kills)} failures ({cfg.algorithm})")  # fmt: skip
-    groups_axis.step([e["t"] - start for e in commits], [e["groups"] for e in commits], where="post")
+    groups_axis.step(seconds, [e["groups"] for e in commits], where="post")
     groups_axis.set(ylabel="groups in the quorum", xlabel="seconds from the first group's start",
                     ylim=(0, cfg.replica_groups + 0.5))  # fmt: skip
-    for axis in (loss_axis, groups_axis):
-        for k in injector.kills:
-            axis.axvline(k["t"] - start, color="tab:red", linewidth=1)
-        for e in (e for e in events if e["event"] == "healed"):
-            axis.axvline(e["t"] - start, color="tab:green", linewidth=1, linestyle="--")
-    groups_axis.plot([], [], color="tab:red", label="a group killed")
-    groups_axis.plot([], [], color="tab:green", linestyle="--", label="a group healed from a peer")
+    heals = [e for e in events if e["event"] == "healed"]
+    for marks, color, style, label in ((injector.kills, "tab:red", "-", "a group killed"),
+                                       (heals, "tab:green", "--", "a group healed from a peer")):  # fmt: skip
+        for axis, mark in ((axis, mark) for axis in (loss_axis, groups_axis) for mark in marks):
+            axis.axvline(mark["t"] - start, color=color, linewidth=1, linestyle=style)
+        groups_axis.plot([], [], color=color, linestyle=style, label=label)
     groups_axis.legend(loc="lower right", fontsize=8)
     figure.savefig(path, dpi=100)
 

@@ -66,13 +66,9 @@ def every_stage(reference, layout: Layout, args, work: Workload, results: list[d
     """The results as predict_step's `traced` wants them, one a pipeline stage: a stage not run is one run with
     the same theory (ranks_that_differ ran one of each)."""
     by_theory = {theory_key(reference, layout, args, work, r["rank"]): r for r in results}
-    staged = []
-    for stage in range(layout.pp):
-        rank = layout.rank_at(pp=stage)
-        like = by_theory.get(theory_key(reference, layout, args, work, rank))
-        if like is not None:
-            staged.append({**like, "rank": rank})
-    return staged
+    first_ranks = [layout.rank_at(pp=stage) for stage in range(layout.pp)]
+    keys = {rank: theory_key(reference, layout, args, work, rank) for rank in first_ranks}
+    return [{**by_theory[keys[rank]], "rank": rank} for rank in first_ranks if keys[rank] in by_theory]
 
 
 @contextlib.contextmanager

@@ -380,10 +380,18 @@ def pace(
     return figures
 
 
-def position_sums(step: int, global_batch_size: int) -> tuple[float, float]:
-    """The sums of step `step`'s samples' stream positions and of their squares (what a commit's tally holds)."""
-    positions = torch.arange(global_batch_size, dtype=torch.float64) + step * global_batch_size
-    return positions.sum().item(), (positions**2).sum().item()
+def steps_not_once(events: list[dict], steps: int, global_batch_size: int) -> list[int]:
+    """The steps of `steps` that no group committed, or whose commit's tally (its row count and the sums of its
+    samples' stream positions and of their squares) is not its global batch's samples, each exactly once."""
+    wrong = []
+    for step in range(steps):
+        positions = torch.arange(global_batch_size, dtype=torch.float64) + step * global_batch_size
+        expected = (global_batch_size, positions.sum().item(), (positions**2).sum().item())
+        tallies = [(e["count"], e["position_sum"], e["position_squares"]) for e in events
+                   if e["event"] == "commit" and e["step"] == step]  # fmt: skip
+        if not tallies or any(tally != expected for tally in tallies):
+            wrong.append(step)
+    return wrong
 
 
 class FaultTolerant(Piece, GatesSteps, Measures):
