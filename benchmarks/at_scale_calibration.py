@@ -49,7 +49,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
-import shlex
 import statistics
 import sys
 import time
@@ -62,9 +61,7 @@ import yaml
 
 from benchmarks import compare_strategies, kernel_costs, mfu, op_costs, overhead_costs
 from benchmarks.workers import benchmark_parser, cpu_clock, dated_folder, others_share, write_table
-from common.config import parse_config
 from common.gpt import GPT, GPTConfig
-from experiments import train_gpt
 from planning.cost_model import predict_step
 from planning.fake_ranks import run_ranks
 from planning.hardware import hardware_from
@@ -217,13 +214,8 @@ def main(argv: list[str] | None = None) -> int:
     )
     if args.rounds < 1:
         parser.error(f"--rounds {args.rounds}: at least 1")
-    model_flags = shlex.split(args.model_flags)
-    # train_gpt's own refusal of them, in one line, exit 2, before any run
-    quick = compare_strategies.QUICK if args.quick else []
-    parse_config(
-        train_gpt.Config,
-        ["--report_to", "none", *quick, *model_flags],
-        prog="at_scale_calibration --model_flags",
+    model_flags = compare_strategies.model_flags(
+        args.model_flags, args.quick, "at_scale_calibration --model_flags"
     )
     layouts = compare_strategies.layout_runs(args.layouts, parser.error)
     runs, finished, rows = runs_of(strategies, not args.no_layouts_of_4, layouts, model_flags), [], []

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import shlex
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -61,6 +62,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         default=0,
         help="passed to train_gpt: torch.profiler traces of this many steps per run (0: off)",
     )
+    parser.add_argument("--model_flags", default="", help="train_gpt flags given to every run, quoted: the model's "
+                        "(--hf_config llama_tiny, --n_layer 6 ...) or any other (--activation_checkpointing full)")  # fmt: skip
     parser.add_argument(
         "--output_dir", default="runs/compare_strategies", help="a new dated folder is made in it"
     )
@@ -75,6 +78,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     args.runs = [Run(name, ["--strategy", name], PRESETS[name].ranks, PRESETS[name].launch_config)
                  for name in args.strategies]  # fmt: skip
     args.runs += layout_runs(args.layouts, parser.error)
+    args.model_flags = model_flags(args.model_flags, args.quick, "compare_strategies --model_flags")
     if not args.runs:
         parser.error("nothing to run: --strategies and --layouts are both empty")
     if args.max_steps < 0:
@@ -93,6 +97,16 @@ class Run:
     flags: list
     ranks: int
     launch_config: str
+
+
+def model_flags(text: str, quick: bool, prog: str) -> list[str]:
+    """train_gpt's flags in `text` (shell words), refused by train_gpt itself in one line (exit 2) before any run."""
+    from common.config import parse_config
+    from experiments import train_gpt
+
+    words = shlex.split(text)
+    parse_config(train_gpt.Config, ["--report_to", "none", *(QUICK if quick else []), *words], prog=prog)
+    return words
 
 
 def layout_runs(text: str, error) -> list[Run]:
@@ -127,6 +141,7 @@ def launch_command(run: Run, run_dir: Path, args: argparse.Namespace) -> list[st
     for the one-process reference: the commands the README gives."""
     flags = [*run.flags, "--output_dir", str(run_dir), "--report_to", "none"]
     flags += QUICK if args.quick else []
+    flags += getattr(args, "model_flags", [])
     flags += ["--max_steps", str(args.max_steps)] if args.max_steps else []
     flags += ["--profile_steps", str(args.profile_steps)] if args.profile_steps else []
     if run.ranks > 1:  # a DeepSpeed stage is chosen by its accelerate config
@@ -257,7 +272,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{run.label} on {run.ranks} rank(s) ...", flush=True)
         summaries.append(run_strategy(run, folder / run.label.replace(" ", ""), args))
     rows = [row(s) for s in summaries]
-    command = "python -m benchmarks.compare_strategies " + " ".join(
+    command = "python -m benchmarks.compare_strategies " + shlex.join(
         argv if argv is not None else sys.argv[1:]
     )
     table = markdown(rows, command.strip())

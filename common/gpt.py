@@ -66,6 +66,8 @@ class GPTConfig:
     )
     # the experts by grouped GEMM, or "loop": one matmul per expert (the reference it is checked against)
     expert_matmul: str = "grouped"
+    # a transformers model instead of this GPT: its config as JSON, the fields above its shape (common/hf_model.py)
+    hf: str = ""
 
     @property
     def kv_heads(self) -> int:
@@ -272,12 +274,13 @@ def adamw(parameters, lr: float, weight_decay: float) -> torch.optim.AdamW:
 
 
 def sample_text(
-    cfg: GPTConfig, state: dict, tokenizer, prompt: torch.Tensor, tokens: int, seed: int, device
+    model: nn.Module, state: dict, tokenizer, prompt: torch.Tensor, tokens: int, seed: int, device
 ) -> str:
-    """`tokens` tokens from a GPT of `state`, after `prompt` (token ids), decoded; seeded."""
+    """`tokens` tokens from `model` (a GPT, or a model with its generate) holding `state`, after `prompt` (token
+    ids), decoded; seeded."""
     if not tokens:
         return ""
-    model = build_gpt(cfg, seed).to(device)
+    model = model.to(device)
     model.load_state_dict(state)
     generated = model.generate(prompt.unsqueeze(0).to(device), tokens,
                                generator=torch.Generator(device=device).manual_seed(seed))  # fmt: skip

@@ -62,15 +62,14 @@ from common.config import flag, parse_config, require, require_positive, run_cli
 from common.data import iterate_sample_stream, padded_share, shard_rows
 from common.device import planned_device_type
 from common.gpt import (
-    GPT,
     PER_RANK_BATCH_SIZE,
     ModelFlags,
     adamw,
-    build_gpt,
     count_parameters,
     require_trainable,
     sample_text,
 )
+from common.hf_model import HFModelFlags, build_model
 from common.moe import active_parameter_count
 from common.optim import cosine_lr
 from common.profiling import StepProfiler, report_profile
@@ -92,7 +91,7 @@ EVAL_TOKENS = 4096
 
 
 @dataclass
-class Config(ResumableArgs, ModelFlags, ParallelArgs, CheckArgs):
+class Config(ResumableArgs, HFModelFlags, ModelFlags, ParallelArgs, CheckArgs):
     sweep_metrics = ("loss", "tokens_per_s", "val_loss")
     # Checkpoints are DCP (any layout reads any other's) and the data position is in samples: a resume may change
     # the layout and the world size. The global batch (samples per step) is part of the run; how it is made
@@ -240,7 +239,7 @@ def run(cfg: Config) -> int:
     init_weights, init_digest = read_weights(cfg.init_from, "--init_from") if cfg.init_from else ({}, "")
     if init_weights:
         with torch.device("meta"):
-            refuse_unfit(init_weights, GPT(model_cfg).state_dict(), f"--init_from {cfg.init_from}")
+            refuse_unfit(init_weights, build_model(model_cfg, 0).state_dict(), f"--init_from {cfg.init_from}")
     with (
         start_run(cfg, EXPERIMENT, data_identity=corpus["identity"], gradient_accumulation_steps=work.micro_batches,
                   mixed_precision="no" if layout.shard_dims else cfg.mixed_precision) as session,  # FSDP2: its policy
@@ -271,7 +270,7 @@ def run(cfg: Config) -> int:
 
         # The model: the same initial weights on every rank and in the reference (unless seed_per_rank); then the
         # layout decides who holds what (strategies/parallelize.py), and AdamW steps on whatever each rank holds.
-        gpt = build_gpt(model_cfg, cfg.seed + rank * (variant == "seed_per_rank"))
+        gpt = build_model(model_cfg, cfg.seed + rank * (variant == "seed_per_rank"))
         # a new run from exported weights (a resume starts from its checkpoint's)
         if init_weights and not session.checkpoint:
             gpt.load_state_dict(init_weights)
@@ -345,7 +344,7 @@ def run(cfg: Config) -> int:
                                active_parameters=active)  # fmt: skip
         if session.is_main:
             prompt = corpus["val"][0][0][:8]  # the start of the validation text
-            session.metrics["sample"] = sample_text(model_cfg, final_state[0], corpus["tokenizer"], prompt,
+            session.metrics["sample"] = sample_text(build_model(model_cfg, cfg.seed), final_state[0], corpus["tokenizer"], prompt,
                                                     cfg.sample_tokens, cfg.seed, accelerator.device)  # fmt: skip
             session.print(f"sample: {session.metrics['sample']!r}")
         session.log(loop.step, {**loop.last_interval, "val_loss": val_loss})

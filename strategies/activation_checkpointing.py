@@ -71,22 +71,23 @@ def _selective_policy(ctx, op, *args, **kwargs) -> CheckpointPolicy:
     return CheckpointPolicy.MUST_SAVE if op in SAVED_BY_SELECTIVE else CheckpointPolicy.PREFER_RECOMPUTE
 
 
-def run_checkpointed(function, x: torch.Tensor, mode: str) -> torch.Tensor:
-    """function(x) (a block's forward) under activation checkpointing `mode`."""
+def run_checkpointed(function, x: torch.Tensor, *args, mode: str, **kwargs) -> torch.Tensor:
+    """function(x, ...) (a block's forward; a transformers layer's takes its mask and rotary embedding too) under
+    activation checkpointing `mode`."""
     if not torch.is_grad_enabled():
-        return function(x)
+        return function(x, *args, **kwargs)
     counter = active_counter()
     if counter is not None:
         counter.add(x)  # the checkpoint keeps its input, to run the block again
     if (
         mode == "full"
     ):  # (no context_fn at all: torch.compile traces a checkpoint given one only if it is torch's)
-        return checkpoint(function, x, use_reentrant=False)
+        return checkpoint(function, x, *args, use_reentrant=False, **kwargs)
     if counter is None:  # torch's own selective contexts, which torch.compile knows
         context_fn = functools.partial(create_selective_checkpoint_contexts, _selective_policy)
     else:
         context_fn = functools.partial(_selective_contexts, counter)
-    return checkpoint(function, x, use_reentrant=False, context_fn=context_fn)
+    return checkpoint(function, x, *args, use_reentrant=False, context_fn=context_fn, **kwargs)
 
 
 def _selective_contexts(counter):
@@ -104,6 +105,7 @@ class ActivationCheckpointing(Piece, Recomputes):
     """No degree, no byte held or sent of its own: it makes tensor parallelism's recomputed blocks send again."""
 
     name = "activation_checkpointing"
+    any_model = True
     Flags = Flags
 
     def is_on(self, plan: Plan) -> bool:

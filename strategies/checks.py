@@ -30,7 +30,8 @@ from common.checkpoint import load_full_optimizer_state
 from common.comm_counter import CollectiveCounter
 from common.config import flag
 from common.device import device_time, peak_memory_bytes
-from common.gpt import build_gpt, lm_loss
+from common.gpt import lm_loss
+from common.hf_model import build_model
 from common.moe import balance, moe_layers
 from common.optim import clip_by_global_norm, set_lr
 from common.reference import max_abs_difference, train_single_process
@@ -183,7 +184,7 @@ def check_layout(session, job, probe: Probe, model_cfg, budget: dict, memory_rto
                            layout=job.layout.degrees())  # fmt: skip
     if not session.is_main:
         return
-    reference = build_gpt(model_cfg, 0)  # the undistributed model the theory is written for (its shapes)
+    reference = build_model(model_cfg, 0)  # the undistributed model the theory is written for (its shapes)
     check_memory(session, job, reference, every_rank, memory_rtol)
     if job.layout.world_size > 1 and (probe.count_at is None or len(probe.step_losses) < probe.count_at):
         session.skip_check("communication_volume", f"this run trains {len(probe.step_losses)} step(s) and none is free of "
@@ -277,7 +278,7 @@ def compare_with_one_process(session, model_cfg, probe: Probe, step_losses, *, s
     n = probe.parity_steps
     model_state, optimizer_state = start_state
     device = session.accelerator.device
-    model = build_gpt(model_cfg, 0)  # (fork_rng: the process's random state untouched) then the start state
+    model = build_model(model_cfg, 0)  # (fork_rng: the process's random state untouched) then the start state
     model.load_state_dict(model_state)
     # on the device BEFORE the optimizer exists: a resumed run's AdamW state is loaded onto its parameters' device
     # (fused AdamW takes its moments and step counts where the parameters are)

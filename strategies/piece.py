@@ -225,6 +225,9 @@ class Piece:
     dim: str | None = None  # its degree in strategies/layout.py, if it has one
     Flags: type = NoFlags
     MISTAKES: dict = {}
+    # whether it works on any model made of blocks under the GPT's names (a transformers model, common/hf_model.py),
+    # not only on the project's GPT, whose modules it knows by name
+    any_model: bool = False
 
     def is_on(self, plan: Plan) -> bool:
         """Whether it runs under this plan (default: its degree > 1)."""

@@ -4,9 +4,9 @@ and interleaved_zero_bubble: stages r and r + p, "looped"; zbv and dualpipev: st
 "V"), and torch.distributed.pipelining's schedule (--pp_schedule) runs --pp_microbatches micro-batches
 through them: each stage sends its activations forward and their gradients back, point to point.
 
-A stage is the GPT itself holding None for what it does not run (as torchtitan's models do): its blocks keep their
-names (blocks.2 on whichever rank holds it), so its checkpoint is a piece of the GPT's and the GPT's own forward
-runs it. The other dimensions apply to each stage as to a whole model (the schedules reduce once per step).
+A stage is the GPT itself (or a transformers model under its names) holding None for what it does not run, as
+torchtitan's models do: its blocks keep their names (blocks.2 on whichever rank holds it), so its checkpoint is a
+piece of the model's and the model's own forward runs it. The other dimensions apply to each stage as to a whole.
 
 A pipeline cannot run forward apart from backward: `step` is the schedule's whole step (each micro-batch's loss
 the mean over its tokens), `after_backward` what follows: the gradients the schedule summed divided by m once per
@@ -98,12 +98,15 @@ def refuse(plan: Plan) -> None:
 
 
 def cut(gpt: GPT, blocks: list[str], first: bool, last: bool) -> GPT:
-    """A GPT holding only `blocks` (and the embeddings if `first`, the final norm and head if `last`): the
-    same modules, no copy of a tensor; None for the rest."""
-    part = GPT.__new__(GPT)
+    """A model of the GPT's class holding only `blocks` (the embeddings if `first`, the final norm and head if `last`)."""
+    part = type(gpt).__new__(type(gpt))
     nn.Module.__init__(part)
-    part.cfg, part.positions = gpt.cfg, gpt.positions
-    part.tok_emb, part.pos_emb = (gpt.tok_emb, gpt.pos_emb) if first else (None, None)
+    part.__dict__.update({name: value for name, value in vars(gpt).items() if not name.startswith("_")})
+    for name, child in gpt.named_children():
+        setattr(part, name, child)
+    part.tok_emb = gpt.tok_emb if first else None
+    if getattr(gpt, "pos_emb", None) is not None:
+        part.pos_emb = gpt.pos_emb if first else None
     part.blocks = nn.ModuleDict({key: gpt.blocks[key] for key in blocks})
     part.ln_f, part.head = (gpt.ln_f, gpt.head) if last else (None, None)
     return part
@@ -372,6 +375,7 @@ class PipelineParallel(Piece, SplitsParameters, HooksTheStep, Measures, RunsTheS
     (the schedule) once they are; it runs each step itself (forward and backward in one schedule step)."""
 
     name = dim = "pp"
+    any_model = True
     Flags = Flags
     MISTAKES = MISTAKES
 

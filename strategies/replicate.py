@@ -68,24 +68,39 @@ def ignore_for_ddp(model: torch.nn.Module, claimed) -> None:
     attribute): the parameters another piece claimed, and the buffers a module says are its rank's own
     (`rank_local_buffers`: a mixture of experts' token counts), which DDP would broadcast from rank 0 in every
     forward."""
-    names = [name for name, p in model.named_parameters() if p in claimed]
-    names += [f"{prefix}.{buffer}" for prefix, module in model.named_modules()
-              for buffer in getattr(module, "rank_local_buffers", ())]  # fmt: skip
+    names = [name for name, p in model.named_parameters() if p in claimed] + rank_local_buffers(model)
     if names:
         model._ddp_params_and_buffers_to_ignore = names
 
 
+def rank_local_buffers(model: torch.nn.Module) -> list[str]:
+    """The buffers a module says are its rank's own (`rank_local_buffers`: a mixture of experts' token counts)."""
+    return [f"{prefix}.{buffer}" for prefix, module in model.named_modules()
+            for buffer in getattr(module, "rank_local_buffers", ())]  # fmt: skip
+
+
 def sent(t: Theory) -> list[Traffic]:
-    """One step's all-reduce of the gradients of the parameters this rank holds (those no piece splits itself)."""
-    layout = t.layout
+    """One step's all-reduce of the gradients of the parameters this rank holds (those no piece splits itself);
+    under Accelerate's DDP also its broadcast of the model's buffers from rank 0 (DDP's broadcast_buffers, on by
+    default: a transformers model's rotary frequencies; the project's GPT has none but a rank's own, which DDP is
+    told to leave alone), once a step: DDP syncs them in a forward that follows one whose gradients it reduced,
+    so under accumulation (no_sync) only in a step's first (measured: 64 bytes a step at 1 and 2 micro-batches)."""
+    layout, ranks = t.layout, t.layout.size(t.layout.replicate_dims)
     size = sum(math.prod(shape) * 4 for _, shape in t.unclaimed)
-    return [Traffic("all_reduce", size, layout.size(layout.replicate_dims), "dp_replicate")]
+    traffic = [Traffic("all_reduce", size, ranks, "dp_replicate")]
+    own = rank_local_buffers(t.model)
+    buffers = [b for name, b in t.model.named_buffers() if name not in own]
+    if buffers and replicates_whole_model(layout):
+        size = sum(b.numel() * b.element_size() for b in buffers)
+        traffic.append(Traffic("broadcast", size, ranks, "dp_replicate", calls=1))
+    return traffic
 
 
 class Replicate(Piece, HooksTheStep):
     """Applied last: around each stage as every other piece left it."""
 
     name = dim = "dp_replicate"
+    any_model = True
     Flags = Flags
 
     def is_on(self, plan: Plan) -> bool:

@@ -203,6 +203,7 @@ class Shard(Piece, SplitsParameters, HooksTheStep):
     """Applied last (with replicate, which it replaces under dp_shard): around each stage as the others left it."""
 
     name = dim = "dp_shard"
+    any_model = True
     Flags = Flags
     MISTAKES = MISTAKES
 

@@ -25,6 +25,13 @@ must build the same model (seed_per_rank shows what happens otherwise).
 Why PyTorch's API: Accelerate's TP path needs a transformers model (its tp_plan). Refused: heads that do
 not divide the degree (each rank must hold whole heads).
 
+A model that carries its own plan (a transformers model, --hf_config: its config's base_model_tp_plan, as
+transformers and Accelerate apply it) is split by that plan as written, module by module: a "colwise" Linear's
+weight (and bias) on its output dimension, its input's gradient all-reduced in backward (one all-reduce per
+colwise module: q, k and v three, where the plan above sends one); a "rowwise" Linear's weight on its input
+dimension, its output all-reduced in forward; "colwise_gather_output" (the head) its logits all-gathered. The
+theory reads the same plan and the model's own Linears (their widths), so it holds for any model the plan covers.
+
 --sequence_parallel (Megatron's sequence parallelism): between the sub-layers each rank holds 1/N of the
 tokens (the LayerNorms, the residual stream: SequenceParallel on a Shard(1) DTensor); entering attention or
 the MLP the sequence is all-gathered, and the row-parallel outputs are reduce-scattered back to their
@@ -46,6 +53,7 @@ stays float32 (the embedding's output, the norms' outputs and their gradients); 
 
 from __future__ import annotations
 
+import fnmatch
 import math
 from dataclasses import dataclass
 
@@ -97,6 +105,16 @@ class Flags:
                                    "1/N of the tokens, all-reduces replaced by reduce-scatter + all-gather")  # fmt: skip
 
 
+def model_plan(work) -> dict[str, str] | None:
+    """The plan the model carries (a transformers model's, under the GPT's names: module pattern -> style), or None
+    for the project's GPT, which the plan of the module docstring splits."""
+    if not work.model.hf:
+        return None
+    from common.hf_model import tp_plan
+
+    return tp_plan(work.model)
+
+
 def refuse(plan: Plan) -> None:
     args, layout, work = plan.args, plan.layout, plan.work
     require(
@@ -104,6 +122,15 @@ def refuse(plan: Plan) -> None:
     )
     if layout.tp == 1:
         return
+    own = model_plan(work)
+    if own is not None:  # what is built of a model's own plan
+        unbuilt = [f"{style} ({pattern})" for pattern, style in own.items() if style not in MODEL_STYLES]
+        require(not unbuilt, f"--tp {layout.tp}: the model's tensor-parallel plan asks {', '.join(unbuilt)}: not built "
+                f"here (built: {', '.join(MODEL_STYLES)})")  # fmt: skip
+        require(not work.model.tie_weights, f"--tp {layout.tp} with a tied head: the model's plan splits the head, "
+                "not the embedding it shares (not built)")  # fmt: skip
+        require(not args.sequence_parallel and RECOMPUTES_BLOCKS not in plan.traits, f"--tp {layout.tp} with the "
+                "model's own plan: --sequence_parallel and --activation_checkpointing full are not built for it")  # fmt: skip
     heads = f"--n_head {work.model.n_head}" + (
         f" and --n_kv_head {work.model.n_kv_head}" if work.model.n_kv_head else ""
     )
@@ -120,25 +147,36 @@ def refuse(plan: Plan) -> None:
             "the sequence again); use selective")  # fmt: skip
 
 
-def split_dim(name: str) -> int | None:
-    return next((dim for suffix, dim in SPLIT_DIM.items() if name.endswith(suffix)), None)
+def split_dim(name: str, own: dict | None = None) -> int | None:
+    """The dimension of parameter `name` the plan splits (None: replicated): the GPT's, or the model's `own`."""
+    if own is None:
+        return next((dim for suffix, dim in SPLIT_DIM.items() if name.endswith(suffix)), None)
+    module, kind = name.rsplit(".", 1)
+    style = style_of(module, own)
+    return None if style is None else 0 if style.startswith("colwise") else 1 if kind == "weight" else None
 
 
-def local_shape(name: str, shape, layout: Layout, rank: int) -> list[int]:
+def style_of(module: str, own: dict) -> str | None:
+    return next((style for pattern, style in own.items() if fnmatch.fnmatchcase(module, pattern)), None)
+
+
+def local_shape(name: str, shape, layout: Layout, rank: int, own: dict | None = None) -> list[int]:
     """The shape of the piece of parameter `name` a rank holds after tensor parallelism (torch.chunk's split)."""
-    shape, dim = list(shape), split_dim(name)
+    shape, dim = list(shape), split_dim(name, own)
     if dim is not None:
         shape[dim] = chunk_rows(shape[dim], layout.tp, layout.coordinate(rank, "tp"))
     return shape
 
 
-def apply(model, tp_mesh, args) -> None:
-    """The plan of the module docstring on `tp_mesh`, for the blocks, embedding and head `model` holds (a
-    pipeline stage holds some). row_parallel_without_all_reduce leaves the row-parallel outputs as partial
-    sums: the classic missing all-reduce."""
+def apply(model, tp_mesh, args, own: dict | None = None) -> None:
+    """The plan of the module docstring on `tp_mesh` (or the model's `own`), for the blocks, embedding and head
+    `model` holds (a pipeline stage holds some). row_parallel_without_all_reduce leaves the row-parallel outputs
+    as partial sums: the classic missing all-reduce."""
+    row_output = Partial() if args.wrong_variant == "row_parallel_without_all_reduce" else Replicate()
+    if own is not None:
+        return apply_model_plan(model, tp_mesh, own, row_output)
     if args.sequence_parallel:
         return apply_sequence_parallel(model, tp_mesh)
-    row_output = Partial() if args.wrong_variant == "row_parallel_without_all_reduce" else Replicate()
     replicated_input = PrepareModuleInput(
         input_layouts=(Replicate(),), desired_input_layouts=(Replicate(),), use_local_output=False
     )
@@ -168,6 +206,44 @@ def apply(model, tp_mesh, args) -> None:
     if model.head is not None:
         plan["head"] = ColwiseParallel(output_layouts=Replicate())
     _parallelize_ends(model, tp_mesh, plan)
+
+
+# the styles of a model's own plan that are built: transformers' names -> DTensor's styles
+MODEL_STYLES = ("colwise", "rowwise", "colwise_gather_output")
+
+
+def apply_model_plan(model, tp_mesh, own: dict, row_output) -> None:
+    """A model's own plan, as written: each block's modules by their patterns, then the head's."""
+    styles = {"colwise": ColwiseParallel, "rowwise": lambda: RowwiseParallel(output_layouts=row_output),
+              "colwise_gather_output": lambda: ColwiseParallel(output_layouts=Replicate())}  # fmt: skip
+    for index, block in model.blocks.items():
+        inside = {name: styles[style]() for name, _ in block.named_modules() if name
+                  and (style := style_of(f"blocks.{index}.{name}", own)) is not None}  # fmt: skip
+        parallelize_module(block, tp_mesh, inside)
+    if model.head is not None and "head" in own:
+        parallelize_module(model, tp_mesh, {"head": styles[own["head"]]()})
+
+
+def sent_by_model_plan(t: Theory, own: dict) -> list[Traffic]:
+    """A model's own plan's bytes, per micro-batch of t tokens: each rowwise Linear the rank holds all-reduces its
+    output in forward (t x its output width), each colwise one its input's gradient in backward (t x its input
+    width); a gathered head all-gathers the logits (t x the vocabulary padded to a multiple of N)."""
+    layout, work = t.layout, t.work
+    k, tokens = work.micro_batches, work.tokens // layout.cp
+    matmul_out = 2 if work.mixed_precision == "bf16" else 4
+    stream = stream_dtype(layout, work).itemsize
+    held = {name.rsplit(".", 1)[0] for name, _ in t.held}
+    reduced = gathered = 0
+    for name, module in t.model.named_modules():
+        style = style_of(name, own) if name in held else None
+        if style == "rowwise":
+            reduced += module.out_features * matmul_out
+        elif style is not None:
+            reduced += module.in_features * stream
+        if style == "colwise_gather_output":
+            gathered += math.ceil(module.out_features / layout.tp) * layout.tp * matmul_out
+    sizes = {"all_reduce": k * tokens * reduced, "all_gather": k * tokens * gathered}
+    return [Traffic(kind, size, layout.tp, "tp") for kind, size in sizes.items() if size]
 
 
 def is_dense(mlp) -> bool:
@@ -250,6 +326,9 @@ def sent(t: Theory) -> list[Traffic]:
     backward (full activation checkpointing), up to the attention output's all-reduce (the MLP's output is
     needed by nothing backward uses: the recompute stops before it)."""
     layout, args, work = t.layout, t.args, t.work
+    own = model_plan(work)
+    if own is not None:
+        return sent_by_model_plan(t, own)
     blocks, embeds, heads, recomputed_blocks = t.blocks, t.first, t.last, t.recomputed_blocks
     k, tokens = work.micro_batches, work.tokens // layout.cp
     bf16 = work.mixed_precision == "bf16"
@@ -293,6 +372,7 @@ def sent(t: Theory) -> list[Traffic]:
 
 class TensorParallel(Piece, SplitsParameters, HooksTheStep):
     name = dim = "tp"
+    any_model = True  # a model's own plan (model_plan), the GPT's otherwise
     Flags = Flags
     MISTAKES = MISTAKES
 
@@ -304,11 +384,11 @@ class TensorParallel(Piece, SplitsParameters, HooksTheStep):
 
     def apply(self, stages: list, ctx: Context) -> list:
         for stage in stages:
-            apply(stage, ctx.mesh["tp"], ctx.args)
+            apply(stage, ctx.mesh["tp"], ctx.args, model_plan(ctx.work))
         return stages
 
     def local_shape(self, name: str, shape: list[int], t: Theory) -> list[int]:
-        return local_shape(name, shape, t.layout, t.rank)
+        return local_shape(name, shape, t.layout, t.rank, model_plan(t.work))
 
     def sent(self, t: Theory) -> list[Traffic]:
         return sent(t)

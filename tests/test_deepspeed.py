@@ -266,7 +266,7 @@ def test_a_zero3_checkpoint_converts_to_the_weights_the_run_sampled_with(zero3, 
     run's final checkpoint generate the very sample the run generated from its final state."""
     from safetensors.torch import load_file
 
-    from common.gpt import GPTConfig, sample_text
+    from common.gpt import GPTConfig, build_gpt, sample_text
     from common.text import load_corpus
     from tools.convert_checkpoint import main as convert
 
@@ -277,8 +277,8 @@ def test_a_zero3_checkpoint_converts_to_the_weights_the_run_sampled_with(zero3, 
     assert code == 0
     config, metrics = zero3.summary["config"], zero3.summary["metrics"]
     corpus = load_corpus("", config["vocab_size"], config["block_size"], config["val_fraction"])
-    model = GPTConfig(metrics["corpus"]["vocab_size"], config["block_size"], config["n_layer"], config["n_head"],
-                      config["d_model"])  # fmt: skip
+    model = build_gpt(GPTConfig(metrics["corpus"]["vocab_size"], config["block_size"], config["n_layer"],
+                                config["n_head"], config["d_model"]), 0)  # fmt: skip
     sample = sample_text(model, load_file(str(tmp_path / "w.safetensors")), corpus["tokenizer"], corpus["val"][0][0][:8],
                          config["sample_tokens"], config["seed"], "cpu")  # fmt: skip
     assert sample == metrics["sample"]

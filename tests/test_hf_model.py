@@ -1,0 +1,169 @@
+"""Your own model (common/hf_model.py): a transformers causal LM trained by train_gpt. The adapter is the transformers
+model (its logits, to the bit, for every preset), a config.json on disk is the same model as its preset, what is
+not built for it is refused in one line, and it trains under FSDP on 2 ranks passing every check train_gpt makes."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from common.hf_model import (
+    PRESETS,
+    build_model,
+    gpt_config_of,
+    ours_from_hf,
+    read_hf_config,
+    transformers_config,
+)
+from experiments.train_gpt import main
+from helpers import (
+    GPT_DISTRIBUTED_CHECKS,
+    assert_gpt_passed,
+    fork_launch,
+    run_in_process,
+    run_main_in_process,
+)
+
+# train_gpt's tiny run, without the GPT's shape flags (the config sets the shape)
+HF_TINY = ("--report_to none --max_steps 12 --parity_steps 6 --log_every 6 --block_size 32 --vocab_size 512 "
+           "--val_fraction 0.02 --warmup_steps 2 --sample_tokens 5 --min_loss_drop 0.1").split()  # fmt: skip
+
+
+@pytest.mark.parametrize("preset", sorted(PRESETS))
+def test_the_adapter_is_the_transformers_model(preset):
+    """Built with the same seed, HFCausalLM holds transformers' own initial weights under the GPT's names and
+    computes its logits exactly (the rotary embedding, the per-layer masks, a tied head)."""
+    from transformers import AutoModelForCausalLM
+
+    cfg = gpt_config_of(read_hf_config(preset), 300, 32)
+    model = build_model(cfg, 3)
+    config = transformers_config(cfg)
+    config._attn_implementation = "sdpa"
+    torch.manual_seed(3)
+    theirs = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    ours, renamed = model.state_dict(), ours_from_hf(theirs.state_dict())
+    assert list(ours) == list(renamed) and all(torch.equal(ours[name], renamed[name]) for name in ours)
+    idx = torch.randint(0, 300, (2, 32), generator=torch.Generator().manual_seed(0))
+    assert torch.equal(model(idx), theirs(idx).logits)
+    assert {n.split(".")[0] for n, _ in model.named_parameters()} == {"tok_emb", "blocks", "ln_f"} | (
+        set() if config.tie_word_embeddings else {"head"}
+    )
+    assert (model.head.weight is model.tok_emb.weight) == bool(config.tie_word_embeddings)
+
+
+def test_a_sliding_window_is_applied():
+    """mistral_tiny's layers see the 16 tokens before each one: its last logits differ from the same weights'
+    under full causal attention, its first 16 positions (which see no further back) do not."""
+    model = build_model(gpt_config_of(read_hf_config("mistral_tiny"), 300, 32), 0)
+    idx = torch.randint(0, 300, (1, 32), generator=torch.Generator().manual_seed(0))
+    windowed = model(idx)
+    model.layer_kinds = ["full_attention"] * len(model.blocks)
+    full = model(idx)
+    assert torch.equal(windowed[:, :16], full[:, :16]) and not torch.allclose(windowed[:, 16:], full[:, 16:])
+
+
+def test_a_config_json_on_disk_is_the_model_it_was_written_from(tmp_path):
+    """save_pretrained's config.json (by folder or by file) reads back to the model it was written from, same shape,
+    same weights (a tied head here: one tensor)."""
+    written = read_hf_config("qwen2_tiny")
+    written.tie_word_embeddings = True
+    written.save_pretrained(tmp_path)
+    written_cfg = gpt_config_of(written, 300, 32)
+    for path in (tmp_path, tmp_path / "config.json"):
+        cfg = gpt_config_of(read_hf_config(str(path)), 300, 32)
+        assert (cfg.d_model, cfg.n_layer, cfg.n_head, cfg.n_kv_head, cfg.tie_weights) == (64, 2, 4, 2, True)
+        model = build_model(cfg, 0)
+        assert model.head.weight is model.tok_emb.weight
+        state = model.state_dict()
+        assert all(
+            torch.equal(a, b)
+            for a, b in zip(state.values(), build_model(written_cfg, 0).state_dict().values(), strict=True)
+        )
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--hf_config", "nope"], "--hf_config 'nope': neither a preset (llama_tiny, qwen2_tiny"),
+        (
+            ["--hf_config", "llama_tiny", "--n_layer", "3"],
+            "--n_layer with --hf_config: the config sets the model's shape",
+        ),
+        (
+            ["--hf_config", "llama_tiny", "--compile"],
+            "--compile with --hf_config: not built for a transformers model yet",
+        ),
+    ],
+)
+def test_bad_input_is_one_line(tmp_path, args, message, capsys):
+    code, stderr = run_main_in_process(main, [*HF_TINY, "--output_dir", str(tmp_path / "run"), *args], capsys)
+    assert code == 2 and message in stderr and stderr.strip().count("\n") == 0, stderr
+    assert not (tmp_path / "run").exists()
+
+
+def test_what_is_not_built_for_it_is_refused_in_one_line(tmp_path):
+    """cp and ep know the GPT's modules by name: refused with --hf_config, naming what is built; tensor parallelism
+    refuses a plan style it does not apply (Mixtral's packed experts) and a tied head its plan leaves unsplit."""
+    from common.config import UsageError, parse_config
+    from experiments.train_gpt import Config
+    from strategies.layout import Layout
+
+    def refusal(args: list[str], layout: Layout) -> str:
+        cfg = parse_config(Config, args)
+        with pytest.raises(UsageError) as refused:
+            cfg.refuse_layout(layout, cfg.workload(), 1.0)
+        return str(refused.value)
+
+    for dim in ("cp", "ep"):
+        assert refusal(["--hf_config", "llama_tiny"], Layout(**{dim: 2})).startswith(
+            f"--{dim} with --hf_config: not built for a transformers model yet"
+        )
+    said = refusal(["--hf_config", "llama_tiny"], Layout(cp=2))
+    assert said.endswith("built: pp, tp, activation_checkpointing, dp_shard, dp_replicate")
+    assert "packed_colwise (blocks.*.mlp.experts.gate_up_proj)" in refusal(
+        ["--hf_config", "mixtral_tiny"], Layout(tp=2)
+    )
+    tied = read_hf_config("llama_tiny")
+    tied.tie_word_embeddings = True
+    tied.save_pretrained(tmp_path)
+    assert "--tp 2 with a tied head" in refusal(["--hf_config", str(tmp_path)], Layout(tp=2))
+
+
+@pytest.mark.launch
+def test_one_process_trains_it_and_holds_its_theory(tmp_path, capsys):
+    summary = assert_gpt_passed(
+        run_in_process(main, [*HF_TINY, "--hf_config", "llama_tiny"], tmp_path / "r", capsys), 1
+    )
+    assert summary["metrics"]["parameters"] == 158_016 and summary["config"]["hf_config"] == "llama_tiny"
+
+
+@pytest.mark.launch
+def test_fsdp_and_its_own_tensor_parallel_plan_on_four_ranks_pass_every_check(tmp_path):
+    """llama_tiny under --dp_shard 2 x --tp 2: FSDP2 per decoder layer over the plan transformers wrote for it; the
+    same loss and parameters as one process, the global gradient norm, every rank's bytes held and sent equal to
+    the theory read off the plan and the module tree: per micro-batch, 7 all-reduces a layer (its 2 rowwise
+    outputs forward, its 5 colwise inputs' gradients backward) and the head's."""
+    args = [*HF_TINY, "--hf_config", "llama_tiny", "--dp_shard", "2", "--tp", "2"]
+    summary = assert_gpt_passed(fork_launch(main, args, tmp_path / "run", num_processes=4), 4)
+    assert set(summary["checks"]) == GPT_DISTRIBUTED_CHECKS
+    assert summary["metrics"]["communication"]["counted"]["calls"]["all_reduce"] == 2 * 7 + 1
+
+
+@pytest.mark.launch
+def test_a_pipeline_of_replicas_and_ddp_pass_every_check(tmp_path):
+    """qwen2_tiny cut into 2 stages, each replicated twice (PyTorch's replicate: 4 ranks); llama_tiny under
+    Accelerate's DDP with selective activation checkpointing, whose broadcast of the rotary frequencies (a buffer,
+    once a step) the theory counts."""
+    args = [*HF_TINY, "--hf_config", "qwen2_tiny", "--pp", "2", "--dp_replicate", "2"]
+    assert_gpt_passed(fork_launch(main, args, tmp_path / "pp", num_processes=4), 4)
+    args = [
+        *HF_TINY,
+        "--hf_config",
+        "llama_tiny",
+        "--dp_replicate",
+        "2",
+        "--activation_checkpointing",
+        "selective",
+    ]
+    summary = assert_gpt_passed(fork_launch(main, args, tmp_path / "ddp"), 2)
+    assert summary["metrics"]["communication"]["counted"]["bytes"]["broadcast"] == 64  # 2 buffers of 8 floats
