@@ -21,6 +21,7 @@ import functools
 import json
 import os
 from dataclasses import dataclass
+from typing import ClassVar
 
 import torch
 from torch import nn
@@ -190,11 +191,17 @@ class HFModelFlags:
 
     hf_config: str = flag("", "a transformers model instead of the project's GPT: a config.json on disk (a file or "
                           f"its folder) or a preset: {', '.join(PRESETS)} (docs/your_model.md)")  # fmt: skip
+    # whose vocabulary the model has: the tokenizer's (train_gpt trains its BPE to --vocab_size), or the config's
+    # (a run on fake tensors has no tokenizer: at_scale, tools.plan), unless --vocab_size is given
+    vocabulary_from_config: ClassVar[bool] = False
 
     def model_config(self, base: GPTConfig | None = None, vocab_size: int = 0) -> GPTConfig:
         if not self.hf_config:
             return super().model_config(base, vocab_size)
-        return gpt_config_of(read_hf_config(self.hf_config), vocab_size or self.vocab_size, self.block_size)
+        hf_config = read_hf_config(self.hf_config)
+        own = self.vocabulary_from_config and "vocab_size" not in getattr(self, "given_flags", ())
+        vocabulary = vocab_size or (hf_config.get_text_config().vocab_size if own else self.vocab_size)
+        return gpt_config_of(hf_config, vocabulary, self.block_size)
 
     def refuse_model(self, cfg: GPTConfig) -> None:
         if not self.hf_config:

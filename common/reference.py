@@ -113,8 +113,14 @@ def max_abs_difference(a: torch.nn.Module | Mapping, b: torch.nn.Module | Mappin
     """Largest |a - b| over the tensors (parameters) of `b`, by name, compared on the CPU in float32; inf
     if either side holds a non-finite value (NaN would compare as "not <= tolerance" too, but inf says
     what happened)."""
+    return furthest(a, b)[1]
+
+
+def furthest(a: torch.nn.Module | Mapping, b: torch.nn.Module | Mapping) -> tuple[str, float]:
+    """(the name of the tensor of `b` furthest from `a`'s, its largest |a - b|): max_abs_difference, and where."""
     a, b = named_tensors(a), named_tensors(b)
-    for tensor in (*a.values(), *b.values()):
+    for name, tensor in (*a.items(), *b.items()):
         if not torch.isfinite(tensor.detach().float()).all():
-            return float("inf")
-    return max((a[n].detach().float().cpu() - b[n].detach().float().cpu()).abs().max().item() for n in b)
+            return name, float("inf")
+    return max(((n, (a[n].detach().float().cpu() - b[n].detach().float().cpu()).abs().max().item()) for n in b),
+               key=lambda pair: pair[1])  # fmt: skip

@@ -70,10 +70,14 @@ def weights_digest(weights: dict[str, torch.Tensor]) -> str:
     return digest_named_values((name, weights[name]) for name in sorted(weights))
 
 
-def read_weights(weights_file: str, what: str = "") -> tuple[dict[str, torch.Tensor], str]:
+def read_weights(
+    weights_file: str, what: str = "", foreign: bool = False
+) -> tuple[dict[str, torch.Tensor], str]:
     """(the tensors of a safetensors file written by tools.convert_checkpoint to-safetensors, their digest),
     checked against the digest recorded in it; UsageError naming `what` (the flag) and the file otherwise. Read
-    once per file version: a run's flags are checked before it starts and the same tensors load after."""
+    once per file version: a run's flags are checked before it starts and the same tensors load after.
+    `foreign`: a file written by another tool (transformers' save_pretrained) records no digest: its tensors'
+    digest is computed, for the run's record, and nothing is verified but that it reads."""
     said = f"{what} {weights_file}" if what else repr(weights_file)
     if os.path.isdir(weights_file):
         raise UsageError(f"{said} is a folder; it must be a .safetensors file (tools.convert_checkpoint to-safetensors "
@@ -81,11 +85,13 @@ def read_weights(weights_file: str, what: str = "") -> tuple[dict[str, torch.Ten
     if not os.path.isfile(weights_file):
         raise UsageError(f"{said}: no such file")
     status = os.stat(weights_file)
-    return _verified(os.path.abspath(weights_file), status.st_size, status.st_mtime_ns, said)
+    return _verified(os.path.abspath(weights_file), status.st_size, status.st_mtime_ns, said, foreign)
 
 
 @functools.lru_cache(maxsize=1)
-def _verified(weights_file: str, size: int, mtime_ns: int, said: str) -> tuple[dict[str, torch.Tensor], str]:
+def _verified(
+    weights_file: str, size: int, mtime_ns: int, said: str, foreign: bool
+) -> tuple[dict[str, torch.Tensor], str]:
     from safetensors import safe_open
 
     try:
@@ -96,6 +102,8 @@ def _verified(weights_file: str, size: int, mtime_ns: int, said: str) -> tuple[d
         text = (getattr(error, "strerror", None) or str(error)).strip()
         reason = (text.splitlines()[-1] if text else type(error).__name__)[:300]
         raise UsageError(f"{said} is not a readable safetensors file: {reason}") from None
+    if foreign and DIGEST_KEY not in metadata:
+        return weights, weights_digest(weights)
     if DIGEST_KEY not in metadata:
         raise UsageError(f"{said} records no {DIGEST_KEY} (not written by tools.convert_checkpoint to-safetensors): "
                          "it cannot be verified")  # fmt: skip

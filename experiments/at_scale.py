@@ -55,7 +55,8 @@ if __name__ == "__main__":  # Ctrl-C during the imports below: one line, exit 13
 
 
 from common.config import RunArgs, flag, parse_config, require, run_cli
-from common.gpt import GPTConfig, ModelFlags, parameter_count
+from common.gpt import GPTConfig, ModelFlags, count_parameters
+from common.hf_model import HFModelFlags
 from common.run import start_run
 from planning.cost_model import model_flops_per_token, predict_step
 from planning.fake_ranks import every_stage, meta_gpt, ranks_that_differ, run_ranks
@@ -70,7 +71,8 @@ P2P_KINDS = ("send", "recv", "broadcast")  # a pipeline's, by theory only (the m
 
 
 @dataclass
-class Config(RunArgs, ModelFlags, ParallelArgs):
+class Config(RunArgs, HFModelFlags, ModelFlags, ParallelArgs):
+    vocabulary_from_config = True  # no tokenizer at scale: a transformers config's own
     model: str = flag("gpt3_175b", "a published shape (planning/published.py): " + ", ".join(MODELS) + ", changed "
                       "by the model flags given; custom: the project's GPT (train_gpt's), changed so")  # fmt: skip
     world_size: int = flag(0, "ranks of the job (0: the degrees' product); with no degree given, pp 16 x dp_shard "
@@ -87,6 +89,12 @@ class Config(RunArgs, ModelFlags, ParallelArgs):
                       "differs, and the world's last)")  # fmt: skip
 
     def validate(self) -> None:
+        if self.hf_config:  # a transformers model is its own shape: no published one, as custom
+            require(
+                "model" not in getattr(self, "given_flags", ()),
+                "--model with --hf_config: the config is the model",
+            )
+            self.model = "custom"
         super().validate()
         require(self.model == "custom" or self.model in MODELS,
                 f"--model {self.model!r} is not a shape this project knows; known: {', '.join(MODELS)}, custom")  # fmt: skip
@@ -173,7 +181,7 @@ def run(cfg: Config) -> int:
     with start_run(
         cfg, EXPERIMENT, mixed_precision="no" if layout.shard_dims else cfg.mixed_precision
     ) as session:
-        session.print(f"{cfg.model}: {parameter_count(work.model):,} parameters, {layout.describe()}, "
+        session.print(f"{cfg.hf_config or cfg.model}: {count_parameters(reference):,} parameters, {layout.describe()}, "
                       f"{work.rows} x {work.model.block_size} tokens per data-parallel rank per step"
                       + (f" in {cfg.pp_microbatches} micro-batches ({cfg.pp_schedule})" if layout.pp > 1 else "")
                       + f"; running ranks {ranks} on fake tensors")  # fmt: skip
@@ -227,7 +235,7 @@ def report(
                       f"{'yes' if peak <= capacity else 'NO'} ({gb(capacity)} GiB)")  # fmt: skip
     # each rank's ops as their totals by phase and kind (the list itself: thousands of ops)
     summaries = [{**{k: v for k, v in r.items() if k != "ops"}, "ops": ops_totals(r["ops"])} for r in results]
-    session.metrics.update(model=cfg.model, parameters=parameter_count(work.model), layout=layout.degrees(),
+    session.metrics.update(model=cfg.hf_config or cfg.model, parameters=count_parameters(reference), layout=layout.degrees(),
                            ranks=summaries, memory=rows, hardware=hardware.name,
                            fits=all(row["fits"] for row in rows))  # fmt: skip
     if work.model.n_experts:  # its routing, and so its all-to-alls and its experts' rows, assumed

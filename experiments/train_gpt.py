@@ -69,7 +69,7 @@ from common.gpt import (
     require_trainable,
     sample_text,
 )
-from common.hf_model import HFModelFlags, build_model
+from common.hf_model import HFModelFlags, build_model, ours_from_hf
 from common.moe import active_parameter_count
 from common.optim import cosine_lr
 from common.profiling import StepProfiler, report_profile
@@ -106,9 +106,10 @@ class Config(ResumableArgs, HFModelFlags, ModelFlags, ParallelArgs, CheckArgs):
                       "expert_matmul")  # fmt: skip
 
     text_files: str = flag("", "comma-separated text files to train on (default: CPython's pydoc topics)")
-    init_from: str = flag("", "a .safetensors file of full weights (tools.convert_checkpoint to-safetensors) to start "
-                          "this new run from: fine-tuning, with a fresh optimizer at step 0 (a resumed run continues "
-                          "from its checkpoint instead)")  # fmt: skip
+    init_from: str = flag("", "a .safetensors file of full weights (tools.convert_checkpoint to-safetensors; with "
+                          "--hf_config also transformers' save_pretrained model.safetensors) to start this new run "
+                          "from: fine-tuning, with a fresh optimizer at step 0 (a resumed run continues from its "
+                          "checkpoint instead)")  # fmt: skip
     val_fraction: float = flag(0.1, "share of the token stream held out for validation")
     per_rank_batch_size: int = flag(PER_RANK_BATCH_SIZE, "blocks per data-parallel rank per micro-batch; "
                                     "global batch = this x data-parallel ranks x accumulation")  # fmt: skip
@@ -151,7 +152,7 @@ class Config(ResumableArgs, HFModelFlags, ModelFlags, ParallelArgs, CheckArgs):
         # --init_from readable, its digest verified, trained as this architecture: before anything starts (so a
         # sweep over --init_from refuses a bad file before any trial)
         if self.init_from:
-            read_weights(self.init_from, "--init_from")
+            self.init_weights()
             refuse_other_model(self.init_from, dataclasses.asdict(self), f"--init_from {self.init_from}")
         layout = self.resolve_layout(launched_world_size(self))  # config.json records the degrees that ran
         self.refuse_layout(layout, self.workload(), self.grad_clip)
@@ -169,6 +170,12 @@ class Config(ResumableArgs, HFModelFlags, ModelFlags, ParallelArgs, CheckArgs):
         sizes = " ".join(f"--{n} {getattr(self, n)}" for n in ("d_model", "n_layer", "vocab_size", "block_size",
                                                                 "per_rank_batch_size"))  # fmt: skip
         require_trainable(self.model_config(), self.per_rank_batch_size, sizes)
+
+    def init_weights(self) -> tuple[dict, str]:
+        """--init_from's tensors under the model's names, and their digest: a file of tools.convert_checkpoint's,
+        verified; with --hf_config also transformers' own (save_pretrained's model.safetensors), renamed."""
+        weights, digest = read_weights(self.init_from, "--init_from", foreign=bool(self.hf_config))
+        return (ours_from_hf(weights) if self.hf_config else weights), digest
 
     def workload(self, vocab_size: int = 0) -> Workload:
         """What this run asks of its layout (the pieces' theory and refusals need nothing else of it)."""
@@ -236,7 +243,7 @@ def run(cfg: Config) -> int:
     )  # what the tokenizer really has
     work = dataclasses.replace(work, model=model_cfg)
     # exported weights to start from, verified and fitted to this model before anything is written
-    init_weights, init_digest = read_weights(cfg.init_from, "--init_from") if cfg.init_from else ({}, "")
+    init_weights, init_digest = cfg.init_weights() if cfg.init_from else ({}, "")
     if init_weights:
         with torch.device("meta"):
             refuse_unfit(init_weights, build_model(model_cfg, 0).state_dict(), f"--init_from {cfg.init_from}")

@@ -33,7 +33,8 @@ from tqdm import tqdm
 from common.activations import SavedActivations
 from common.comm_counter import CollectiveCounter
 from common.config import UsageError
-from common.gpt import GPT, GPTConfig, adamw
+from common.gpt import GPTConfig, adamw
+from common.hf_model import build_model
 from common.moe import moe_layers
 from planning.memory import activation_bytes, memory_estimate
 from planning.ops import OpRecorder
@@ -164,8 +165,7 @@ def run_rank(cfg, layout: Layout, work: Workload, rank: int) -> dict:
     # this worker's own Accelerator, one process: it prepares the optimizer and autocasts as in train_gpt
     accelerator = Accelerator(cpu=True, mixed_precision="no" if layout.shard_dims else cfg.mixed_precision)
     with playing(rank, layout.world_size), quiet():
-        with torch.device("meta"):
-            gpt = GPT(work.model)
+        gpt = meta_gpt(work.model)
         # the clipping by the global norm, as train_gpt runs it (at its default norm, unless the config says another)
         max_norm = getattr(cfg, "grad_clip", 1.0)
         job = parallelize(gpt, layout, cfg, work, accelerator, lambda p: adamw(p, 3e-4, 0.1), max_norm)
@@ -261,9 +261,10 @@ def uniform_order(layer, expert_ids: torch.Tensor, tokens: int) -> tuple[torch.T
     return torch.arange(assignments, device=expert_ids.device), counts
 
 
-def meta_gpt(cfg: GPTConfig) -> GPT:
+def meta_gpt(cfg: GPTConfig) -> torch.nn.Module:
+    """The model `cfg` describes (the GPT, or the transformers model it carries) on the meta device: shapes only."""
     with torch.device("meta"):
-        return GPT(cfg)
+        return build_model(cfg, 0)
 
 
 def run_ranks(cfg, layout: Layout, work: Workload, ranks: list[int], show_progress: bool) -> list[dict]:

@@ -34,7 +34,7 @@ from common.gpt import lm_loss
 from common.hf_model import build_model
 from common.moe import balance, moe_layers
 from common.optim import clip_by_global_norm, set_lr
-from common.reference import max_abs_difference, train_single_process
+from common.reference import furthest, train_single_process
 from strategies.job import Instruments
 from strategies.piece import GatesSteps, having
 
@@ -318,7 +318,7 @@ def compare_with_one_process(session, model_cfg, probe: Probe, step_losses, *, s
         abs(float(probe.grad_norms[i]) - reference["figures"][r]) / max(reference["figures"][r], 1e-12)
         for i, r in compared
     )
-    param_diff = max_abs_difference(probe.at_parity_step, model.state_dict())
+    furthest_name, param_diff = furthest(probe.at_parity_step, model.state_dict())
     session.metrics.update(
         loss_max_abs_diff=loss_diff,
         grad_norm_max_rel_diff=norm_diff,
@@ -331,7 +331,7 @@ def compare_with_one_process(session, model_cfg, probe: Probe, step_losses, *, s
         1.0,
         f"over the {n} steps after step {session.start_step}: max |loss - one process| {loss_diff:.2e} "
         f"(tolerance {budget['loss_atol']:.0e}), max |parameter - one process| after them {param_diff:.2e} "
-        f"(tolerance {budget['param_atol']:.0e}); the larger share of its tolerance"
+        f"({furthest_name}; tolerance {budget['param_atol']:.0e}); the larger share of its tolerance"
         + (
             f"; the loss first off at step {session.start_step + first_off + 1}"
             if first_off is not None

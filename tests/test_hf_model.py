@@ -167,3 +167,51 @@ def test_a_pipeline_of_replicas_and_ddp_pass_every_check(tmp_path):
     ]
     summary = assert_gpt_passed(fork_launch(main, args, tmp_path / "ddp"), 2)
     assert summary["metrics"]["communication"]["counted"]["bytes"]["broadcast"] == 64  # 2 buffers of 8 floats
+
+
+@pytest.mark.launch
+def test_a_run_starts_from_transformers_own_weights(tmp_path, capsys):
+    """save_pretrained's model.safetensors (transformers' names, no digest of ours) as --init_from: with its head
+    zeroed every logit is 0, so the validation loss before training is exactly ln(vocabulary)."""
+    import math
+
+    from transformers import AutoModelForCausalLM
+
+    from common.text import load_corpus
+
+    vocabulary = load_corpus("", 512, 32, 0.02)["vocab_size"]
+    model = AutoModelForCausalLM.from_config(
+        transformers_config(gpt_config_of(read_hf_config("llama_tiny"), vocabulary, 32))
+    )
+    torch.nn.init.zeros_(model.lm_head.weight)
+    model.save_pretrained(tmp_path / "weights")
+    weights = str(tmp_path / "weights" / "model.safetensors")
+    args = [*HF_TINY, "--hf_config", "llama_tiny", "--init_from", weights]
+    summary = assert_gpt_passed(run_in_process(main, args, tmp_path / "run", capsys), 1)
+    assert summary["metrics"]["val_loss_before"] == pytest.approx(math.log(vocabulary), abs=1e-5)
+    assert summary["metrics"]["init_from"]["path"] == weights
+
+
+@pytest.mark.launch
+def test_at_scale_and_the_planner_take_a_transformers_config(tmp_path, capsys):
+    """A Llama-shaped config.json on disk (its own vocabulary: no tokenizer at scale): tools.plan prices a layout of
+    it and prints the at_scale command for it; at_scale runs that command's ranks on fake tensors, every one holding
+    and sending its theory to the byte (tensor parallelism by the model's own plan)."""
+    from transformers import LlamaConfig
+
+    from experiments.at_scale import main as at_scale
+    from tools.plan import main as plan
+
+    LlamaConfig(hidden_size=256, intermediate_size=704, num_hidden_layers=4, num_attention_heads=8,
+                num_key_value_heads=4, vocab_size=4000).save_pretrained(tmp_path / "model")  # fmt: skip
+    model = ["--hf_config", str(tmp_path / "model"), "--block_size", "128"]
+    layout = ["--pp", "2", "--dp_shard", "2", "--tp", "2"]
+    assert plan([*model, *layout, "--gpus", "8", "--global_batch", "16"]) == 0
+    out = capsys.readouterr().out
+    assert f"--hf_config {tmp_path / 'model'} --block_size 128" in out and "--model" not in out
+    summary = assert_gpt_passed(run_in_process(at_scale, [*model, *layout, "--report_to", "none"], tmp_path / "run",
+                                               capsys), 1)  # fmt: skip
+    parameters = 2 * 4000 * 256 + 4 * (2 * 256 * 256 + 2 * 256 * 128 + 3 * 256 * 704 + 2 * 256) + 256
+    assert (
+        summary["metrics"]["parameters"] == parameters and summary["checks"]["communication_volume"]["passed"]
+    )

@@ -45,11 +45,12 @@ from dataclasses import dataclass
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-import torch
 
 from common.config import UsageError, flag, parse_config, require, run_cli
-from common.gpt import GPT, GPTConfig, ModelFlags, parameter_count
+from common.gpt import GPTConfig, ModelFlags, count_parameters
+from common.hf_model import HFModelFlags, read_hf_config
 from planning.cost_model import model_flops_per_token, predict_step
+from planning.fake_ranks import meta_gpt
 from planning.hardware import hardware_names, load_hardware
 from planning.memory import memory_estimate
 from planning.published import MODELS, model_named
@@ -60,7 +61,8 @@ from strategies.shard import RESHARD
 
 
 @dataclass
-class PlanArgs(ModelFlags):
+class PlanArgs(HFModelFlags, ModelFlags):
+    vocabulary_from_config = True  # no tokenizer: a transformers config's own
     model: str = flag("llama3_70b", "a published shape, changed by the model flags given: " + ", ".join(MODELS)
                       + "; custom: the project's GPT (train_gpt's), changed so")  # fmt: skip
     gpus: int = flag(512, "GPUs of the job (the world size)")
@@ -98,11 +100,21 @@ class PlanArgs(ModelFlags):
         return {d: getattr(self, d) or 1 for d in DIMS}
 
     def validate(self) -> None:
+        if self.hf_config:  # a transformers model is its own shape: no published one, as custom
+            require(
+                "model" not in getattr(self, "given_flags", ()),
+                "--model with --hf_config: the config is the model",
+            )
+            self.model = "custom"
         require(self.model == "custom" or self.model in MODELS,
                 f"--model {self.model!r} is not a shape this project knows; known: {', '.join(MODELS)}, custom")  # fmt: skip
         require(self.model != "custom" or self.global_batch > 0,
                 "--model custom needs --global_batch (sequences a step: no published run says it)")  # fmt: skip
         self.refuse_model(self.shape())  # a shape no GPT can have: one line
+        # the planner's memory and time read the model's shape as the GPT's (common/hf_model.gpt_config_of): a
+        # transformers mixture of experts is not that shape
+        require(not self.hf_config or not getattr(read_hf_config(self.hf_config).get_text_config(), "num_local_experts",
+                0), f"--hf_config {self.hf_config}: a mixture of experts is not priced by the planner yet")  # fmt: skip
         load_hardware(self.hardware)
         for name in ("gpus", "top"):
             require(getattr(self, name) > 0, f"--{name} must be > 0, got {getattr(self, name)}")
@@ -123,7 +135,8 @@ class PlanArgs(ModelFlags):
 
     def model_flags(self) -> str:
         """The model flags given, as at_scale takes them (the same shape checked at the real size)."""
-        given = [f.name for f in dataclasses.fields(ModelFlags) if f.name in getattr(self, "given_flags", ())]
+        names = [f.name for f in (*dataclasses.fields(HFModelFlags), *dataclasses.fields(ModelFlags))]
+        given = [name for name in names if name in getattr(self, "given_flags", ())]
         return "".join(f" --{name} {getattr(self, name)}" for name in given)
 
 
@@ -289,8 +302,9 @@ def at_scale_command(args: PlanArgs, row: dict) -> str:
         args.model == "custom" or args.global_batch != model_named(args.model).global_batch
     ):  # not the published batch
         extra += f" --per_rank_batch_size {args.global_batch // Layout(**row['degrees']).dp}"
+    model = "" if args.hf_config else f" --model {args.model}"  # a transformers config is the model
     return (
-        f"python experiments/at_scale.py --model {args.model}{args.model_flags()} --world_size {args.gpus} {degrees}{extra} "
+        f"python experiments/at_scale.py{model}{args.model_flags()} --world_size {args.gpus} {degrees}{extra} "
         f"--hardware {args.hardware}"
     )
 
@@ -299,8 +313,7 @@ def plan(args: PlanArgs) -> int:
     hardware = load_hardware(args.hardware)
     cfg = args.shape()
     args.global_batch = args.global_batch or model_named(args.model).global_batch
-    with torch.device("meta"):
-        reference = GPT(cfg)
+    reference = meta_gpt(cfg)
     given = args.given()
     if given:  # the one layout asked for: priced and printed whether or not it fits
         row = evaluate(reference, cfg, given, args.activation_checkpointing, args, hardware, args.pp_schedule,
@@ -326,7 +339,7 @@ def plan(args: PlanArgs) -> int:
                   "fitting, and why)", file=sys.stderr)  # fmt: skip
         return 0 if fitting else 1
     capacity = hardware.memory_bytes / 2**30
-    print(f"{args.model}: {parameter_count(cfg):,} parameters, {cfg.block_size:,} tokens a sequence, "
+    print(f"{args.hf_config or args.model}: {count_parameters(reference):,} parameters, {cfg.block_size:,} tokens a sequence, "
           f"{args.global_batch:,} sequences a step, on {args.gpus:,} x {hardware.name} ({capacity:.0f} GiB each); "
           f"{len(rows)} layouts considered, {len(fitting)} fit. Memory: theory and estimate; speed: PREDICTED")  # fmt: skip
     print(ceiling(hardware, args.mixed_precision))
@@ -348,7 +361,7 @@ def plan(args: PlanArgs) -> int:
         for reason in sorted({r["refused"] for r in refused})[:5]:
             print(f"  refused ({sum(r.get('refused') == reason for r in refused)} layouts): {reason}")
     if not fitting:
-        states = 16 * parameter_count(cfg) / args.gpus / 2**30
+        states = 16 * count_parameters(reference) / args.gpus / 2**30
         least = ""
         if too_big:
             least = f" the least any layout needs is {too_big[0]['peak_bytes'] / 2**30:,.1f} GiB ({too_big[0]['layout']})"
