@@ -61,6 +61,17 @@ def read_hf_config(name_or_path: str):
         raise UsageError(f"--hf_config {name_or_path!r}: {str(error).splitlines()[0][:200]}") from None
 
 
+def experts_of(cfg: GPTConfig) -> int:
+    """The experts of each layer's mixture of experts in the transformers config `cfg` carries (0: none; the names
+    the families give it: Mixtral's num_local_experts, Qwen2-MoE's num_experts, DeepSeek's n_routed_experts)."""
+    if not cfg.hf:  # the project's GPT: its experts are its own (cfg.n_experts)
+        return 0
+    text = transformers_config(cfg).get_text_config()
+    return max(
+        getattr(text, name, 0) or 0 for name in ("num_local_experts", "num_experts", "n_routed_experts")
+    )
+
+
 def gpt_config_of(hf_config, vocab_size: int, block_size: int) -> GPTConfig:
     """The model as a GPTConfig: its shape in the GPT's fields (what the estimates read), the transformers config
     in `hf` (what is built), with the vocabulary the tokenizer has and positions for `block_size` tokens."""

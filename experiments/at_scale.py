@@ -56,7 +56,7 @@ if __name__ == "__main__":  # Ctrl-C during the imports below: one line, exit 13
 
 from common.config import RunArgs, flag, parse_config, require, run_cli
 from common.gpt import GPTConfig, ModelFlags, count_parameters
-from common.hf_model import HFModelFlags
+from common.hf_model import HFModelFlags, experts_of
 from common.run import start_run
 from planning.cost_model import model_flops_per_token, predict_step
 from planning.fake_ranks import every_stage, meta_gpt, ranks_that_differ, run_ranks
@@ -102,6 +102,10 @@ class Config(RunArgs, HFModelFlags, ModelFlags, ParallelArgs):
             require(getattr(self, name) >= 0, f"--{name} must be >= 0, got {getattr(self, name)}")
         shape = self.shape()
         self.refuse_model(shape)
+        # the GPT's experts route by a stand-in on fake tensors (planning/fake_ranks.uniform_order); a transformers
+        # model's route by values, which fake tensors do not hold
+        require(not shape.hf or not experts_of(shape), f"--hf_config {self.hf_config}: a transformers mixture of "
+                "experts on fake tensors is not built (its routing needs values they do not hold)")  # fmt: skip
         self.record_model(shape)  # config.json records the shape that ran
         if not self.world_size and all(getattr(self, dim) <= 1 for dim in DIMS) and self.strategy == "auto":
             for dim, degree in DEFAULT_LAYOUT.items():

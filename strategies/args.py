@@ -178,9 +178,12 @@ class ParallelArgs(*dict.fromkeys(piece.Flags for piece in reversed(registry.PIE
                 engine.refuse(plan, max_norm)
         if work.model.hf:  # a transformers model: only the pieces that know any model made of blocks
             asked = [p for p in plan.pieces if p.is_on(plan) or (p.dim and getattr(layout, p.dim) > 1)]
-            unfit = [p.name for p in asked if not p.any_model] + (["deepspeed"] if plan.engine_stage else [])
+            unfit = [f"--{p.name}" for p in asked if not p.any_model]
+            unfit += (
+                [f"DeepSpeed ZeRO-{plan.engine_stage} (the accelerate config)"] if plan.engine_stage else []
+            )
             built = [p.name for p in plan.pieces if p.any_model]
-            require(not unfit, f"--{unfit[0] if unfit else ''} with --hf_config: not built for a transformers model "
+            require(not unfit, f"{unfit[0] if unfit else ''} with --hf_config: not built for a transformers model "
                     f"yet (it knows the project's GPT by its modules' names); built: {', '.join(built)}")  # fmt: skip
         for piece in plan.pieces:
             piece.refuse(plan)

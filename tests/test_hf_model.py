@@ -171,8 +171,9 @@ def test_a_pipeline_of_replicas_and_ddp_pass_every_check(tmp_path):
 
 @pytest.mark.launch
 def test_a_run_starts_from_transformers_own_weights(tmp_path, capsys):
-    """save_pretrained's model.safetensors (transformers' names, no digest of ours) as --init_from: with its head
-    zeroed every logit is 0, so the validation loss before training is exactly ln(vocabulary)."""
+    """save_pretrained's folder: its config.json as --hf_config, its model.safetensors (transformers' names, no
+    digest of ours) as --init_from; with its head zeroed every logit is 0, so the validation loss before training is
+    exactly ln(vocabulary)."""
     import math
 
     from transformers import AutoModelForCausalLM
@@ -186,7 +187,7 @@ def test_a_run_starts_from_transformers_own_weights(tmp_path, capsys):
     torch.nn.init.zeros_(model.lm_head.weight)
     model.save_pretrained(tmp_path / "weights")
     weights = str(tmp_path / "weights" / "model.safetensors")
-    args = [*HF_TINY, "--hf_config", "llama_tiny", "--init_from", weights]
+    args = [*HF_TINY, "--hf_config", str(tmp_path / "weights"), "--init_from", weights]
     summary = assert_gpt_passed(run_in_process(main, args, tmp_path / "run", capsys), 1)
     assert summary["metrics"]["val_loss_before"] == pytest.approx(math.log(vocabulary), abs=1e-5)
     assert summary["metrics"]["init_from"]["path"] == weights
@@ -215,3 +216,19 @@ def test_at_scale_and_the_planner_take_a_transformers_config(tmp_path, capsys):
     assert (
         summary["metrics"]["parameters"] == parameters and summary["checks"]["communication_volume"]["passed"]
     )
+
+
+def test_accelerates_count_is_its_parameters_times_four_in_float32(tmp_path):
+    """benchmarks/memory_vs_accelerate.py calls accelerate estimate-memory's own functions on a config on disk: the
+    model's bytes are its parameters' and buffers' (float32: the rotary frequencies, 64 bytes, counted too), Adam's
+    training peak 4 of them, mixed precision's 2."""
+    from benchmarks.memory_vs_accelerate import accelerate_count
+    from common.gpt import count_parameters
+
+    read_hf_config("qwen2_tiny").save_pretrained(tmp_path)
+    counted = accelerate_count(tmp_path)
+    config = read_hf_config(str(tmp_path))
+    model = build_model(gpt_config_of(config, config.vocab_size, 64), 0)
+    size = 4 * count_parameters(model) + sum(b.numel() * 4 for b in model.buffers())
+    assert sum(b.numel() * 4 for b in model.buffers()) == 64
+    assert counted == {"bytes": size, "float32": 4 * size, "mixed": 2 * size}

@@ -48,7 +48,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from common.config import UsageError, flag, parse_config, require, run_cli
 from common.gpt import GPTConfig, ModelFlags, count_parameters
-from common.hf_model import HFModelFlags, read_hf_config
+from common.hf_model import HFModelFlags, experts_of
 from planning.cost_model import model_flops_per_token, predict_step
 from planning.fake_ranks import meta_gpt
 from planning.hardware import hardware_names, load_hardware
@@ -113,8 +113,8 @@ class PlanArgs(HFModelFlags, ModelFlags):
         self.refuse_model(self.shape())  # a shape no GPT can have: one line
         # the planner's memory and time read the model's shape as the GPT's (common/hf_model.gpt_config_of): a
         # transformers mixture of experts is not that shape
-        require(not self.hf_config or not getattr(read_hf_config(self.hf_config).get_text_config(), "num_local_experts",
-                0), f"--hf_config {self.hf_config}: a mixture of experts is not priced by the planner yet")  # fmt: skip
+        require(not experts_of(self.shape()), f"--hf_config {self.hf_config}: a mixture of experts is not priced by the "
+                "planner yet")  # fmt: skip
         load_hardware(self.hardware)
         for name in ("gpus", "top"):
             require(getattr(self, name) > 0, f"--{name} must be > 0, got {getattr(self, name)}")
