@@ -28,6 +28,9 @@ GPT_TINY = (
     "--report_to none --max_steps 12 --parity_steps 6 --log_every 6 --d_model 32 --n_layer 2 --n_head 2 "
     "--block_size 32 --vocab_size 512 --val_fraction 0.02 --warmup_steps 2 --sample_tokens 5 --min_loss_drop 0.1"
 ).split()
+# train_gpt's tiny run, without the GPT's shape flags (the config sets the shape)
+HF_TINY = ("--report_to none --max_steps 12 --parity_steps 6 --log_every 6 --block_size 32 --vocab_size 512 "
+           "--val_fraction 0.02 --warmup_steps 2 --sample_tokens 5 --min_loss_drop 0.1").split()  # fmt: skip
 GPT_DISTRIBUTED_CHECKS = {
     "distributed",
     "loss_decreased",

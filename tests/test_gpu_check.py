@@ -17,7 +17,19 @@ def test_the_dry_run_lists_every_gpu_path(capsys):
     assert {"ddp_linear", "collectives", "loss_normalization", "manual_data_parallel", "train_gpt_bf16",
             "train_gpt_moe_bf16", "train_gpt_ddp", "train_gpt_fsdp", "train_gpt_zero2", "train_gpt_tp2_sp",
             "train_gpt_pp2", "train_gpt_ep2", "train_gpt_cp2", "deepspeed_zero2", "fault_tolerance_nccl",
-            "train_gpt_fsdp2_tp2", "pytest_gpu_tier"} <= names  # fmt: skip
+            "train_gpt_fsdp2_tp2", "pytest_gpu_tier", "train_gpt_hf_llama_bf16", "train_gpt_hf_fsdp",
+            "train_gpt_hf_tp2"} <= names  # fmt: skip
+    hf = next(line for line in lines if "] train_gpt_hf_tp2:" in line)
+    assert "--hf_config llama_tiny" in hf and "--tp=2" in hf
+    from common.gpt import (
+        PER_RANK_BATCH_SIZE,
+        GPTConfig,
+    )  # what at_scale beside a run is given: train_gpt's own
+
+    assert (gpu_check.PER_RANK_BATCH_SIZE, gpu_check.VOCABULARY) == (
+        PER_RANK_BATCH_SIZE,
+        GPTConfig().vocab_size,
+    )
     multi = [line for line in lines if line.startswith("[2 GPUs] train_gpt_ddp")]
     assert "multi_gpu_ddp.yaml --num_processes 2" in multi[0] and "--dp_replicate=2" in multi[0]
     assert "deepspeed_zero2.yaml" in next(line for line in lines if "] deepspeed_zero2:" in line)

@@ -1,6 +1,7 @@
 """Your own model (common/hf_model.py): a transformers causal LM trained by train_gpt. The adapter is the transformers
-model (its logits, to the bit, for every preset), a config.json on disk is the same model as its preset, what is
-not built for it is refused in one line, and it trains under FSDP on 2 ranks passing every check train_gpt makes."""
+model (its logits, to the bit, for every preset), a config.json on disk is the model it was written from, what is
+not built for it is refused in one line, and it trains under every layout built for it passing every check
+train_gpt makes; at_scale and the planner take it; accelerate estimate-memory's count is set beside ours."""
 
 from __future__ import annotations
 
@@ -18,15 +19,12 @@ from common.hf_model import (
 from experiments.train_gpt import main
 from helpers import (
     GPT_DISTRIBUTED_CHECKS,
+    HF_TINY,
     assert_gpt_passed,
     fork_launch,
     run_in_process,
     run_main_in_process,
 )
-
-# train_gpt's tiny run, without the GPT's shape flags (the config sets the shape)
-HF_TINY = ("--report_to none --max_steps 12 --parity_steps 6 --log_every 6 --block_size 32 --vocab_size 512 "
-           "--val_fraction 0.02 --warmup_steps 2 --sample_tokens 5 --min_loss_drop 0.1").split()  # fmt: skip
 
 
 @pytest.mark.parametrize("preset", sorted(PRESETS))

@@ -19,7 +19,7 @@ from experiments import (
     pipeline_parallel,
     train_gpt,
 )
-from helpers import GPT_TINY, REPO, assert_gpt_passed, fork_launch, launch
+from helpers import GPT_TINY, HF_TINY, REPO, assert_gpt_passed, fork_launch, launch
 
 REHEARSAL = {"DIST_REHEARSAL": "1"}
 # 4 blocks (a 2-stage pipeline has blocks on both stages), 4 steps, parity over 2
@@ -48,6 +48,14 @@ def test_rehearsal_passes_train_gpt_layouts(tmp_path, ranks, degrees):
     assert_gpt_passed(
         fork_launch(train_gpt.main, args, tmp_path / "run", num_processes=ranks, env=REHEARSAL), ranks
     )
+
+
+@pytest.mark.launch
+def test_rehearsal_passes_a_transformers_model_under_fsdp_and_its_own_tensor_parallel_plan(tmp_path):
+    """--hf_config llama_tiny, dp_shard 2 x tp 2 in bf16: its rotary buffers, masks and plan as a GPU sees them."""
+    args = [*HF_TINY, "--hf_config", "llama_tiny", "--dp_shard", "2", "--tp", "2", "--mixed_precision", "bf16",
+            "--max_steps", "4", "--parity_steps_bf16", "2", "--log_every", "2", "--min_loss_drop", "0"]  # fmt: skip
+    assert_gpt_passed(fork_launch(train_gpt.main, args, tmp_path / "run", num_processes=4, env=REHEARSAL), 4)
 
 
 @pytest.mark.launch

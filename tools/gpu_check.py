@@ -34,6 +34,9 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 MULTI_GPU = os.path.join("accelerate_configs", "multi_gpu_ddp.yaml")
 DEEPSPEED = os.path.join("accelerate_configs", "deepspeed_zero2.yaml")
 PER_RANK_BATCH_SIZE = 4  # train_gpt's default: at_scale is given the same rows
+VOCABULARY = (
+    2048  # train_gpt's --vocab_size default: at_scale is given it for a transformers config (its own: none)
+)
 
 
 @dataclass
@@ -87,12 +90,14 @@ PYTEST_GPU_TIER = [sys.executable, "-m", "pytest", "-m", "gpu", "-q", "-p", "no:
 def checks(max_steps: int) -> list[Check]:
     """Every check, the fewest GPUs first."""
     moe = ["--n_experts", "4", "--top_k", "2"]
+    hf = ["--hf_config", "llama_tiny"]
     one = [
         *(experiment(name, 1, f"{name}.py") for name in PLAIN),
         experiment("model_parallel", 1, "model_parallel.py", "--device_map", "auto"),
         gpt("train_gpt_float32", 1, {}, ["--mixed_precision", "no"], max_steps),
         gpt("train_gpt_bf16", 1, {}, ["--mixed_precision", "bf16"], max_steps),
         gpt("train_gpt_moe_bf16", 1, {}, [*moe, "--mixed_precision", "bf16"], max_steps),
+        gpt("train_gpt_hf_llama_bf16", 1, {}, [*hf, "--mixed_precision", "bf16"], max_steps),
         Check("pytest_gpu_tier", 1, PYTEST_GPU_TIER, writes_summary=False),
     ]
     two = [
@@ -104,6 +109,10 @@ def checks(max_steps: int) -> list[Check]:
         gpt("train_gpt_tp2_sp", 2, {"tp": 2}, ["--sequence_parallel"], max_steps),
         gpt("train_gpt_pp2", 2, {"pp": 2}, [], max_steps),
         gpt("train_gpt_ep2", 2, {"ep": 2}, moe, max_steps),
+        gpt(
+            "train_gpt_hf_fsdp", 2, {"dp_shard": 2}, hf, max_steps
+        ),  # a transformers model (docs/your_model.md)
+        gpt("train_gpt_hf_tp2", 2, {"tp": 2}, hf, max_steps),  # by its own tensor-parallel plan
         Check(
             "train_gpt_cp2",
             2,
@@ -180,7 +189,9 @@ def at_scale_beside(check: Check, row: dict, output_dir: str, hardware: str, tim
     degrees = [f"--{dim}={n}" for dim, n in check.gpt_degrees.items()] or ["--world_size", "1"]
     flags = [f for i, f in enumerate(check.gpt_flags)  # precision as it ran (the launch config's, if not given)
              if f != "--mixed_precision" and check.gpt_flags[i - 1 : i] != ["--mixed_precision"]]  # fmt: skip
-    command = [sys.executable, "experiments/at_scale.py", "--model", "custom", "--report_to", "none",
+    # a transformers config is its own model (its vocabulary the tokenizer's, as train_gpt ran it)
+    model = ["--vocab_size", str(VOCABULARY)] if "--hf_config" in flags else ["--model", "custom"]
+    command = [sys.executable, "experiments/at_scale.py", *model, "--report_to", "none",
                "--per_rank_batch_size", str(PER_RANK_BATCH_SIZE), "--mixed_precision", row["mixed_precision"],
                "--hardware", hardware, *degrees, *flags, "--output_dir", run_dir, "--overwrite"]  # fmt: skip
     done = run_process_tree(command, timeout_s, cwd=REPO)
