@@ -297,15 +297,17 @@ def at_scale_command(args: PlanArgs, row: dict) -> str:
     degrees = " ".join(f"--{d} {n}" for d, n in row["degrees"].items() if n > 1)
     extra = " --activation_checkpointing full" if row["checkpointing"] == "full" else ""
     extra += " --sequence_parallel" if row["sequence_parallel"] else ""
-    extra += f" --pp_schedule {row['pp_schedule']}" if row["pp_schedule"] != "1f1b" else ""
+    # at_scale runs one stage a rank (gpipe, 1f1b): another schedule's layout is checked under 1f1b, said so
+    extra += " --pp_schedule gpipe" if row["pp_schedule"] == "gpipe" else ""
     if (
         args.model == "custom" or args.global_batch != model_named(args.model).global_batch
     ):  # not the published batch
         extra += f" --per_rank_batch_size {args.global_batch // Layout(**row['degrees']).dp}"
     model = "" if args.hf_config else f" --model {args.model}"  # a transformers config is the model
+    unrun = f" ({row['pp_schedule']} is priced, not run at scale: its layout under 1f1b)"
     return (
         f"python experiments/at_scale.py{model}{args.model_flags()} --world_size {args.gpus} {degrees}{extra} "
-        f"--hardware {args.hardware}"
+        f"--hardware {args.hardware}" + (unrun if row["pp_schedule"] not in ("gpipe", "1f1b") else "")
     )
 
 
