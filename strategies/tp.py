@@ -29,8 +29,9 @@ A model that carries its own plan (a transformers model, --hf_config: its config
 transformers and Accelerate apply it) is split by that plan as written, module by module: a "colwise" Linear's
 weight (and bias) on its output dimension, its input's gradient all-reduced in backward (one all-reduce per
 colwise module: q, k and v three, where the plan above sends one); a "rowwise" Linear's weight on its input
-dimension, its output all-reduced in forward; "colwise_gather_output" (the head) its logits all-gathered. The
-theory reads the same plan and the model's own Linears (their widths), so it holds for any model the plan covers.
+dimension, its output all-reduced in forward; "colwise_gather_output" (the head) its logits all-gathered; a head
+tied to the embedding splits the embedding alike (its output all-reduced), which the plan does not say. The theory
+reads the same plan and the model's own Linears (their widths), so it holds for any model the plan covers.
 
 --sequence_parallel (Megatron's sequence parallelism): between the sub-layers each rank holds 1/N of the
 tokens (the LayerNorms, the residual stream: SequenceParallel on a Shard(1) DTensor); entering attention or
@@ -112,7 +113,11 @@ def model_plan(work) -> dict[str, str] | None:
         return None
     from common.hf_model import tp_plan
 
-    return tp_plan(work.model)
+    own = tp_plan(work.model)
+    # a tied head shares its weight with the embedding: split the embedding's vocabulary as the plan splits the head's
+    # (the GPT's plan does the same), so the two stay one tensor
+    tied = work.model.tie_weights and "head" in own
+    return {**own, "tok_emb": EMBEDDING_STYLE} if tied else own
 
 
 def refuse(plan: Plan) -> None:
@@ -124,11 +129,13 @@ def refuse(plan: Plan) -> None:
         return
     own = model_plan(work)
     if own is not None:  # what is built of a model's own plan
-        unbuilt = [f"{style} ({pattern})" for pattern, style in own.items() if style not in MODEL_STYLES]
+        unbuilt = [
+            f"{style} ({pattern})"
+            for pattern, style in own.items()
+            if style not in (*MODEL_STYLES, EMBEDDING_STYLE)
+        ]
         require(not unbuilt, f"--tp {layout.tp}: the model's tensor-parallel plan asks {', '.join(unbuilt)}: not built "
                 f"here (built: {', '.join(MODEL_STYLES)})")  # fmt: skip
-        require(not work.model.tie_weights, f"--tp {layout.tp} with a tied head: the model's plan splits the head, "
-                "not the embedding it shares (not built)")  # fmt: skip
         require(not args.sequence_parallel and RECOMPUTES_BLOCKS not in plan.traits, f"--tp {layout.tp} with the "
                 "model's own plan: --sequence_parallel and --activation_checkpointing full are not built for it")  # fmt: skip
     heads = f"--n_head {work.model.n_head}" + (
@@ -153,7 +160,9 @@ def split_dim(name: str, own: dict | None = None) -> int | None:
         return next((dim for suffix, dim in SPLIT_DIM.items() if name.endswith(suffix)), None)
     module, kind = name.rsplit(".", 1)
     style = style_of(module, own)
-    return None if style is None else 0 if style.startswith("colwise") else 1 if kind == "weight" else None
+    if style is None:
+        return None
+    return 0 if style.startswith("colwise") or style == EMBEDDING_STYLE else 1 if kind == "weight" else None
 
 
 def style_of(module: str, own: dict) -> str | None:
@@ -210,34 +219,48 @@ def apply(model, tp_mesh, args, own: dict | None = None) -> None:
 
 # the styles of a model's own plan that are built: transformers' names -> DTensor's styles
 MODEL_STYLES = ("colwise", "rowwise", "colwise_gather_output")
+EMBEDDING_STYLE = (
+    "embedding_rowwise"  # this project's, for a tied embedding: its vocabulary split, its output all-reduced
+)
 
 
 def apply_model_plan(model, tp_mesh, own: dict, row_output) -> None:
     """A model's own plan, as written: each block's modules by their patterns, then the head's."""
     styles = {"colwise": ColwiseParallel, "rowwise": lambda: RowwiseParallel(output_layouts=row_output),
               "colwise_gather_output": lambda: ColwiseParallel(output_layouts=Replicate())}  # fmt: skip
+    styles[EMBEDDING_STYLE] = lambda: RowwiseParallel(input_layouts=Replicate(), output_layouts=Replicate())
     for index, block in model.blocks.items():
         inside = {name: styles[style]() for name, _ in block.named_modules() if name
                   and (style := style_of(f"blocks.{index}.{name}", own)) is not None}  # fmt: skip
         parallelize_module(block, tp_mesh, inside)
-    if model.head is not None and "head" in own:
-        parallelize_module(model, tp_mesh, {"head": styles[own["head"]]()})
+    ends = {
+        name: styles[own[name]]()
+        for name in ("tok_emb", "head")
+        if name in own and getattr(model, name) is not None
+    }
+    _parallelize_ends(model, tp_mesh, ends)
 
 
 def sent_by_model_plan(t: Theory, own: dict) -> list[Traffic]:
     """A model's own plan's bytes, per micro-batch of t tokens: each rowwise Linear the rank holds all-reduces its
     output in forward (t x its output width), each colwise one its input's gradient in backward (t x its input
-    width); a gathered head all-gathers the logits (t x the vocabulary padded to a multiple of N)."""
+    width); a gathered head all-gathers the logits (t x the vocabulary padded to a multiple of N); a split (tied)
+    embedding all-reduces its output (t x width)."""
     layout, work = t.layout, t.work
     k, tokens = work.micro_batches, work.tokens // layout.cp
     matmul_out = 2 if work.mixed_precision == "bf16" else 4
     stream = stream_dtype(layout, work).itemsize
-    held = {name.rsplit(".", 1)[0] for name, _ in t.held}
+    # the modules it runs: a tied head's weight is held once, under the embedding's name
+    held = {name.rsplit(".", 1)[0] for name, _ in t.held} | {
+        end for end, runs in (("tok_emb", t.first), ("head", t.last)) if runs
+    }
     reduced = gathered = 0
     for name, module in t.model.named_modules():
         style = style_of(name, own) if name in held else None
         if style == "rowwise":
             reduced += module.out_features * matmul_out
+        elif style == EMBEDDING_STYLE:  # its output, the residual stream
+            reduced += module.embedding_dim * stream
         elif style is not None:
             reduced += module.in_features * stream
         if style == "colwise_gather_output":

@@ -101,7 +101,7 @@ def test_bad_input_is_one_line(tmp_path, args, message, capsys):
 
 def test_what_is_not_built_for_it_is_refused_in_one_line(tmp_path):
     """cp and ep know the GPT's modules by name: refused with --hf_config, naming what is built; tensor parallelism
-    refuses a plan style it does not apply (Mixtral's packed experts) and a tied head its plan leaves unsplit."""
+    refuses a plan style it does not apply (Mixtral's packed experts)."""
     from common.config import UsageError, parse_config
     from experiments.train_gpt import Config
     from strategies.layout import Layout
@@ -121,10 +121,6 @@ def test_what_is_not_built_for_it_is_refused_in_one_line(tmp_path):
     assert "packed_colwise (blocks.*.mlp.experts.gate_up_proj)" in refusal(
         ["--hf_config", "mixtral_tiny"], Layout(tp=2)
     )
-    tied = read_hf_config("llama_tiny")
-    tied.tie_word_embeddings = True
-    tied.save_pretrained(tmp_path)
-    assert "--tp 2 with a tied head" in refusal(["--hf_config", str(tmp_path)], Layout(tp=2))
 
 
 @pytest.mark.launch
@@ -145,6 +141,19 @@ def test_fsdp_and_its_own_tensor_parallel_plan_on_four_ranks_pass_every_check(tm
     summary = assert_gpt_passed(fork_launch(main, args, tmp_path / "run", num_processes=4), 4)
     assert set(summary["checks"]) == GPT_DISTRIBUTED_CHECKS
     assert summary["metrics"]["communication"]["counted"]["calls"]["all_reduce"] == 2 * 7 + 1
+
+
+@pytest.mark.launch
+def test_a_tied_head_under_tensor_parallelism_splits_the_embedding_it_shares(tmp_path):
+    """A config with tie_word_embeddings: the plan splits the head's vocabulary, so the embedding (one tensor with
+    it) is split alike and its output all-reduced; every check passes, 16 all-reduces a step (7 a layer, the head's
+    input gradient, the embedding's output)."""
+    tied = read_hf_config("qwen2_tiny")
+    tied.tie_word_embeddings = True
+    tied.save_pretrained(tmp_path / "tied")
+    summary = assert_gpt_passed(fork_launch(main, [*HF_TINY, "--hf_config", str(tmp_path / "tied"), "--tp", "2"],
+                                            tmp_path / "run"), 2)  # fmt: skip
+    assert summary["metrics"]["communication"]["counted"]["calls"]["all_reduce"] == 2 * 7 + 2
 
 
 @pytest.mark.launch
