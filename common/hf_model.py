@@ -79,15 +79,15 @@ def gpt_config_of(hf_config, vocab_size: int, block_size: int) -> GPTConfig:
     hf_config = type(hf_config).from_dict(
         {**hf_config.to_dict(), "vocab_size": vocab_size, "max_position_embeddings": positions}
     )
-    get = hf_config.get_text_config()
+    text = hf_config.get_text_config()  # a multimodal config's language model's
     for name in ("hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size"):
-        require(isinstance(getattr(get, name, None), int), f"--hf_config ({get.model_type}): no {name}: a decoder "
+        require(isinstance(getattr(text, name, None), int), f"--hf_config ({text.model_type}): no {name}: a decoder "
                 "with hidden_size, num_hidden_layers, num_attention_heads and intermediate_size is what trains here")  # fmt: skip
-    return GPTConfig(vocab_size=vocab_size, block_size=block_size, n_layer=get.num_hidden_layers,
-                     n_head=get.num_attention_heads, d_model=get.hidden_size,
-                     n_kv_head=getattr(get, "num_key_value_heads", None) or 0, d_ff=get.intermediate_size,
-                     tie_weights=bool(get.tie_word_embeddings), mlp="swiglu", norm="rmsnorm", positions="rope",
-                     bias=bool(getattr(get, "attention_bias", False)),
+    return GPTConfig(vocab_size=vocab_size, block_size=block_size, n_layer=text.num_hidden_layers,
+                     n_head=text.num_attention_heads, d_model=text.hidden_size,
+                     n_kv_head=getattr(text, "num_key_value_heads", None) or 0, d_ff=text.intermediate_size,
+                     tie_weights=bool(text.tie_word_embeddings), mlp="swiglu", norm="rmsnorm", positions="rope",
+                     bias=bool(getattr(text, "attention_bias", False)),
                      hf=hf_config.to_json_string(use_diff=False))  # fmt: skip
 
 
