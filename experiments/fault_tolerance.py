@@ -307,9 +307,9 @@ def run(cfg: Config) -> int:
     with mock.patch.dict(os.environ, {"RUST_LOG": "warn"}):
         from torchft.coordination import LighthouseServer
 
-        try:  # a quorum as soon as one group is there, waiting a moment (join_timeout) for the others; a group
-            # silent for a second is out of the next. First: a port in use is refused before anything is written
-            lighthouse = LighthouseServer(bind=f"[::]:{cfg.lighthouse_port}", min_replicas=1, join_timeout_ms=200,
+        try:  # a quorum waits up to a second for a late group (else it heals, skipping steps: docs/fault_tolerance.md);
+            # a group silent for a second is out of the next. First: a port in use is refused before anything is written
+            lighthouse = LighthouseServer(bind=f"[::]:{cfg.lighthouse_port}", min_replicas=1, join_timeout_ms=1000,
                                           quorum_tick_ms=20, heartbeat_timeout_ms=1000)  # fmt: skip
         except Exception as error:  # the Rust server's bind error
             raise UsageError(f"--lighthouse_port {cfg.lighthouse_port}: the lighthouse cannot listen there "
