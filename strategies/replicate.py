@@ -90,7 +90,8 @@ def sent(t: Theory) -> list[Traffic]:
     traffic = [Traffic("all_reduce", size, ranks, "dp_replicate")]
     own = rank_local_buffers(t.model)
     buffers = [b for name, b in t.model.named_buffers() if name not in own]
-    if buffers and replicates_whole_model(layout):
+    # (a world Accelerate did not launch, at_scale's fake one, replicates by PyTorch's replicate: no buffer sent)
+    if buffers and replicates_whole_model(layout) and getattr(t.args, "replicas_are_ddp", True):
         size = sum(b.numel() * b.element_size() for b in buffers)
         traffic.append(Traffic("broadcast", size, ranks, "dp_replicate", calls=1))
     return traffic

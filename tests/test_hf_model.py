@@ -239,3 +239,23 @@ def test_accelerates_count_is_its_parameters_times_four_in_float32(tmp_path):
     size = 4 * count_parameters(model) + sum(b.numel() * 4 for b in model.buffers())
     assert sum(b.numel() * 4 for b in model.buffers()) == 64
     assert counted == {"bytes": size, "float32": 4 * size, "mixed": 2 * size}
+
+
+def test_ddp_broadcasts_the_buffers_once_a_step_and_a_fake_world_does_not():
+    """Accelerate's DDP broadcasts the rotary frequencies (64 bytes) once a step, whatever the accumulation; at_scale's
+    fake world replicates by PyTorch's replicate, which sends no buffer: the theory says each."""
+    from common.config import parse_config
+    from experiments import at_scale, train_gpt
+    from strategies.layout import Layout, Workload
+    from strategies.theory import sent_bytes
+
+    cfg = gpt_config_of(read_hf_config("llama_tiny"), 512, 32)
+    model = build_model(cfg, 0)
+    for micro_batches in (1, 2):
+        work = Workload(cfg, 4, micro_batches, "no")
+        launched = sent_bytes(model, Layout(dp_replicate=2), 0, parse_config(train_gpt.Config, []), work)[
+            "by_kind"
+        ]
+        assert launched["broadcast"] == 64 and launched["all_reduce"] == 4 * 158_016
+        fake = sent_bytes(model, Layout(dp_replicate=2), 0, at_scale.Config(), work)["by_kind"]
+        assert "broadcast" not in fake and fake["all_reduce"] == 4 * 158_016
