@@ -73,7 +73,8 @@ P2P_KINDS = ("send", "recv", "broadcast")  # a pipeline's, by theory only (the m
 @dataclass
 class Config(RunArgs, HFModelFlags, ModelFlags, ParallelArgs):
     vocabulary_from_config = True  # no tokenizer at scale: a transformers config's own
-    replicas_are_ddp = False  # its replicas are PyTorch's replicate (strategies/replicate.py): no buffer broadcast
+    # its replicas are PyTorch's replicate, which broadcasts no buffer (strategies/replicate.py)
+    replicas_are_ddp = False
     model: str = flag("gpt3_175b", "a published shape (planning/published.py): " + ", ".join(MODELS) + ", changed "
                       "by the model flags given; custom: the project's GPT (train_gpt's), changed so")  # fmt: skip
     world_size: int = flag(0, "ranks of the job (0: the degrees' product); with no degree given, pp 16 x dp_shard "
