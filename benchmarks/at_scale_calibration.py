@@ -209,8 +209,9 @@ def main(argv: list[str] | None = None) -> int:
     folder = dated_folder(args.output_dir, "at_scale_calibration")
     if folder is None:
         return 2
+    # (the model flags are in each run's own flags: runs_of)
     run_args = SimpleNamespace(
-        quick=args.quick, max_steps=args.max_steps, profile_steps=0, timeout_s=args.timeout_s
+        quick=args.quick, max_steps=args.max_steps, profile_steps=0, timeout_s=args.timeout_s, model_flags=[]
     )
     if args.rounds < 1:
         parser.error(f"--rounds {args.rounds}: at least 1")

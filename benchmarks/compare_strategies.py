@@ -141,7 +141,7 @@ def launch_command(run: Run, run_dir: Path, args: argparse.Namespace) -> list[st
     for the one-process reference: the commands the README gives."""
     flags = [*run.flags, "--output_dir", str(run_dir), "--report_to", "none"]
     flags += QUICK if args.quick else []
-    flags += getattr(args, "model_flags", [])
+    flags += args.model_flags
     flags += ["--max_steps", str(args.max_steps)] if args.max_steps else []
     flags += ["--profile_steps", str(args.profile_steps)] if args.profile_steps else []
     if run.ranks > 1:  # a DeepSpeed stage is chosen by its accelerate config

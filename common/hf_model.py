@@ -214,6 +214,14 @@ class HFModelFlags:
         vocabulary = vocab_size or (hf_config.get_text_config().vocab_size if own else self.vocab_size)
         return gpt_config_of(hf_config, vocabulary, self.block_size)
 
+    def the_config_is_the_model(self) -> None:
+        """Where --model names a published shape (at_scale, tools.plan): a transformers config is its own shape, so
+        the run is `custom` (no published batch or run beside it); --model given beside it is refused."""
+        if self.hf_config:
+            given = "model" in getattr(self, "given_flags", ())
+            require(not given, "--model with --hf_config: the config is the model")
+            self.model = "custom"
+
     def refuse_model(self, cfg: GPTConfig) -> None:
         if not self.hf_config:
             return super().refuse_model(cfg)

@@ -91,12 +91,7 @@ class Config(RunArgs, HFModelFlags, ModelFlags, ParallelArgs):
                       "differs, and the world's last)")  # fmt: skip
 
     def validate(self) -> None:
-        if self.hf_config:  # a transformers model is its own shape: no published one, as custom
-            require(
-                "model" not in getattr(self, "given_flags", ()),
-                "--model with --hf_config: the config is the model",
-            )
-            self.model = "custom"
+        self.the_config_is_the_model()
         super().validate()
         require(self.model == "custom" or self.model in MODELS,
                 f"--model {self.model!r} is not a shape this project knows; known: {', '.join(MODELS)}, custom")  # fmt: skip

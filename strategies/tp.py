@@ -219,9 +219,8 @@ def apply(model, tp_mesh, args, own: dict | None = None) -> None:
 
 # the styles of a model's own plan that are built: transformers' names -> DTensor's styles
 MODEL_STYLES = ("colwise", "rowwise", "colwise_gather_output")
-EMBEDDING_STYLE = (
-    "embedding_rowwise"  # this project's, for a tied embedding: its vocabulary split, its output all-reduced
-)
+# this project's style, for a tied embedding: its vocabulary split, its output all-reduced
+EMBEDDING_STYLE = "embedding_rowwise"
 
 
 def apply_model_plan(model, tp_mesh, own: dict, row_output) -> None:

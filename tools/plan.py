@@ -100,12 +100,7 @@ class PlanArgs(HFModelFlags, ModelFlags):
         return {d: getattr(self, d) or 1 for d in DIMS}
 
     def validate(self) -> None:
-        if self.hf_config:  # a transformers model is its own shape: no published one, as custom
-            require(
-                "model" not in getattr(self, "given_flags", ()),
-                "--model with --hf_config: the config is the model",
-            )
-            self.model = "custom"
+        self.the_config_is_the_model()
         require(self.model == "custom" or self.model in MODELS,
                 f"--model {self.model!r} is not a shape this project knows; known: {', '.join(MODELS)}, custom")  # fmt: skip
         require(self.model != "custom" or self.global_batch > 0,
