@@ -267,15 +267,28 @@ def meta_gpt(cfg: GPTConfig) -> torch.nn.Module:
         return build_model(cfg, 0)
 
 
+def run_rank_in(environment: dict, cfg, layout: Layout, work: Workload, rank: int) -> dict:
+    """run_rank in this process's environment at the call (the fork server's is the one it started with)."""
+    os.environ.clear()
+    os.environ.update(environment)
+    if "OMP_NUM_THREADS" in environment:  # torch was imported before it was set
+        torch.set_num_threads(int(environment["OMP_NUM_THREADS"]))
+    return run_rank(cfg, layout, work, rank)
+
+
 def run_ranks(cfg, layout: Layout, work: Workload, ranks: list[int], show_progress: bool) -> list[dict]:
     """Each rank in a worker process of its own, as many at once as there are cores: torch keeps process-wide
     caches of meshes and their groups (DTensor's sharding cache handed a rank the groups of the rank before it,
-    measured), so one process plays one rank. A worker that takes longer than --dist_timeout_s fails the run."""
-    context = multiprocessing.get_context("spawn")
+    measured), so one process plays one rank. A worker that takes longer than --dist_timeout_s fails the run.
+    The workers are forked from a fork server that has imported torch and this module once: a spawned worker paid
+    ~3 s of imports for each rank (measured), and the server runs nothing, so each rank still starts clean."""
+    context = multiprocessing.get_context("forkserver")
+    context.set_forkserver_preload(["torch", "torch.distributed.tensor", "accelerate", "planning.fake_ranks"])
     workers = min(len(ranks), os.cpu_count() or 1)
     limit_s = cfg.dist_timeout_s * math.ceil(len(ranks) / workers)
     pool = ProcessPoolExecutor(workers, mp_context=context, max_tasks_per_child=1)
-    futures = {pool.submit(run_rank, cfg, layout, work, rank): rank for rank in ranks}
+    environment = dict(os.environ)
+    futures = {pool.submit(run_rank_in, environment, cfg, layout, work, rank): rank for rank in ranks}
     bar = tqdm(total=len(futures), desc="at_scale ranks", disable=not show_progress, leave=False)
     finished = False
     try:

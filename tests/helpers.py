@@ -131,7 +131,8 @@ def fork_launch(
     `num_processes` real gloo ranks, each FORKED from a fork server: a clean process that multiprocessing
     starts once per test process, with torch, Accelerate and the experiments already imported. The ranks
     skip the ~3 s of imports a fresh interpreter costs, get the environment `torchrun` gives (RANK,
-    LOCAL_RANK, WORLD_SIZE, MASTER_ADDR/PORT, one thread each) on top of this process's at the call, and
+    LOCAL_RANK, WORLD_SIZE, MASTER_ADDR/PORT, one thread each) on top of this process's at the call (less its W&B and
+    Accelerate settings, as clean_env) and `env`, and
     train, communicate and check exactly as under `accelerate launch`. For what a fresh process shows
     (exit codes and stderr lines, kills, timeouts, the launcher's own behaviour) use `launch`; every
     experiment keeps at least one `launch` smoke test. The returncode is the ranks' largest exit code;
@@ -149,7 +150,7 @@ def fork_launch(
     codes = output_dir.parent / f"{output_dir.name}.exit_codes"
     codes.mkdir(parents=True, exist_ok=True)
     environment = {
-        **os.environ,
+        **clean_env(),  # as `launch`: no W&B or Accelerate settings from the developer's shell
         **(launch_environment(config) if config else {}),
         **(env or {}),
         "MASTER_ADDR": "127.0.0.1",

@@ -27,7 +27,6 @@ from helpers import (
     clean_env,
     fork_launch,
     free_port,
-    launch,
     run_in_process,
     run_main_in_process,
 )
@@ -464,7 +463,7 @@ def test_ctrl_c_is_one_line_exit_130_and_the_last_checkpoint_verifies(tmp_path, 
     assert launcher.returncode == 130  # 128 + SIGINT, from the ranks through the launcher
     kept = sorted((out / "checkpoints").iterdir())
     assert kept and all(verify_checkpoint(str(folder))[1] is None for folder in kept), [f.name for f in kept]
-    resumed = launch("train_gpt.py", [*CHECKPOINTED, "--text_files", str(text), "--strategy", "cp", "--max_steps",
+    resumed = fork_launch(train_gpt, [*CHECKPOINTED, "--text_files", str(text), "--strategy", "cp", "--max_steps",
                                       str(int(kept[-1].name[5:]) + 4), "--resume_from_checkpoint", "latest",
                                       "--lr_decay_steps", "100000"], out)  # fmt: skip
     assert resumed.returncode == 0, json.dumps(resumed.summary["checks"], indent=1)

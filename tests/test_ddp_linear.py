@@ -68,13 +68,12 @@ def test_torchrun_accumulation_and_bf16(tmp_path):
 
 @pytest.mark.launch
 def test_wandb_offline_without_key_logs_what_metrics_jsonl_says(tmp_path):
-    """No key, WANDB_MODE unset, no netrc: the run must neither prompt nor hang, and go offline."""
+    """No key, WANDB_MODE unset, no netrc: the run must neither prompt nor hang, and go offline (forked ranks: the
+    launcher is no part of it)."""
     home = tmp_path / "home"
     home.mkdir()
     env = clean_env(HOME=str(home), NETRC=str(home / "absent"))
-    finished = launch(
-        "ddp_linear.py", ["--max_steps", "60", "--log_every", "20"], tmp_path / "run", env=env, timeout=180
-    )
+    finished = fork_launch(main, ["--max_steps", "60", "--log_every", "20"], tmp_path / "run", env=env)
     summary = assert_passed(finished, world_size=2)
     run_dir = summary["trackers"]["wandb"]["run_dir"]
     assert summary["trackers"]["wandb"]["mode"] == "offline" and "offline-run-" in run_dir

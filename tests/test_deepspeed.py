@@ -19,9 +19,7 @@ from helpers import (
     GPT_TINY,
     REPO,
     assert_gpt_passed,
-    clean_env,
     fork_launch,
-    free_port,
     launch,
     run_main_in_process,
 )
@@ -220,11 +218,9 @@ def test_the_upstream_behaviours_the_workarounds_exist_for(tmp_path):
     while gloo makes it see both; Accelerate leaves torch's thread count alone (for MULTI_CPU it sets
     cores / ranks: common/runtime.threads_as_for_multi_cpu); and ZeRO-2 leaves the second parameter group's parameters without
     their optimizer-state slice after the first step (strategies/deepspeed.link_every_group)."""
-    from common.processes import run_process_tree
+    from scripts.deepspeed_upstream import main as record_upstream
 
-    command = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", CONFIG.format(2),
-               "--main_process_port", str(free_port()), str(REPO / "tests" / "scripts" / "deepspeed_upstream.py")]  # fmt: skip
-    done = run_process_tree(command, 240, env=clean_env(HOME=str(tmp_path)), cwd=REPO)
+    done = fork_launch(record_upstream, [], tmp_path / "run", config=CONFIG.format(2), output_flag=False)
     assert done.returncode == 0, done.stderr[-3000:]
     recorded = json.loads(done.stdout.strip().splitlines()[-1])
     assert recorded == {

@@ -11,7 +11,16 @@ import sys
 
 import pytest
 
-from helpers import CPU_DDP, REPO, clean_env, free_port, launch, run_in_process, start_and_kill_every_process
+from experiments.ddp_linear import main
+from helpers import (
+    CPU_DDP,
+    REPO,
+    clean_env,
+    fork_launch,
+    free_port,
+    run_in_process,
+    start_and_kill_every_process,
+)
 
 # Long enough to kill between checkpoints (~1 s of steps here), short enough that five runs stay cheap.
 LONG = ["--report_to", "none", "--max_steps", "600", "--log_every", "150", "--checkpoint_every", "150"]
@@ -19,8 +28,9 @@ LONG = ["--report_to", "none", "--max_steps", "600", "--log_every", "150", "--ch
 
 @pytest.fixture(scope="module")
 def clean_run(tmp_path_factory):
-    """The uninterrupted reference: 600 steps on 2 ranks, a state digest at every checkpoint step."""
-    finished = launch("ddp_linear.py", LONG, tmp_path_factory.mktemp("clean") / "run")
+    """The uninterrupted reference: 600 steps on 2 ranks, a state digest at every checkpoint step (forked ranks:
+    the launcher is the killed and the restarted runs' matter)."""
+    finished = fork_launch(main, LONG, tmp_path_factory.mktemp("clean") / "run")
     assert finished.returncode == 0, finished.stderr[-3000:]
     return finished
 
@@ -46,7 +56,7 @@ def test_kill_every_process_then_resume_equals_the_clean_run_and_continues_its_w
     assert not (out / "summary.json").exists(), "killed too late: the run had finished"
     first_wandb_id = (out / "wandb_run_id").read_text()
 
-    resumed = launch("ddp_linear.py", [*args, "--resume_from_checkpoint", "latest"], out, env=env)
+    resumed = fork_launch(main, [*args, "--resume_from_checkpoint", "latest"], out, env=env)
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     metrics, clean = resumed.summary["metrics"], clean_run.summary["metrics"]
     step = metrics["resumed_from_step"]
@@ -75,8 +85,6 @@ def test_kill_every_process_then_resume_equals_the_clean_run_and_continues_its_w
 def test_a_checkpoint_holding_another_runs_weights_is_refused_before_anything_is_written(tmp_path, capsys):
     """SGD on this convex problem forgets where it started, so the final parameters alone would not
     notice a swapped checkpoint. The file digests recorded at save time do, before anything loads."""
-    from experiments.ddp_linear import main
-
     args = ["--report_to", "none", "--max_steps", "40", "--log_every", "20", "--checkpoint_every", "20"]
     first = run_in_process(main, args, tmp_path / "a", capsys)
     other = run_in_process(main, [*args, "--seed", "1"], tmp_path / "b", capsys)
