@@ -53,6 +53,15 @@ LONGEST_FIRST = (  # measured 2026-12-06 02:46 UTC (pytest --durations=0: each f
 )
 
 
+def pytest_runtest_setup(item):
+    if item.get_closest_marker(
+        "launch"
+    ):  # the slow tier's processes fork from one server (helpers._start_fork_server)
+        from helpers import _start_fork_server
+
+        _start_fork_server()
+
+
 def pytest_collection_modifyitems(items):
     order = {name: index for index, name in enumerate(LONGEST_FIRST)}
     items.sort(key=lambda item: order.get(item.path.name, len(order)))  # stable within a file

@@ -180,25 +180,39 @@ def fork_launch(
 
 @functools.cache
 def _start_fork_server() -> None:
-    """Import what every rank needs into the fork server, once per test process (~4 s), before it starts:
-    torch._dynamo too, which every rank imports on its first optimizer (torch.optim's _disable_dynamo: 0.5-1 s
-    a rank, measured with -X importtime), and DeepSpeed, whose import runs a torch.compile (1-2 s a rank)."""
+    """Start the fork server every forked process of this test process comes from (fork_launch's ranks, and the
+    fault-tolerance groups and at_scale's fake ranks of the experiments a test runs in this process), once, having
+    imported what their ranks import (~4 s): torch._dynamo, which every rank imports on its first optimizer
+    (torch.optim's _disable_dynamo: 0.5-1 s a rank, measured with -X importtime); DeepSpeed, whose import runs a
+    torch.compile (1-2 s a rank); the pipeline (0.6 s a rank); the plots rank 0 draws (matplotlib, 0.7 s); the
+    transformers models of the presets (scipy and all: ~3 s a rank). Started before any test of the slow tier
+    (conftest.py), so that an experiment's own fork server (the same one: one a process) cannot start first with
+    a shorter list. torchft is not here: its Rust runtime must not be forked."""
     import multiprocessing
+    import multiprocessing.forkserver
 
     multiprocessing.get_context("forkserver").set_forkserver_preload(
         [
             "torch",
             "torch.distributed",
             "torch._dynamo",
+            "torch.distributed.pipelining",
             "accelerate",
             "deepspeed",
             "tokenizers",
+            "matplotlib.figure",
             "torch.distributed.checkpoint",  # every run's checks read its state (0.7 s a rank, py-spy)
             "torch.distributed.checkpoint.state_dict",
             "experiments.train_gpt",
             "experiments.ddp_linear",
+            "planning.fake_ranks",
+            "transformers.models.llama.modeling_llama",
+            "transformers.models.qwen2.modeling_qwen2",
+            "transformers.models.mistral.modeling_mistral",
+            "transformers.models.mixtral.modeling_mixtral",
         ]
     )
+    multiprocessing.forkserver.ensure_running()
 
 
 @functools.cache
