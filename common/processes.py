@@ -106,9 +106,10 @@ def free_port() -> int:
 
 
 def torchrun_rank(main, argv: list[str], rank: int, world: int, port: int, gpus: list[int], log: str,
-                  launcher_pid: int) -> None:  # fmt: skip
+                  launcher_pid: int, environment: dict[str, str]) -> None:  # fmt: skip
     """A process an experiment starts itself (from a fork server): the environment torchrun gives rank `rank` of
-    `world` (none for one process), its GPUs (`gpus`, CUDA_VISIBLE_DEVICES), its output in `log`, then
+    `world` (none for one process) on top of the launcher's `environment` at the start (a fork server's own is the
+    one it started with, maybe long before), its GPUs (`gpus`, CUDA_VISIBLE_DEVICES), its output in `log`, then
     `main(argv)`; its exit code main's (2 for a UsageError). It ends when the launcher does, however that ends, and
     runs under the GPU rehearsal when the run is one."""
     import os
@@ -122,6 +123,8 @@ def torchrun_rank(main, argv: list[str], rank: int, world: int, port: int, gpus:
     from common.rehearsal import rehearse_if_asked
 
     end_with(launcher_pid)
+    os.environ.clear()
+    os.environ.update(environment)
     signal.signal(
         signal.SIGINT, signal.SIG_IGN
     )  # a Ctrl-C is the launcher's to handle: it ends every process
@@ -166,7 +169,7 @@ class RankGroup:
 
         port = free_port()
         self.processes = [context.Process(target=torchrun_rank, args=(main, argv, rank, world, port, gpus,
-                                                                      f"{log}.{rank}.log", os.getpid()))
+                                                                      f"{log}.{rank}.log", os.getpid(), dict(os.environ)))
                           for rank in range(world)]  # fmt: skip
         for process in self.processes:
             process.start()

@@ -226,3 +226,32 @@ def test_no_process_outlives_a_launcher_killed_by_sigkill(tmp_path, when):
         for process in descendants:
             with contextlib.suppress(psutil.NoSuchProcess):
                 process.kill()
+
+
+def write_environment_variable(argv: list[str]) -> int:
+    """A group's main: writes the variable argv[1] as its process sees it to the file argv[0]."""
+    import os
+
+    with open(argv[0], "w") as handle:
+        handle.write(os.environ.get(argv[1], "<unset>"))
+    return 0
+
+
+@pytest.mark.launch
+def test_a_group_starts_with_the_launchers_environment(tmp_path, monkeypatch):
+    """A replica group's process sees the launcher's environment when it starts the group, not the fork server's
+    (started once, maybe long before: a variable set after it, DIST_REHEARSAL say, would not reach the ranks)."""
+    import multiprocessing
+
+    from common.processes import RankGroup
+
+    context = multiprocessing.get_context("forkserver")
+    started = RankGroup(context, write_environment_variable, [str(tmp_path / "before"), "FT_PROBE"], 1, [],
+                        str(tmp_path / "before"))  # fmt: skip
+    started.processes[0].join(timeout=60)  # the fork server is up (this test process's: one a process)
+    monkeypatch.setenv("FT_PROBE", "set after the fork server started")
+    group = RankGroup(context, write_environment_variable, [str(tmp_path / "seen"), "FT_PROBE"], 1, [],
+                      str(tmp_path / "group"))  # fmt: skip
+    group.processes[0].join(timeout=60)
+    assert group.processes[0].exitcode == 0 and (tmp_path / "before").read_text() == "<unset>"
+    assert (tmp_path / "seen").read_text() == "set after the fork server started"

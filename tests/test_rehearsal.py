@@ -19,7 +19,7 @@ from experiments import (
     pipeline_parallel,
     train_gpt,
 )
-from helpers import GPT_TINY, HF_TINY, REPO, assert_gpt_passed, fork_launch, launch
+from helpers import GPT_TINY, HF_TINY, REPO, assert_gpt_passed, fork_launch, run_in_process
 
 REHEARSAL = {"DIST_REHEARSAL": "1"}
 # 4 blocks (a 2-stage pipeline has blocks on both stages), 4 steps, parity over 2
@@ -89,16 +89,20 @@ def test_rehearsal_passes_every_other_experiment(tmp_path, experiment, ranks, ar
 
 
 @pytest.mark.launch
-def test_rehearsal_passes_fault_tolerance_with_tp_in_each_group(tmp_path):
-    """The launcher and every replica group's process (train_gpt with --fault_tolerant: its exact accumulation, the
-    torchft all-reduce of its sums and tallies, its one-process reference) under the rehearsal."""
+def test_rehearsal_passes_fault_tolerance_with_tp_in_each_group(tmp_path, monkeypatch, capsys):
+    """The launcher (in this process) and every replica group's process (train_gpt with --fault_tolerant: its exact
+    accumulation, the torchft all-reduce of its sums and tallies, its one-process reference) under the rehearsal:
+    the groups start with the launcher's environment, DIST_REHEARSAL included (tests/test_fault_tolerance.py's
+    test_a_group_starts_with_the_launchers_environment)."""
+    from common.rehearsal import rehearse
+    from experiments.fault_tolerance import main
+
     args = ["--report_to", "none", "--max_steps", "8", "--global_batch_size", "4", "--micro_batch_size", "1",
             "--d_model", "32", "--replica_groups", "2", "--tp", "2", "--failures", "0"]  # fmt: skip
-    env = {**REHEARSAL, "HOME": str(tmp_path)}
-    from helpers import clean_env
-
-    finished = launch("fault_tolerance.py", args, tmp_path / "run", launcher="python", env=clean_env(**env))
-    assert finished.returncode == 0, finished.stderr[-3000:]
+    monkeypatch.setenv("DIST_REHEARSAL", "1")
+    with rehearse():
+        finished = run_in_process(main, args, tmp_path / "run", capsys)
+    assert finished.returncode == 0, finished.stdout[-3000:] + finished.stderr[-3000:]
     checks = finished.summary["checks"]
     assert checks["matches_one_process"]["passed"] and checks["groups_passed_their_checks"]["passed"], checks
 
