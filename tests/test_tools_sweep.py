@@ -233,7 +233,7 @@ def test_a_timed_out_trial_leaves_no_process_and_no_late_writes(tmp_path):
             "--output_dir",
             str(out),
             "--trial_timeout_s",
-            "8",  # torchrun and its ranks are up by then, here; a trial caught earlier must leave nothing either
+            "6",  # torchrun and its ranks are up by then, here; a trial caught earlier must leave nothing either
         ],
         capture_output=True,
         text=True,
@@ -252,7 +252,7 @@ def test_a_timed_out_trial_leaves_no_process_and_no_late_writes(tmp_path):
 
     assert [p.pid for p in psutil.process_iter() if of_this_sweep(p)] == []
     sizes = {p: p.stat().st_size for p in trial_dir.rglob("*") if p.is_file()}
-    time.sleep(3)
+    time.sleep(2)
     assert {p: p.stat().st_size for p in trial_dir.rglob("*") if p.is_file()} == sizes
 
 
