@@ -105,6 +105,15 @@ def free_port() -> int:
         return probe.getsockname()[1]
 
 
+def take_environment(environment: dict[str, str]) -> None:
+    """This process's environment replaced by `environment`: a process forked from a fork server has the server's,
+    from when it started (maybe long before), not its launcher's now."""
+    import os
+
+    os.environ.clear()
+    os.environ.update(environment)
+
+
 def torchrun_rank(main, argv: list[str], rank: int, world: int, port: int, gpus: list[int], log: str,
                   launcher_pid: int, environment: dict[str, str]) -> None:  # fmt: skip
     """A process an experiment starts itself (from a fork server): the environment torchrun gives rank `rank` of
@@ -123,8 +132,7 @@ def torchrun_rank(main, argv: list[str], rank: int, world: int, port: int, gpus:
     from common.rehearsal import rehearse_if_asked
 
     end_with(launcher_pid)
-    os.environ.clear()
-    os.environ.update(environment)
+    take_environment(environment)
     signal.signal(
         signal.SIGINT, signal.SIG_IGN
     )  # a Ctrl-C is the launcher's to handle: it ends every process

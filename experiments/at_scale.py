@@ -101,7 +101,7 @@ class Config(RunArgs, HFModelFlags, ModelFlags, ParallelArgs):
         self.refuse_model(shape)
         # the GPT's experts route by a stand-in on fake tensors (planning/fake_ranks.uniform_order); a transformers
         # model's route by values, which fake tensors do not hold
-        require(not shape.hf or not experts_of(shape), f"--hf_config {self.hf_config}: a transformers mixture of "
+        require(not experts_of(shape), f"--hf_config {self.hf_config}: a transformers mixture of "
                 "experts on fake tensors is not built (its routing needs values they do not hold)")  # fmt: skip
         self.record_model(shape)  # config.json records the shape that ran
         if not self.world_size and all(getattr(self, dim) <= 1 for dim in DIMS) and self.strategy == "auto":

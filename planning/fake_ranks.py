@@ -36,6 +36,7 @@ from common.config import UsageError
 from common.gpt import GPTConfig, adamw
 from common.hf_model import build_model
 from common.moe import moe_layers
+from common.processes import take_environment
 from planning.memory import activation_bytes, memory_estimate
 from planning.ops import OpRecorder
 from strategies.job import Instruments, local_bytes
@@ -269,8 +270,7 @@ def meta_gpt(cfg: GPTConfig) -> torch.nn.Module:
 
 def run_rank_in(environment: dict, cfg, layout: Layout, work: Workload, rank: int) -> dict:
     """run_rank in this process's environment at the call (the fork server's is the one it started with)."""
-    os.environ.clear()
-    os.environ.update(environment)
+    take_environment(environment)
     if "OMP_NUM_THREADS" in environment:  # torch was imported before it was set
         torch.set_num_threads(int(environment["OMP_NUM_THREADS"]))
     return run_rank(cfg, layout, work, rank)

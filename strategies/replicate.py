@@ -88,13 +88,12 @@ def sent(t: Theory) -> list[Traffic]:
     layout, ranks = t.layout, t.layout.size(t.layout.replicate_dims)
     size = sum(math.prod(shape) * 4 for _, shape in t.unclaimed)
     traffic = [Traffic("all_reduce", size, ranks, "dp_replicate")]
-    own = rank_local_buffers(t.model)
-    buffers = [b for name, b in t.model.named_buffers() if name not in own]
     # (a world Accelerate did not launch, at_scale's fake one, replicates by PyTorch's replicate: no buffer sent)
-    if buffers and replicates_whole_model(layout) and getattr(t.args, "replicas_are_ddp", True):
-        size = sum(b.numel() * b.element_size() for b in buffers)
-        traffic.append(Traffic("broadcast", size, ranks, "dp_replicate", calls=1))
-    return traffic
+    if not (replicates_whole_model(layout) and getattr(t.args, "replicas_are_ddp", True)):
+        return traffic
+    own = rank_local_buffers(t.model)
+    size = sum(b.numel() * b.element_size() for name, b in t.model.named_buffers() if name not in own)
+    return traffic + ([Traffic("broadcast", size, ranks, "dp_replicate", calls=1)] if size else [])
 
 
 class Replicate(Piece, HooksTheStep):

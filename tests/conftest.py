@@ -60,9 +60,8 @@ LONGEST_FIRST = (  # measured 2026-12-06 02:46 UTC (pytest --durations=0: each f
 
 
 def pytest_runtest_setup(item):
-    if item.get_closest_marker(
-        "launch"
-    ):  # the slow tier's processes fork from one server (helpers._start_fork_server)
+    # the slow tier's processes fork from one server (helpers._start_fork_server)
+    if item.get_closest_marker("launch"):
         from helpers import _start_fork_server
 
         _start_fork_server()

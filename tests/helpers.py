@@ -19,7 +19,7 @@ import psutil
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from common.processes import TIMED_OUT, kill_tree, process_tree, run_process_tree  # noqa: E402  (repo on sys.path)
+from common.processes import TIMED_OUT, kill_tree, process_tree, run_process_tree, take_environment  # noqa: E402  (repo on sys.path)
 
 CPU_DDP = str(REPO / "accelerate_configs" / "cpu_ddp.yaml")
 # train_gpt on a ~20k-parameter GPT, 12 steps: seconds per run. Parity over the first 6 steps. 2 % of pydoc topics
@@ -249,8 +249,7 @@ def _rank(index: int, main, argv: list[str], codes: str, environment: dict) -> N
     # the ~330,000 objects the fork server imported never become garbage: out of every collection (each
     # gc.collect() at the run's end walked them all, 0.17 s; several a rank, measured)
     gc.freeze()
-    os.environ.clear()  # the fork server's environment is the one it started with: this call's instead
-    os.environ.update(environment, RANK=str(index), LOCAL_RANK=str(index))
+    take_environment({**environment, "RANK": str(index), "LOCAL_RANK": str(index)})
     torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))  # torch was imported before it was set
     # this fork's output only, both the fds (C++ warnings) and sys.stdout/stderr (pytest may have replaced them)
     sys.stdout = open(os.path.join(codes, f"rank{index}.stdout"), "w", buffering=1)  # noqa: SIM115

@@ -21,10 +21,8 @@ def test_the_dry_run_lists_every_gpu_path(capsys):
             "train_gpt_hf_tp2"} <= names  # fmt: skip
     hf = next(line for line in lines if "] train_gpt_hf_tp2:" in line)
     assert "--hf_config llama_tiny" in hf and "--tp=2" in hf
-    from common.gpt import (
-        PER_RANK_BATCH_SIZE,
-        GPTConfig,
-    )  # what at_scale beside a run is given: train_gpt's own
+    # what at_scale beside a run is given: train_gpt's own
+    from common.gpt import PER_RANK_BATCH_SIZE, GPTConfig
 
     assert (gpu_check.PER_RANK_BATCH_SIZE, gpu_check.VOCABULARY) == (
         PER_RANK_BATCH_SIZE,

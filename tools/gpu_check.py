@@ -34,9 +34,8 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 MULTI_GPU = os.path.join("accelerate_configs", "multi_gpu_ddp.yaml")
 DEEPSPEED = os.path.join("accelerate_configs", "deepspeed_zero2.yaml")
 PER_RANK_BATCH_SIZE = 4  # train_gpt's default: at_scale is given the same rows
-VOCABULARY = (
-    2048  # train_gpt's --vocab_size default: at_scale is given it for a transformers config (its own: none)
-)
+# train_gpt's --vocab_size default: at_scale is given it for a transformers config (which has no tokenizer there)
+VOCABULARY = 2048
 
 
 @dataclass
@@ -109,10 +108,9 @@ def checks(max_steps: int) -> list[Check]:
         gpt("train_gpt_tp2_sp", 2, {"tp": 2}, ["--sequence_parallel"], max_steps),
         gpt("train_gpt_pp2", 2, {"pp": 2}, [], max_steps),
         gpt("train_gpt_ep2", 2, {"ep": 2}, moe, max_steps),
-        gpt(
-            "train_gpt_hf_fsdp", 2, {"dp_shard": 2}, hf, max_steps
-        ),  # a transformers model (docs/your_model.md)
-        gpt("train_gpt_hf_tp2", 2, {"tp": 2}, hf, max_steps),  # by its own tensor-parallel plan
+        # a transformers model (docs/your_model.md), under FSDP and by its own tensor-parallel plan
+        gpt("train_gpt_hf_fsdp", 2, {"dp_shard": 2}, hf, max_steps),
+        gpt("train_gpt_hf_tp2", 2, {"tp": 2}, hf, max_steps),
         Check(
             "train_gpt_cp2",
             2,
