@@ -107,11 +107,16 @@ def free_port() -> int:
 
 def take_environment(environment: dict[str, str]) -> None:
     """This process's environment replaced by `environment`: a process forked from a fork server has the server's,
-    from when it started (maybe long before), not its launcher's now."""
+    from when it started (maybe long before), not its launcher's now. Its OMP_NUM_THREADS, if any, applied to torch
+    too: torch read the variable when the server imported it."""
     import os
 
     os.environ.clear()
     os.environ.update(environment)
+    if "OMP_NUM_THREADS" in environment:
+        import torch
+
+        torch.set_num_threads(int(environment["OMP_NUM_THREADS"]))
 
 
 def torchrun_rank(main, argv: list[str], rank: int, world: int, port: int, gpus: list[int], log: str,

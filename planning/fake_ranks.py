@@ -271,8 +271,6 @@ def meta_gpt(cfg: GPTConfig) -> torch.nn.Module:
 def run_rank_in(environment: dict, cfg, layout: Layout, work: Workload, rank: int) -> dict:
     """run_rank in this process's environment at the call (the fork server's is the one it started with)."""
     take_environment(environment)
-    if "OMP_NUM_THREADS" in environment:  # torch was imported before it was set
-        torch.set_num_threads(int(environment["OMP_NUM_THREADS"]))
     return run_rank(cfg, layout, work, rank)
 
 

@@ -240,7 +240,6 @@ def _rank(index: int, main, argv: list[str], codes: str, environment: dict) -> N
     and stderr written where fork_launch reads them."""
     import gc
 
-    import torch
     import torch.distributed as dist
 
     from common.config import UsageError
@@ -249,8 +248,8 @@ def _rank(index: int, main, argv: list[str], codes: str, environment: dict) -> N
     # the ~330,000 objects the fork server imported never become garbage: out of every collection (each
     # gc.collect() at the run's end walked them all, 0.17 s; several a rank, measured)
     gc.freeze()
+    # with its OMP_NUM_THREADS (fork_launch always sets one) applied to torch
     take_environment({**environment, "RANK": str(index), "LOCAL_RANK": str(index)})
-    torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))  # torch was imported before it was set
     # this fork's output only, both the fds (C++ warnings) and sys.stdout/stderr (pytest may have replaced them)
     sys.stdout = open(os.path.join(codes, f"rank{index}.stdout"), "w", buffering=1)  # noqa: SIM115
     sys.stderr = open(os.path.join(codes, f"rank{index}.stderr"), "w", buffering=1)  # noqa: SIM115

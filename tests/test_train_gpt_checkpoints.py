@@ -102,9 +102,8 @@ def test_killed_twice_mid_epoch_then_resumed_is_bitwise_the_uninterrupted_run(
 
     launch_then_kill([], hang_after=4)  # checkpoint 3 written
     launch_then_kill(resume, hang_after=8)  # resumed at 3; checkpoint 6 written
-    final = fork_launch(
-        main, [*args, *resume], out, env=env
-    )  # the kills were real processes; the resume needs none
+    # the kills were real processes; the resume needs none
+    final = fork_launch(main, [*args, *resume], out, env=env)
     assert final.returncode == 0, final.stderr[-3000:]
     metrics, clean = final.summary["metrics"], uninterrupted.summary["metrics"]
     assert metrics["resumed_from_step"] == 6  # sample 72 of the stream: 4 samples into the third epoch

@@ -30,9 +30,8 @@ def main(argv: list[str] | None = None) -> int:
         from accelerate.utils import InitProcessGroupKwargs
 
         accelerator = Accelerator(kwargs_handlers=[InitProcessGroupKwargs(backend="gloo")])
-    threads_left_at_start = (
-        torch.get_num_threads() == threads_at_start
-    )  # MULTI_CPU would have set cores / ranks
+    # MULTI_CPU would have set cores / ranks
+    threads_left_at_start = torch.get_num_threads() == threads_at_start
     model = build_gpt(GPTConfig(512, 32, 2, 2, 32), 0)
     optimizer = model.configure_optimizers(1e-3, 0.1)  # two parameter groups
     config = accelerator.state.deepspeed_plugin.deepspeed_config
