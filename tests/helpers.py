@@ -216,6 +216,89 @@ def _start_fork_server() -> None:
 
 
 @functools.cache
+def fork_the_launches(monkeypatch, *also_in) -> list[list[str]]:
+    """From here to the test's end, every `accelerate launch` or `torchrun` command of a repo script that a program
+    hands common.processes.run_process_tree (a benchmark's runs, a sweep's trials; `also_in`: modules that imported
+    the function by name) runs on forked ranks (fork_launch) instead of a launcher and fresh interpreters: the
+    program's own work (what it runs, with which flags, what it reads back and reports) is what the test is about;
+    the launchers are tested by the tests of experiments launched for real. The command is read by the launcher's
+    own parser, so one the launcher would refuse fails here too. Any other command runs as before. Returns the
+    commands forked, in order."""
+    import common.processes
+
+    real, forked = common.processes.run_process_tree, []
+
+    def run_process_tree_forking(command, timeout_s, capture=True, **popen_kwargs):
+        launch = parse_launch(command)
+        if launch is None:
+            return real(command, timeout_s, capture, **popen_kwargs)
+        forked.append(command)
+        script, script_args, ranks, config = launch
+        with tempfile.TemporaryDirectory() as folder:
+            finished = fork_launch(_script_main, [script, *script_args], Path(folder) / "ranks", num_processes=ranks,
+                                   env=popen_kwargs.get("env"), config=config, output_flag=False)  # fmt: skip
+        if not capture:  # the caller's own files (a sweep's trial.log)
+            for name in ("stdout", "stderr"):
+                if (stream := popen_kwargs.get(name)) is not None:
+                    stream.write(getattr(finished, name))
+                    stream.flush()
+        return common.processes.Finished(finished.returncode, finished.stdout, finished.stderr)
+
+    for module in (common.processes, *also_in):
+        monkeypatch.setattr(module, "run_process_tree", run_process_tree_forking)
+    return forked
+
+
+def parse_launch(command: list[str]):
+    """(script, its args, ranks, accelerate config or None) of a launch of a script in this repository:
+    `[/usr/bin/env] accelerate launch ...` or `python -m accelerate.commands.launch ...` (read by Accelerate's own
+    parser), `python -m torch.distributed.run ...` (torchrun's); relative paths from this process's directory, where
+    the launch would start. None for any other command."""
+    words = command[1:] if command[:1] in (["/usr/bin/env"], ["env"]) else list(command)
+    if words[:2] == ["accelerate", "launch"]:
+        words = ["python", "-m", "accelerate.commands.launch", *words[2:]]
+    if len(words) < 3 or words[1] != "-m":
+        return None
+    if words[2] == "accelerate.commands.launch":
+        from accelerate.commands.launch import launch_command_parser
+
+        args = launch_command_parser().parse_args(words[3:])
+        config = str(Path(args.config_file).resolve()) if args.config_file else None
+        script, script_args, ranks = args.training_script, args.training_script_args, args.num_processes
+        if ranks is None:  # from the config, as the launcher reads it
+            import yaml
+
+            ranks = yaml.safe_load(Path(config).read_text())["num_processes"] if config else 1
+    elif words[2] == "torch.distributed.run":
+        from torch.distributed.run import get_args_parser
+
+        args = get_args_parser().parse_args(words[3:])
+        script, script_args, ranks, config = (
+            args.training_script,
+            args.training_script_args,
+            args.nproc_per_node,
+            None,
+        )
+    else:
+        return None
+    script = Path(script).resolve()
+    if not script.is_relative_to(REPO):
+        return None
+    return str(script), list(script_args), int(ranks), config
+
+
+def _script_main(argv: list[str]):
+    """A forked rank of `python <argv[0]> <argv[1:]>`: the script's module's main, with its arguments (or, for a
+    main that reads sys.argv, with sys.argv set)."""
+    import importlib
+    import inspect
+
+    script, args = argv[0], argv[1:]
+    module = importlib.import_module(".".join(Path(script).resolve().relative_to(REPO).with_suffix("").parts))
+    sys.argv = [script, *args]
+    return module.main(args) if inspect.signature(module.main).parameters else module.main()
+
+
 def launch_environment(config: str) -> dict[str, str]:
     """The ACCELERATE_* variables `accelerate launch --config_file <config>` gives its ranks, read from a
     real launch of a script that only writes them down (once per config and test process)."""

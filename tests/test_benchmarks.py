@@ -5,13 +5,14 @@ from __future__ import annotations
 
 import json
 import math
-import subprocess
 import sys
+import tempfile
+from pathlib import Path
 
 import pytest
 
-from benchmarks import sharding_step
-from helpers import REPO, clean_env, fork_launch
+from benchmarks import run_all, sharding_step
+from helpers import REPO, fork_launch, fork_the_launches, parse_launch
 
 
 def positive(value) -> bool:
@@ -19,7 +20,9 @@ def positive(value) -> bool:
 
 
 @pytest.mark.launch
-def test_run_all_quick_writes_every_figure_and_shows_a_slowed_loop_where_it_was_slowed(tmp_path):
+def test_run_all_quick_writes_every_figure_and_shows_a_slowed_loop_where_it_was_slowed(
+    tmp_path, capsys, monkeypatch
+):
     """Every benchmark's figures, well-formed; and the step-overhead figures are not identities of the
     code: 10 ms of busy work added to the `accelerate` loop's step must appear as accumulate()'s share
     (accelerate minus accelerate_no_accumulate) and drop the ratio, while the parts measured between
@@ -28,21 +31,22 @@ def test_run_all_quick_writes_every_figure_and_shows_a_slowed_loop_where_it_was_
         path: path.read_bytes()
         for path in (REPO / "docs" / "performance.md", REPO / "benchmarks" / "results.json")
     }
-    command = [
-        sys.executable,
-        "-m",
-        "benchmarks.run_all",
-        "--quick",
-        "--slow_loop",
-        "accelerate",
-        "--slow_us",
-        "10000",
-    ]
-    env = clean_env(HOME=str(tmp_path), TMPDIR=str(tmp_path))
-    done = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=300, env=env)
-    assert done.returncode == 0, done.stderr[-3000:]
+    # in this process, its torchrun workers forked (helpers.fork_the_launches); the start-up benchmark's own
+    # launches and imports stay fresh processes, which are what it measures
+    forked = fork_the_launches(monkeypatch)
+    monkeypatch.setenv("HOME", str(tmp_path))
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    monkeypatch.setattr(
+        sys, "argv", ["run_all.py", "--quick", "--slow_loop", "accelerate", "--slow_us", "10000"]
+    )
+    run_all.main()
+    stdout = capsys.readouterr().out
     assert {path: path.read_bytes() for path in tracked} == tracked  # --quick rewrites no tracked file
-    output = tmp_path / done.stdout.split("figures written to ")[1].split()[0].rsplit("/", 1)[1]
+    # step overhead, scaling's one rank and two, the collective bench's harness
+    assert [parse_launch(command)[0].rsplit("/", 1)[1] for command in forked] == [
+        "step_overhead.py", "scaling.py", "scaling.py", "collective_bench_overhead.py"]  # fmt: skip
+    output = Path(stdout.split("figures written to ")[1].split()[0])
+    assert output.parent == tmp_path
     results = json.loads(output.read_text())
     assert (
         results["quick"] is True
@@ -95,7 +99,7 @@ def test_run_all_quick_writes_every_figure_and_shows_a_slowed_loop_where_it_was_
     assert (
         startup["wandb_imported_without_wandb_tracker"] is False
     )  # W&B is imported only when it is the tracker
-    assert "| 1. step overhead" in done.stdout and "| 5. start-up" in done.stdout
+    assert "| 1. step overhead" in stdout and "| 5. start-up" in stdout
     parts = step["overhead_us"]
     # 10 ms where it was added; each part between other loops below half of it. A behaviour check (where the
     # slow-down lands), not a speed bound: with other tests beside this one on the 2 cores an un-slowed part

@@ -1,16 +1,17 @@
 """benchmarks/performance.py, the one command of the performance figures, for real in --quick mode (tp
-profiled on 2 ranks, one round of the ddp overhead comparison); its cost-model arithmetic on known
-numbers. Also the tp run itself: every check passed, bytes held and sent as the theory says (tp's
-correct run in this suite)."""
+profiled on 2 ranks, one round of the ddp overhead comparison; its launches' ranks forked, helpers.fork_the_launches);
+its cost-model arithmetic on known numbers. Also the tp run itself: every check passed, bytes held and sent as the
+theory says (tp's correct run in this suite)."""
 
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 
 from benchmarks.performance import fit_alpha_beta, main, predicted_ms
-from helpers import GPT_DISTRIBUTED_CHECKS
+from helpers import GPT_DISTRIBUTED_CHECKS, fork_the_launches, parse_launch
 
 
 def test_the_fit_recovers_a_known_latency_and_bandwidth():
@@ -32,9 +33,15 @@ def test_neither_term_is_fitted_negative():
 
 
 @pytest.mark.launch
-def test_one_command_writes_peak_mfu_breakdown_cost_model_overhead_and_traces(tmp_path, capsys):
+def test_one_command_writes_peak_mfu_breakdown_cost_model_overhead_and_traces(tmp_path, capsys, monkeypatch):
+    forked = fork_the_launches(monkeypatch)
     args = ["--quick", "--strategies", "tp", "--overhead_strategies", "ddp", "--overhead_rounds", "1"]
     assert main([*args, "--output_dir", str(tmp_path)]) == 0
+    # the collectives bench, tp's run and train_gpt's ddp (accelerate launch), bare PyTorch twice (torchrun)
+    scripts = [Path(parse_launch(command)[0]).name for command in forked]
+    assert sorted(scripts) == sorted(
+        ["collectives_bench.py", "train_gpt.py", "bare_gpt.py", "bare_gpt.py", "train_gpt.py"]
+    ), scripts
     (folder,) = tmp_path.iterdir()
     report = json.loads((folder / "performance.json").read_text())
     assert report["peak"]["peak_flops_per_s_one_thread"]["float32"]["square_gemm"] > 1e8

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import csv
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -13,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from common.config import UsageError
-from helpers import REPO, clean_env, run_main_in_process
+from helpers import REPO, clean_env, fork_the_launches, parse_launch, run_in_process, run_main_in_process
 from tools.sweep_run import expand_command, seeded
 from tools.sweep_validate import proposable_values, validate_sweep
 
@@ -268,7 +269,7 @@ def test_an_output_dir_that_is_a_file_is_one_line(tmp_path, capsys, monkeypatch)
 
 
 @pytest.mark.launch
-def test_offline_grid_end_to_end_ranks_only_the_trial_whose_checks_pass(tmp_path):
+def test_offline_grid_end_to_end_ranks_only_the_trial_whose_checks_pass(tmp_path, capsys, monkeypatch):
     """An offline grid through accelerate launch, end to end. Two trials that train the same run: the first with
     a truth tolerance no run can meet, so its own check fails. Its metric equals the other's, yet only the verified
     trial is ranked and named best; the failed one is listed with its failed check in the table and the CSV, told
@@ -283,12 +284,22 @@ def test_offline_grid_end_to_end_ranks_only_the_trial_whose_checks_pass(tmp_path
         .replace("per_rank_batch_size:\n    values: [16, 32]", "truth_tolerance:\n    values: [1.0e-9, 0.05]")
         .replace("value: 150", "value: 100")
     )
-    done = subprocess.run(
-        [sys.executable, "-m", "tools.sweep", str(sweep_file), "--count", "2", "--output_dir", str(out)],
-        capture_output=True, text=True, cwd=REPO, timeout=300,
-        env=clean_env(HOME=str(home), NETRC=str(home / "none")),
-    )  # fmt: skip
-    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+    # the sweep in this process, its trials' ranks forked (helpers.fork_the_launches: the timed-out trial's test
+    # below launches for real); the environment a fresh machine has
+    import tools.sweep
+    import tools.sweep_run
+
+    forked = fork_the_launches(monkeypatch, tools.sweep_run)
+    for name in [name for name in os.environ if name.startswith(("WANDB_", "ACCELERATE_"))]:
+        monkeypatch.delenv(name)
+    monkeypatch.setenv("HOME", str(home))
+    monkeypatch.setenv("NETRC", str(home / "none"))
+    finished = run_in_process(tools.sweep.main, [str(sweep_file), "--count", "2"], out, capsys)
+    assert finished.returncode == 0, finished.stdout[-2000:] + finished.stderr[-2000:]
+    stdout = finished.stdout
+    assert [parse_launch(command)[0] for command in forked] == [
+        str(REPO / "experiments" / "ddp_linear.py")
+    ] * 2
     with open(out / "leaderboard.csv") as handle:
         rows = list(csv.DictReader(handle))
     verified, failed = rows
@@ -302,8 +313,8 @@ def test_offline_grid_end_to_end_ranks_only_the_trial_whose_checks_pass(tmp_path
     assert float(failed["final_mse"]) == pytest.approx(
         float(verified["final_mse"])
     )  # the same run, only unverified
-    assert f"best: {verified['trial']}" in done.stdout and f"best: {failed['trial']}" not in done.stdout
-    assert f"{failed['trial']} failed (exit 1) not ranked: checks failed: recovers_truth" in done.stdout
+    assert f"best: {verified['trial']}" in stdout and f"best: {failed['trial']}" not in stdout
+    assert f"{failed['trial']} failed (exit 1) not ranked: checks failed: recovers_truth" in stdout
     record = json.loads((out / "sweep.json").read_text())
     assert record["best"]["trial"] == verified["trial"]
     assert (out / "leaderboard.png").read_bytes()[:4] == b"\x89PNG"
