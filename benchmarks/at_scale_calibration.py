@@ -138,6 +138,7 @@ def measure_profile(traced: list[dict], work: Workload, args) -> tuple[dict, dic
         "fitted": fitted,
         "fitted_shared": fitted_shared.get("switching"),
         "fitted_shared_same_group": fitted_shared.get("same_group"),
+        "fitted_shared_groups": {4: fitted_shared["group_of_4"]} if fitted_shared.get("group_of_4") else None,
         "ops": {**ops, "measured_ops": "this_machine_ops.json"},
     }
     return profile, measured_ops
@@ -292,6 +293,8 @@ def markdown(rows: list[dict], profile: dict, command: str, profile_others: list
         fitted += f"; on 4 ranks (pairs, the 2 cores shared), a new partner: {fit(profile['fitted_shared'])}"
     if profile.get("fitted_shared_same_group"):
         fitted += f"; the last call's partner: {fit(profile['fitted_shared_same_group'])}"
+    for size, fits in (profile.get("fitted_shared_groups") or {}).items():
+        fitted += f"; over all {size} ranks: {fit(fits)}"
     ops = profile["ops"]
     gaps, dtensor = ops["eager_gaps"], ops["dtensor_gaps"]
     lines = [

@@ -20,7 +20,7 @@ CALLS_OF_2, CALLS_OF_4, TURNS = 120, 240, 4
 COMPUTE_BETWEEN = 256  # a 256-square matmul (about 0.3 ms here) three times between two collectives
 
 
-def collectives_between_compute(same_group: bool = False) -> list[dict]:
+def collectives_between_compute(same_group: bool = False, whole_world: bool = False) -> list[dict]:
     """gloo's collectives as a training step issues them: each after some compute, the two ranks not in lockstep
     (back to back, as a collectives benchmark times them, a 1 MB all-reduce took 0.75 ms here; after 1 ms of
     matmuls, 2.9 ms). Per kind and size: the MEAN time of (compute + collective) minus the compute's alone, the
@@ -44,7 +44,7 @@ def collectives_between_compute(same_group: bool = False) -> list[dict]:
     rank, world = dist.get_rank(), dist.get_world_size()
     a, b = torch.randn(COMPUTE_BETWEEN, COMPUTE_BETWEEN), torch.randn(COMPUTE_BETWEEN, COMPUTE_BETWEEN)
     groups = [None]  # 2 ranks: the world
-    if world == 4:
+    if world == 4 and not whole_world:
         rows = [dist.new_group([0, 1]), dist.new_group([2, 3])]
         columns = [dist.new_group([0, 2]), dist.new_group([1, 3])]
         groups = [rows[rank // 2]] if same_group else [rows[rank // 2], columns[rank % 2]]
@@ -76,7 +76,7 @@ def collectives_between_compute(same_group: bool = False) -> list[dict]:
     rows = []
     # 4 ranks, each call with a new partner: also a pipeline's sends on shared cores, priced a send and a receive
     kinds = ("all_reduce", "all_gather", "reduce_scatter") + (
-        ("send",) if world > 2 and not same_group else ()
+        ("send",) if world > 2 and not (same_group or whole_world) else ()
     )
     for kind in kinds:
         for size in COLLECTIVE_BYTES:

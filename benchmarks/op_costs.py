@@ -114,12 +114,14 @@ def worker(args):
     accelerator = make_accelerator(RunArgs(), scratch_folder(args))
     collective_rows = collectives_between_compute()
     late_receive = late_receive_us() if dist.get_world_size() == 2 else None
-    if not args.spec:  # the collectives alone (4 ranks on the 2 cores), and each with its last call's partner
+    if (
+        not args.spec
+    ):  # the collectives alone (4 ranks on the 2 cores): each with its last call's partner, and over all 4
         same_group_rows = collectives_between_compute(same_group=True)
+        group_of_4_rows = collectives_between_compute(whole_world=True)
         if accelerator.is_main_process:
-            write_result(
-                args.result, {"collective_rows": collective_rows, "same_group_rows": same_group_rows}
-            )
+            write_result(args.result, {"collective_rows": collective_rows, "same_group_rows": same_group_rows,
+                                       "group_of_4_rows": group_of_4_rows})  # fmt: skip
         return accelerator
     with open(args.spec, "rb") as handle:
         spec = pickle.load(handle)
@@ -145,7 +147,7 @@ def measure_this_machine(spec: dict, timeout_s: float = 1800) -> tuple[dict, dic
     same fits on twice as many ranks as cores, in pairs (what a 4-rank layout's collectives cost on 2 cores: each
     rank's compute shares a core, and a partner may wait for its turn on one; a collective between two of 4 ranks
     here took 1.3-2.3x what it took between 2 ranks): {"switching": each call with a new partner, "same_group":
-    each with its last call's}."""
+    each with its last call's, "group_of_4": each over all 4 ranks (a dimension of 4)}."""
     with tempfile.TemporaryDirectory() as folder:
         path = os.path.join(folder, "spec.pickle")  # OpCall replays hold dtypes and TensorSpecs: not JSON
         with open(path, "wb") as handle:
@@ -160,6 +162,7 @@ def measure_this_machine(spec: dict, timeout_s: float = 1800) -> tuple[dict, dic
         {
             "switching": fitted_of(shared["collective_rows"]),
             "same_group": fitted_of(shared["same_group_rows"]),
+            "group_of_4": fitted_of(shared["group_of_4_rows"]),
         }
         if shared
         else {},

@@ -46,11 +46,13 @@ def traffic_seconds(
     known) spread over the dimensions in proportion to their bytes, else one message per kind and dimension.
     Each in the term its piece names (Traffic.term: a pipeline's loss broadcast and tied embedding's all-reduce
     run once a step, after the schedule, `pp_step`), else its dimension's. On a CPU whose ranks share its
-    cores, each call at the fits measured so: `switched` (per kind, the share of its calls on a group other than
-    the rank's previous call's, as fake ranks count them; all, if not known) at `fitted_shared`, the rest at
+    cores, each call at the fits measured so: on a group of a size measured whole (`fitted_shared_groups`: all 4
+    ranks) at that size's; else `switched` (per kind, the share of its calls on a group other than the rank's
+    previous call's, as fake ranks count them; all, if not known) at `fitted_shared`, the rest at
     `fitted_shared_same_group`."""
     shared = hw.fitted_shared if hw.cores and layout.world_size > hw.cores and hw.fitted_shared else None
     same_group = (hw.fitted_shared_same_group or {}) if shared else {}
+    of_size = (hw.fitted_shared_groups or {}) if shared else {}
     by_kind, known = {}, {}  # per kind: the bytes of the traffic whose calls are not known; the calls known
     for t in traffic:
         if t.calls is None:
@@ -71,6 +73,8 @@ def traffic_seconds(
             at = lambda f: n_calls * f.latency + t.bytes / f.bandwidth  # noqa: B023, E731
             if t.kind == "recv":
                 spent = 0.0
+            elif t.kind in of_size.get(t.ranks, {}):  # a group of a size measured whole (all 4 ranks)
+                spent = at(of_size[t.ranks][t.kind])
             elif t.kind in same_group:  # the calls with a new partner at one fit, the others at the other
                 new = (switched or {}).get(t.kind, 1.0)
                 spent = new * at(fit) + (1 - new) * at(same_group[t.kind])

@@ -42,6 +42,8 @@ class Hardware:
     # last call's; and each with the same one
     fitted_shared: dict | None = None
     fitted_shared_same_group: dict | None = None
+    # group size -> kind -> Link: the same with every call over a group of that size (4: all 4 ranks on 2 cores)
+    fitted_shared_groups: dict | None = None
     # a pipeline's receive posted after its data was sent: what it waits for the sender's side to answer
     late_receive_s: float = 0.0
 
@@ -63,12 +65,14 @@ def hardware_from(name: str, p: dict) -> Hardware:
     same_group = {
         kind: link(spec) for kind, spec in (p.get("fitted_shared_same_group") or {}).items()
     } or None
+    groups = {int(size): {kind: link(spec) for kind, spec in fits.items()}
+              for size, fits in (p.get("fitted_shared_groups") or {}).items()} or None  # fmt: skip
     ops = p.get("ops") or {}
     peak, bandwidth = {k: v * 1e12 for k, v in p["peak_tflops"].items()}, p["memory_bandwidth_gbps"] * 1e9
     return Hardware(name, p["description"], peak, p["memory_gb"] * 2**30, bandwidth, p["gpus_per_node"],
                     link(p["intra_node"]), link(p["inter_node"]), p["overlaps_communication"],
                     op_model_from(p, peak, bandwidth), fitted, p.get("cores"), ops.get("shared_core_ratio", 2.0),
-                    fitted_shared, same_group, ops.get("late_receive_us", 0.0) * 1e-6)  # fmt: skip
+                    fitted_shared, same_group, groups, ops.get("late_receive_us", 0.0) * 1e-6)  # fmt: skip
 
 
 def hardware_names() -> list[str]:

@@ -343,8 +343,8 @@ def test_ranks_beyond_the_cores_share_them_and_fill_each_others_pipeline_bubbles
 
 
 def test_collectives_of_ranks_beyond_the_cores_take_the_fit_measured_so_and_the_pipelines_run_once_a_step():
-    """this_machine's two fits: gloo on 2 ranks, and on 4 ranks in pairs (2 a core); a layout takes the one of its
-    case. A pipeline's sends are per micro-batch (pp); its loss broadcast and tied all-reduce once a step."""
+    """this_machine's fits: gloo on 2 ranks, on 4 ranks in pairs (2 a core) and over all 4; a layout takes the one of
+    its case. A pipeline's sends are per micro-batch (pp); its loss broadcast and tied all-reduce once a step."""
     from planning.communication import traffic_seconds
     from planning.hardware import Link
     from strategies.layout import Traffic
@@ -367,6 +367,17 @@ def test_collectives_of_ranks_beyond_the_cores_take_the_fit_measured_so_and_the_
     assert traffic_seconds(traffic, Layout(tp=2), same, switched={"all_reduce": 0.25})["tp"] == pytest.approx(
         2e-3
     )
+    # a group of all 4 ranks (dp_shard 4) at the fit measured over all 4; a pair of the same 4 ranks, and a group of
+    # 4 where the cores are not shared, as before
+    of_4 = dataclasses.replace(same, fitted_shared_groups={4: {"all_reduce": Link(0.25e9, 8e-3)}})
+    whole = [Traffic("all_reduce", 10**6, 4, "dp_shard")]
+    assert traffic_seconds(whole, Layout(dp_shard=4), of_4)["dp_shard"] == pytest.approx(8e-3 + 4e-3)
+    assert traffic_seconds(traffic, Layout(tp=2, dp_shard=2), of_4, switched={"all_reduce": 1.0})[
+        "tp"
+    ] == pytest.approx(4e-3 + 2e-3)
+    assert traffic_seconds(whole, Layout(dp_shard=4), dataclasses.replace(of_4, cores=4))[
+        "dp_shard"
+    ] == pytest.approx(1e-3 + 1e-3)
     # 12 all-reduces counted: the tied one the pipeline knows of, the other 11 tp's (not spread by bytes: the
     # tied gradient's 1 MB would take most of them)
     both = traffic_seconds(
