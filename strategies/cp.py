@@ -208,12 +208,18 @@ def split_batch(x: torch.Tensor, y: torch.Tensor, layout: Layout, rank: int, arg
 
 def sent(t: Theory) -> list[Traffic]:
     """Per micro-batch, every block this rank holds all-gathers K and V (the whole sequence's, this rank's
-    tensor-parallel share of the key/value heads) and reduce-scatters their gradients, over the cp ranks."""
+    tensor-parallel share of the key/value heads) and reduce-scatters their gradients, over the cp ranks: two calls
+    of each a block and micro-batch (known, so that a predictor does not share out FSDP's calls of the same kinds,
+    over other ranks, by bytes)."""
     layout, work, blocks = t.layout, t.work, t.blocks
     kv_width = work.model.kv_heads * (work.model.d_model // work.model.n_head)
     element = 2 if work.mixed_precision == "bf16" else 4  # K and V: matmul outputs, bf16 under either bf16
     whole = work.micro_batches * work.tokens * kv_width // layout.tp * element
-    return [Traffic(kind, 2 * blocks * whole, layout.cp, "cp") for kind in ("all_gather", "reduce_scatter")]
+    calls = 2 * blocks * work.micro_batches
+    return [
+        Traffic(kind, 2 * blocks * whole, layout.cp, "cp", calls=calls)
+        for kind in ("all_gather", "reduce_scatter")
+    ]
 
 
 def report(session, attentions: list[ContextParallelAttention], balanced: bool) -> None:
