@@ -237,8 +237,8 @@ def evaluate(
         return row | {"peak_bytes": memory[worst], "worst_rank": worst, "worst_stage": layout.coordinate(worst, "pp"),
                       "fits": False}  # fmt: skip
     predicted = predict_step(reference, layout, flags, work, hardware)
-    tflops = (
-        model_flops_per_token(cfg)
+    tflops = (  # the FLOPs a causal model needs (its attention's unmasked half): what the hardware can reach
+        model_flops_per_token(cfg, causal=True)
         * predicted["global_tokens"]
         / predicted["step_s"]
         / layout.world_size
@@ -285,7 +285,8 @@ def ceiling(hardware, mixed_precision: str) -> str:
         return f"{hardware.name}: ops priced as measured here (planning/hardware.yaml)"
     return (f"ceiling: {hardware.name}'s matmuls reach {ops.gemm_efficiency:.1%} of its {mixed_precision} peak, attention "
             f"{ops.attention_efficiency:.1%}, memory-bound ops {ops.memory_efficiency:.0%} of its bandwidth (published "
-            f"measurements: planning/hardware.yaml names each); no layout's MFU can pass {ops.gemm_efficiency:.0%}")  # fmt: skip
+            f"measurements: planning/hardware.yaml names each); no layout's MFU can pass {ops.gemm_efficiency:.0%} "
+            "(model FLOPs: 6N and the causal half of the attention, the work a causal model needs)")  # fmt: skip
 
 
 def at_scale_command(args: PlanArgs, row: dict) -> str:
