@@ -215,7 +215,6 @@ def _start_fork_server() -> None:
     multiprocessing.forkserver.ensure_running()
 
 
-@functools.cache
 def fork_the_launches(monkeypatch, *also_in) -> list[list[str]]:
     """From here to the test's end, every `accelerate launch` or `torchrun` command of a repo script that a program
     hands common.processes.run_process_tree (a benchmark's runs, a sweep's trials; `also_in`: modules that imported
@@ -299,6 +298,7 @@ def _script_main(argv: list[str]):
     return module.main(args) if inspect.signature(module.main).parameters else module.main()
 
 
+@functools.cache
 def launch_environment(config: str) -> dict[str, str]:
     """The ACCELERATE_* variables `accelerate launch --config_file <config>` gives its ranks, read from a
     real launch of a script that only writes them down (once per config and test process)."""
