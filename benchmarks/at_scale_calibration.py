@@ -67,6 +67,7 @@ from planning.fake_ranks import run_ranks
 from planning.hardware import hardware_from
 from strategies.args import PRESETS
 from strategies.layout import Layout, Workload
+from strategies.theory import stage_theories
 
 STRATEGIES = ("ddp", "zero2", "fsdp", "tp", "pp", "cp")
 LAYOUTS_OF_4 = ({"dp_shard": 2, "tp": 2}, {"tp": 2, "pp": 2}, {"pp": 2, "dp_shard": 2})
@@ -165,7 +166,9 @@ def predicted_ms(summary: dict, traced: list[dict], hardware) -> dict:
     with torch.device("meta"):
         reference = GPT(work.model)
     calls = summary["metrics"].get("communication", {}).get("counted", {}).get("calls", {})
-    prediction = predict_step(reference, layout, cfg, work, hardware, calls, traced)
+    prediction = predict_step(
+        stage_theories(reference, layout, cfg, work), layout, cfg, work, hardware, calls, traced
+    )
     return {
         "step_ms": 1000 * prediction["step_s"],
         "terms_ms": {k: 1000 * v for k, v in prediction["terms_s"].items()},

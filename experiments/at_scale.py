@@ -64,6 +64,7 @@ from planning.hardware import hardware_names, load_hardware
 from planning.published import MODELS, PUBLISHED_RUNS, model_named
 from strategies.args import ParallelArgs
 from strategies.layout import DIMS, Layout, Workload
+from strategies.theory import stage_theories
 
 EXPERIMENT = "at_scale"
 DEFAULT_LAYOUT = {"pp": 16, "dp_shard": 8, "tp": 8}  # no layout given: 1,024 ranks
@@ -178,6 +179,9 @@ def run(cfg: Config) -> int:
     ranks = chosen or ranks_that_differ(
         reference, layout, cfg, work
     )  # the theory's arithmetic: nothing written
+    theories = stage_theories(
+        reference, layout, cfg, work
+    )  # each stage's first rank's: what the prediction prices
     # FSDP's bf16 is its policy's (strategies/shard.py), autocast the rest's: as train_gpt
     with start_run(
         cfg, EXPERIMENT, mixed_precision="no" if layout.shard_dims else cfg.mixed_precision
@@ -188,7 +192,7 @@ def run(cfg: Config) -> int:
                       + f"; running ranks {ranks} on fake tensors")  # fmt: skip
         results = run_ranks(cfg, layout, work, ranks, session.is_main)
         check_ranks(session, results, layout)
-        report(session, cfg, layout, work, hardware, reference, results)
+        report(session, cfg, layout, work, hardware, reference, results, theories)
     return session.exit_code
 
 
@@ -215,7 +219,7 @@ def check_ranks(session, results: list[dict], layout: Layout) -> None:
 
 
 def report(
-    session, cfg: Config, layout: Layout, work: Workload, hardware, reference, results: list[dict]
+    session, cfg: Config, layout: Layout, work: Workload, hardware, reference, results: list[dict], theories
 ) -> None:
     """Per rank: the bytes by category and the peak against the hardware's memory; the predicted step; a
     published run of this model and layout beside it."""
@@ -247,7 +251,7 @@ def report(
     calls = results[0]["counted"]["calls"]
     # each stage's recorded ops, priced by the hardware's op model (planning/op_model.py)
     traced = every_stage(reference, layout, cfg, work, results)
-    prediction = predict_step(reference, layout, cfg, work, hardware, calls, traced)
+    prediction = predict_step(theories, layout, cfg, work, hardware, calls, traced)
     flops = (
         model_flops_per_token(work.model) * prediction["global_tokens"]
     )  # model FLOPs: no recompute counted
@@ -260,7 +264,7 @@ def report(
                   f"{prediction['tokens_per_s']:,.0f} tokens/s, {tflops:.0f} TFLOP/s per GPU, MFU {mfu:.0%}")  # fmt: skip
     # the same step with the closed form's ops: each block's matmuls and attention, its norms and activations as
     # so many reads and writes (fused kernels, as the published systems run them; our eager norms are not fused)
-    closed = predict_step(reference, layout, cfg, work, hardware, calls)
+    closed = predict_step(theories, layout, cfg, work, hardware, calls)
     closed_tflops = flops / closed["step_s"] / layout.world_size / 1e12
     session.print(f"PREDICTED from the closed form (fused norms): step {closed['step_s']:.3g} s, {closed_tflops:.0f} "
                   f"TFLOP/s per GPU")  # fmt: skip

@@ -1,6 +1,6 @@
 """A step-time predictor for any layout on any hardware profile (planning/hardware.yaml): each op priced by the
 profile's op model (planning/op_model.py), an alpha-beta time per collective, the pipeline as its schedule runs it
-(planning/timeline.py), put together under overlap assumptions written out below. It is a PREDICTION, labelled
+(strategies/pp_schedules.py's timeline), put together under overlap assumptions written out below. It is a PREDICTION, labelled
 as one wherever it is shown, and set beside published runs (docs/at_scale.md) and beside the runs this machine
 really measures (benchmarks/at_scale_calibration.py).
 
@@ -18,7 +18,7 @@ Per micro-batch, on each pipeline stage:
                (strategies/ep.uniform_routing), its FLOPs the active parameters'.
 Per step:
   pipeline     the stages' forwards and backwards in the schedule's order, each waiting for its neighbour's
-               output and the send (planning/timeline.py: GPipe, 1F1B, interleaved 1F1B, and zbv and interleaved
+               output and the send (strategies/pp_schedules.simulate: GPipe, 1F1B, interleaved 1F1B, and zbv and interleaved
                zero-bubble in torch's own order, a backward split into its input's and its weights' halves), m micro-batches when
                p = 1; the bubble what it adds to the slowest stage's own work;
   data-parallel  FSDP's all-gathers and reduce-scatters and the replicas' all-reduces, overlapped with the
@@ -41,12 +41,10 @@ from common.moe import active_parameter_count
 from planning.communication import clip_collectives_seconds, own_calls, switched_shares, traffic_seconds
 from planning.hardware import Hardware
 from planning.ops import OpCall
-from planning.timeline import TIMELINE_OF, simulate, stages_per_rank, step_seconds
 from strategies import registry
 from strategies.layout import Layout, Workload
 from strategies.piece import Plan
-from strategies.pp_schedules import holder
-from strategies.theory import stage_theories
+from strategies.pp_schedules import TIMELINE_OF, holder, simulate, stages_per_rank, step_seconds
 
 # reads and writes of the activation per token, per block, in units of d (the rest of the block's ops): two
 # norms (read, write: 4), two residual adds (two reads, one write: 6), rope on q and k (2 reads and writes of
@@ -157,14 +155,13 @@ EXPOSED = ("tp", "cp", "pp", "ep")  # on the critical path of every micro-batch
 
 
 def predict_step(
-    reference, layout: Layout, args, work: Workload, hw: Hardware, calls: dict | None = None, traced=None
+    theories: list, layout: Layout, args, work: Workload, hw: Hardware, calls: dict | None = None, traced=None
 ) -> dict:
-    """The predicted seconds of one optimizer step, term by term (the module docstring), for the undistributed
-    GPT `reference` (its shapes; a meta-device model will do) under `layout`. With `traced` (fake ranks' results,
+    """The predicted seconds of one optimizer step, term by term (the module docstring), of `layout` as its theory
+    says each pipeline stage's first rank holds and sends (`theories`: strategies/theory.stage_theories, which the
+    caller has made, most for the memory it also estimates). With `traced` (fake ranks' results,
     planning/fake_ranks.run_ranks: the ops each rank recorded), a stage's compute and optimizer are its recorded
     ops priced by the hardware's op model (planning/op_model.py) instead of the closed form."""
-
-    per_stage = stage_theories(reference, layout, args, work)  # each pipeline stage's first rank, by theory
     m = args.pp_microbatches if layout.pp > 1 else work.micro_batches
     rows = work.rows // m if layout.pp > 1 else work.rows
     tokens = rows * work.model.block_size // layout.cp
@@ -183,7 +180,7 @@ def predict_step(
     # Accelerate did not launch, runs PyTorch's replicate (FSDP2's hooks): not priced
     ddp = "whole_model_replicas" in Plan(args, layout, work, None, registry.PIECES).traits
     stages = []
-    for t in per_stage:
+    for t in theories:
         ops = recorded.get(layout.coordinate(t.rank, "pp"))
         comm = traffic_seconds(t.traffic, layout, hw, calls, switched.get(layout.coordinate(t.rank, "pp")))
         held = sum(math.prod(shape) for _, shape in t.held)
@@ -226,7 +223,7 @@ def predict_step(
     compute_s = m * max(slowest["compute"], sum(s["compute"] for s in stages) * ranks_per_core * sliced)
     work_s = compute_s + m * slowest["waits"]
     sends_s = 0.0
-    if layout.pp > 1:  # the schedule's own order of forwards and backwards (planning/timeline.py)
+    if layout.pp > 1:  # the schedule's own order of forwards and backwards (pp_schedules.step_seconds)
         schedule, v = TIMELINE_OF.get(args.pp_schedule, "1f1b"), stages_per_rank(args.pp_schedule)
         # Megatron's interleaving goes p micro-batches at a time
         if m % layout.pp and schedule == "interleaved_1f1b":

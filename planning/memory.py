@@ -5,8 +5,8 @@ categories on fake ranks and prints both; tools/plan.py and the predictor read t
 from __future__ import annotations
 
 from common.gpt import GPTConfig, parameter_count
-from planning.timeline import stages_per_rank
 from strategies.layout import Layout, Workload, stream_dtype
+from strategies.pp_schedules import stages_per_rank
 from strategies.theory import gathered_bytes, held_bytes, theory_of
 
 

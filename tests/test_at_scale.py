@@ -202,12 +202,17 @@ def test_the_cost_model_adds_its_terms_as_its_docstring_says():
     with torch.device("meta"):
         reference = GPT(cfg)
     args = Config(pp_microbatches=4)
-    predicted = predict_step(reference, layout, args, Workload(cfg, 4, 1, "bf16"), h100)
+
+    def predicted_on(model, model_cfg, on: Layout) -> dict:
+        work = Workload(model_cfg, 4, 1, "bf16")
+        return predict_step(stage_theories(model, on, args, work), on, args, work, h100)
+
+    predicted = predicted_on(reference, cfg, layout)
     terms = predicted["terms_s"]
-    # the pipeline as its schedule runs it (planning/timeline.py): m micro-batches of the slowest stage's work
-    # and waits, and the bubble, 1F1B's p - 1 micro-batch times on stages that are alike; then what the data-
-    # parallel collectives leave exposed, the pipeline's once-a-step collectives (the loss broadcast, the tied
-    # embedding's gradient all-reduced between the first and the last stage: after the schedule, not per
+    # the pipeline as its schedule runs it (strategies/pp_schedules.step_seconds): m micro-batches of the slowest
+    # stage's work and waits, and the bubble, 1F1B's p - 1 micro-batch times on stages that are alike; then what
+    # the data-parallel collectives leave exposed, the pipeline's once-a-step collectives (the loss broadcast, the
+    # tied embedding's gradient all-reduced between the first and the last stage: after the schedule, not per
     # micro-batch), the clipping by the global norm and the optimizer
     work = terms["compute"] + terms["tp"] + terms["pp_sends"]
     after_schedule = (
@@ -224,9 +229,9 @@ def test_the_cost_model_adds_its_terms_as_its_docstring_says():
     untied_cfg = GPTConfig(**{**cfg.__dict__, "tie_weights": False})
     with torch.device("meta"):
         untied_reference = GPT(untied_cfg)
-    untied = predict_step(untied_reference, layout, args, Workload(untied_cfg, 4, 1, "bf16"), h100)["terms_s"]
+    untied = predicted_on(untied_reference, untied_cfg, layout)["terms_s"]
     assert terms["pp_once_a_step"] > untied["pp_once_a_step"] > 0  # the broadcast alone
-    flat = predict_step(reference, Layout(dp_shard=8, tp=8), args, Workload(cfg, 4, 1, "bf16"), h100)
+    flat = predicted_on(reference, cfg, Layout(dp_shard=8, tp=8))
     assert flat["terms_s"]["pp_once_a_step"] == 0
     per_microbatch = work / 4
     assert (layout.pp - 1) * 0.5 * per_microbatch < terms["bubble"] <= (layout.pp - 1) * per_microbatch * 1.01

@@ -23,6 +23,7 @@ from planning.hardware import PROFILES, hardware_names, load_hardware
 from planning.op_model import OpModel
 from planning.ops import OpCall, OpRecorder, replay
 from strategies.layout import Layout, Workload
+from strategies.theory import stage_theories
 
 
 def fake_rank(cfg, layout: Layout, work: Workload, rank: int) -> dict:
@@ -276,7 +277,9 @@ def test_a_prediction_from_recorded_ops_is_their_priced_sum():
     hw = load_hardware("this_machine")
     with torch.device("meta"):
         reference = GPT(model)
-    predicted = predict_step(reference, layout, cfg, work, hw, traced=traced)
+    predicted = predict_step(
+        stage_theories(reference, layout, cfg, work), layout, cfg, work, hw, traced=traced
+    )
     ops = traced[0]["ops"]
     # a launch's replicas run DDP, not the fake rank's replicate: FSDP's hooks are not priced, neither their
     # Python nor the ops they run, nor DTensor's dispatch: DDP's parameters are plain tensors where replicate's
@@ -314,7 +317,9 @@ def test_ranks_beyond_the_cores_share_them_and_fill_each_others_pipeline_bubbles
 
     def terms(layout, cores, ratio=2.0):
         shared = dataclasses.replace(hw, cores=cores, shared_core_ratio=ratio)
-        return predict_step(reference, layout, cfg, work, shared)["terms_s"]
+        return predict_step(stage_theories(reference, layout, cfg, work), layout, cfg, work, shared)[
+            "terms_s"
+        ]
 
     flat, pipelined = Layout(dp_replicate=4), Layout(pp=2, dp_replicate=2)
     alone = terms(flat, 4)
@@ -329,7 +334,6 @@ def test_ranks_beyond_the_cores_share_them_and_fill_each_others_pipeline_bubbles
     # on shared cores every send of a rank is in the cores' work (one each micro-batch, of 4), and each receive
     # it posts late; on its own cores, the two hops of the first and the last micro-batch
     from planning.communication import traffic_seconds
-    from planning.cost_model import stage_theories
 
     sends = max(traffic_seconds(t.traffic, pipelined, dataclasses.replace(hw, cores=2))["pp"]
                 for t in stage_theories(reference, pipelined, cfg, work))  # fmt: skip
@@ -337,7 +341,10 @@ def test_ranks_beyond_the_cores_share_them_and_fill_each_others_pipeline_bubbles
     assert own["pp_sends"] == pytest.approx(2 * (sends / 4) / 2)
     late = dataclasses.replace(hw, cores=2, shared_core_ratio=2.0, late_receive_s=1e-3)
     late_receives = (
-        predict_step(reference, pipelined, cfg, work, late)["terms_s"]["pp_sends"] - sends
+        predict_step(stage_theories(reference, pipelined, cfg, work), pipelined, cfg, work, late)["terms_s"][
+            "pp_sends"
+        ]
+        - sends
     ) / 1e-3
     assert 1 <= round(late_receives) <= 2 * 4 and late_receives == pytest.approx(round(late_receives))
 

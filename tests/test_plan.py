@@ -148,6 +148,7 @@ def test_an_interleaved_schedule_halves_the_bubble_and_a_refused_flag_is_one_lin
     from planning.hardware import load_hardware
     from planning.published import MODELS
     from strategies.layout import Layout, Workload
+    from strategies.theory import stage_theories
     from tools.plan import Candidate
 
     cfg = MODELS[
@@ -158,7 +159,9 @@ def test_an_interleaved_schedule_halves_the_bubble_and_a_refused_flag_is_one_lin
     layout, work, bubble = Layout(pp=16, dp_shard=8, tp=8), Workload(cfg, 16, 1, "bf16"), {}
     for schedule in ("1f1b", "interleaved_1f1b"):
         flags = Candidate(pp=16, dp_shard=8, tp=8, pp_microbatches=16, pp_schedule=schedule)
-        terms = predict_step(reference, layout, flags, work, load_hardware("h100_sxm"))["terms_s"]
+        terms = predict_step(
+            stage_theories(reference, layout, flags, work), layout, flags, work, load_hardware("h100_sxm")
+        )["terms_s"]
         work_s = terms["compute"] + terms["tp"]  # the 16 micro-batches' own work on the slowest stage
         bubble[schedule] = (terms["bubble"] / work_s, (terms["bubble"] + terms["pp_sends"]) / work_s)
         main([*base, "--pp_schedule", schedule, "--json"])

@@ -1,11 +1,11 @@
-"""The pipeline timeline (planning/timeline.py) on hand-drawn schedules, against their closed-form steps."""
+"""The pipeline timeline (strategies/pp_schedules.simulate and step_seconds) on hand-drawn schedules, against
+their closed-form steps."""
 
 from __future__ import annotations
 
 import pytest
 
-from planning.timeline import simulate, step_seconds
-from strategies.pp_schedules import Action, order
+from strategies.pp_schedules import Action, order, simulate, step_seconds
 
 
 @pytest.mark.parametrize("p, m", [(2, 4), (4, 8), (8, 8), (4, 16)])

@@ -58,6 +58,7 @@ from strategies.args import ParallelArgs
 from strategies.layout import DIMS, Layout, Workload
 from strategies.pp_schedules import SCHEDULES
 from strategies.shard import RESHARD
+from strategies.theory import stage_theories
 
 
 @dataclass
@@ -236,7 +237,7 @@ def evaluate(
     if not fits and not price_all:  # listed by how far over it is: no step to predict
         return row | {"peak_bytes": memory[worst], "worst_rank": worst, "worst_stage": layout.coordinate(worst, "pp"),
                       "fits": False}  # fmt: skip
-    predicted = predict_step(reference, layout, flags, work, hardware)
+    predicted = predict_step(stage_theories(reference, layout, flags, work), layout, flags, work, hardware)
     tflops = (  # the FLOPs a causal model needs (its attention's unmasked half): what the hardware can reach
         model_flops_per_token(cfg, causal=True)
         * predicted["global_tokens"]
