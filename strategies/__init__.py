@@ -10,7 +10,7 @@ piece declares), and knows nothing of the others:
     tp.py          tp: Megatron tensor parallelism over DTensor (and --sequence_parallel)
     cp.py          cp: each sequence split over ranks, attention over all-gathered keys and values
     pp.py          pp: stages of blocks, torch.distributed.pipelining's schedules (pp_schedules.py: the schedules
-                   as one model, shared with the timeline and the fake ranks)
+                   as one model and their timeline, shared with the predictor and the fake ranks)
     ep.py          ep: a mixture of experts' experts split over ranks, tokens sent to them by all-to-all
     activation_checkpointing.py, compile.py   features that apply to any layout
     ft.py          fault tolerance (--fault_tolerant): torchft across replica groups, each one launch of a layout
