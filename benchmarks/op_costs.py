@@ -114,9 +114,8 @@ def worker(args):
     accelerator = make_accelerator(RunArgs(), scratch_folder(args))
     collective_rows = collectives_between_compute()
     late_receive = late_receive_us() if dist.get_world_size() == 2 else None
-    if (
-        not args.spec
-    ):  # the collectives alone (4 ranks on the 2 cores): each with its last call's partner, and over all 4
+    # no spec: the collectives alone (4 ranks on the 2 cores), each with its last call's partner, and over all 4
+    if not args.spec:
         same_group_rows = collectives_between_compute(same_group=True)
         group_of_4_rows = collectives_between_compute(whole_world=True)
         if accelerator.is_main_process:

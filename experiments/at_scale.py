@@ -179,9 +179,8 @@ def run(cfg: Config) -> int:
     ranks = chosen or ranks_that_differ(
         reference, layout, cfg, work
     )  # the theory's arithmetic: nothing written
-    theories = stage_theories(
-        reference, layout, cfg, work
-    )  # each stage's first rank's: what the prediction prices
+    # each stage's first rank's theory: what both predictions below price
+    theories = stage_theories(reference, layout, cfg, work)
     # FSDP's bf16 is its policy's (strategies/shard.py), autocast the rest's: as train_gpt
     with start_run(
         cfg, EXPERIMENT, mixed_precision="no" if layout.shard_dims else cfg.mixed_precision

@@ -158,10 +158,11 @@ def predict_step(
     theories: list, layout: Layout, args, work: Workload, hw: Hardware, calls: dict | None = None, traced=None
 ) -> dict:
     """The predicted seconds of one optimizer step, term by term (the module docstring), of `layout` as its theory
-    says each pipeline stage's first rank holds and sends (`theories`: strategies/theory.stage_theories, which the
-    caller has made, most for the memory it also estimates). With `traced` (fake ranks' results,
-    planning/fake_ranks.run_ranks: the ops each rank recorded), a stage's compute and optimizer are its recorded
-    ops priced by the hardware's op model (planning/op_model.py) instead of the closed form."""
+    says each pipeline stage's first rank holds and sends (`theories`: strategies/theory.stage_theories, made by the
+    caller once for every pricing of the layout: at_scale prices it from recorded ops and from the closed form).
+    With `traced` (fake ranks' results, planning/fake_ranks.run_ranks: the ops each rank recorded), a stage's
+    compute and optimizer are its recorded ops priced by the hardware's op model (planning/op_model.py) instead of
+    the closed form."""
     m = args.pp_microbatches if layout.pp > 1 else work.micro_batches
     rows = work.rows // m if layout.pp > 1 else work.rows
     tokens = rows * work.model.block_size // layout.cp
