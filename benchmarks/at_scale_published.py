@@ -108,20 +108,22 @@ def layout_table(folder: Path, runs: list) -> list[str]:
     """Each published layout at its world size: measured peak per GPU against 80 GiB, and the predicted step's
     TFLOP/s in the paper's own count of FLOPs beside the paper's."""
     lines = ["| run | layout | checkpointing | measured peak GiB (stage 0 / last) | fits 80 GiB | PREDICTED TFLOP/s per GPU "
-             "(recorded ops) | closed form (fused norms) | published | predicted / published (recorded; closed form) "
-             "| largest predicted terms (recorded ops), s |",
-             "|---|---|---|---|---|---|---|---|---|---|"]  # fmt: skip
+             "(recorded ops, eager) | closed form, eager (its compute / the recorded ops') | closed form, fused kernels "
+             "(the run's attention kernel) "
+             "| published | predicted / published (fused) | largest predicted terms (recorded ops), s |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]  # fmt: skip
     for published in runs:
         degrees = [x for d, n in published.degrees.items() for x in (f"--{d}", str(n))]
         for checkpointing in ("full",) if published.recompute_counted else ("none", "full"):
             summary = run(folder, f"{published.name}_{checkpointing}", [
                 "--model", published.model, "--world_size", str(published.world_size), *degrees,
                 "--block_size", str(published.block_size), "--per_rank_batch_size", str(published.per_rank_batch_size),
-                "--hardware", published.hardware, "--activation_checkpointing", checkpointing])  # fmt: skip
+                "--hardware", published.hardware, "--activation_checkpointing", checkpointing,
+                "--attention", published.attention])  # fmt: skip
             layout_text = " x ".join(f"{d} {n}" for d, n in published.degrees.items())
             if "refused" in summary:
                 lines.append(f"| {published.source} | {layout_text} | {checkpointing} | refused: "
-                             f"{summary['refused']} | | | | | | |")  # fmt: skip
+                             f"{summary['refused']} | | | | | | | |")  # fmt: skip
                 continue
             metrics = summary["metrics"]
             memory = metrics["memory"]
@@ -130,14 +132,18 @@ def layout_table(folder: Path, runs: list) -> list[str]:
             cfg = type(shape)(**{**shape.__dict__, "block_size": published.block_size})
             flops = model_flops_per_token(cfg, published.recompute_counted) * prediction["global_tokens"]
             tflops = flops / prediction["step_s"] / published.world_size / 1e12
-            fused = flops / metrics["prediction_closed_form"]["step_s"] / published.world_size / 1e12
+            closed = metrics["prediction_closed_form"]
+            eager = flops / closed["step_s"] / published.world_size / 1e12
+            agreement = closed["terms_s"]["compute"] / prediction["terms_s"]["compute"]
+            fused = flops / metrics["prediction_fused"]["step_s"] / published.world_size / 1e12
             terms = sorted(((v, k) for k, v in prediction["terms_s"].items() if k != "data_parallel_total"),
                            reverse=True)[:3]  # fmt: skip
             lines.append(
                 f"| {published.source} | {layout_text} | "
                 f"{checkpointing} | {memory[0]['peak_bytes'] / 2**30:.1f} / {memory[-1]['peak_bytes'] / 2**30:.1f} | "
-                f"{'yes' if metrics['fits'] else 'no'} | {tflops:.0f} | {fused:.0f} | {published.tflops_per_gpu:.0f} | "
-                f"{tflops / published.tflops_per_gpu:.2f}; {fused / published.tflops_per_gpu:.2f} | "
+                f"{'yes' if metrics['fits'] else 'no'} | {tflops:.0f} | {eager:.0f} ({agreement:.3f}) | {fused:.0f} "
+                f"({published.attention}) | "
+                f"{published.tflops_per_gpu:.0f} | {fused / published.tflops_per_gpu:.2f} | "
                 f"{', '.join(f'{k} {v:.2f}' for v, k in terms)} |"
             )
     return lines
@@ -158,14 +164,14 @@ def as_ran_table() -> list[str]:
     from planning.hardware import load_hardware
     from tools.plan import PlanArgs, evaluate
 
-    lines = ["| run | layout | checkpointing | estimated peak GiB | fits 80 GiB | PREDICTED TFLOP/s per GPU | published "
+    lines = ["| run | layout | checkpointing | estimated peak GiB | fits 80 GiB | PREDICTED TFLOP/s per GPU (fused) | published "
              "| predicted / published | step s |", "|---|---|---|---|---|---|---|---|---|"]  # fmt: skip
     for published in (r for r in PUBLISHED_RUNS if r.name in AS_RAN):
         shape = MODELS[published.model].shape
         cfg = type(shape)(**{**shape.__dict__, "block_size": published.block_size})
         dp = published.world_size // (published.degrees["pp"] * published.degrees["tp"])
         args = PlanArgs(model=published.model, gpus=published.world_size, hardware=published.hardware,
-                        global_batch=published.per_rank_batch_size * dp)  # fmt: skip
+                        global_batch=published.per_rank_batch_size * dp, attention=published.attention)  # fmt: skip
         with torch.device("meta"):
             reference = GPT(cfg)
         for checkpointing in ("none", "selective"):

@@ -58,6 +58,7 @@ from common.config import RunArgs, flag, parse_config, require, run_cli
 from common.gpt import GPTConfig, ModelFlags, count_parameters
 from common.hf_model import HFModelFlags, experts_of
 from common.run import start_run
+from planning.compute_ops import ATTENTION
 from planning.cost_model import model_flops_per_token, predict_step
 from planning.fake_ranks import every_stage, meta_gpt, ranks_that_differ, run_ranks
 from planning.hardware import hardware_names, load_hardware
@@ -88,6 +89,10 @@ class Config(RunArgs, HFModelFlags, ModelFlags, ParallelArgs):
     hardware: str = flag(
         "h100_sxm", "the profile the memory and step are set against: " + ", ".join(hardware_names())
     )
+    attention: str = flag("flash", "the attention kernel the closed form's fused step is priced with: flash "
+                          "(FlashAttention's, as the ranks run: the masked half skipped) or materialised (before 2022: "
+                          "the scores a batched GEMM, a fused scale-mask-softmax, a second GEMM; Megatron-LM 2021's)",
+                          choices=ATTENTION)  # fmt: skip
     ranks: str = flag("", "ranks to run, comma-separated (default: the first of each pipeline stage whose theory "
                       "differs, and the world's last)")  # fmt: skip
 
@@ -261,24 +266,31 @@ def report(
     session.print(f"PREDICTED on {hardware.name} ({precision}, priced from {prediction['priced']}): "
                   f"step {prediction['step_s']:.3g} s ({terms} s), "
                   f"{prediction['tokens_per_s']:,.0f} tokens/s, {tflops:.0f} TFLOP/s per GPU, MFU {mfu:.0%}")  # fmt: skip
-    # the same step with the closed form's ops: each block's matmuls and attention, its norms and activations as
-    # so many reads and writes (fused kernels, as the published systems run them; our eager norms are not fused)
-    closed = predict_step(theories, layout, cfg, work, hardware, calls)
-    closed_tflops = flops / closed["step_s"] / layout.world_size / 1e12
-    session.print(f"PREDICTED from the closed form (fused norms): step {closed['step_s']:.3g} s, {closed_tflops:.0f} "
-                  f"TFLOP/s per GPU")  # fmt: skip
+    # the same step from the closed form's ops (planning/compute_ops.py): the same modules traced at each stage's
+    # shapes, eager as the ranks ran them (it should agree with the recorded ops), and fused as the published
+    # systems run them (a norm, an activation, a rotary embedding one kernel each; no casts)
+    closed = predict_step(theories, layout, cfg, work, hardware, calls, kernels="eager")
+    fused = predict_step(
+        theories, layout, cfg, work, hardware, calls, kernels="fused", attention=cfg.attention
+    )
+    closed_tflops, fused_tflops = (flops / p["step_s"] / layout.world_size / 1e12 for p in (closed, fused))
+    session.print(f"PREDICTED from the closed form, eager kernels: step {closed['step_s']:.3g} s, {closed_tflops:.0f} "
+                  f"TFLOP/s per GPU (its compute {closed['terms_s']['compute'] / prediction['terms_s']['compute']:.3f} of "
+                  f"the recorded ops'); fused kernels ({cfg.attention} attention): step {fused['step_s']:.3g} s, "
+                  f"{fused_tflops:.0f} TFLOP/s per GPU")  # fmt: skip
     published = [p for p in PUBLISHED_RUNS if p.model == cfg.model and p.world_size == layout.world_size and
                  {d: n for d, n in layout.degrees().items() if n > 1} == p.degrees]  # fmt: skip
     for p in published:  # in the paper's own count of FLOPs
         theirs = model_flops_per_token(work.model, p.recompute_counted) * prediction["global_tokens"]
-        ours, fused = (
-            theirs / s / layout.world_size / 1e12 for s in (prediction["step_s"], closed["step_s"])
+        ours, as_fused = (
+            theirs / s / layout.world_size / 1e12 for s in (prediction["step_s"], fused["step_s"])
         )
         session.print(f"PUBLISHED ({p.source}): {p.tflops_per_gpu:.0f} TFLOP/s per GPU, MFU {p.mfu:.0%}; predicted in "
                       f"its count {ours:.0f} TFLOP/s from the recorded ops ({ours / p.tflops_per_gpu:.2f} of it), "
-                      f"{fused:.0f} from the closed form ({fused / p.tflops_per_gpu:.2f})")  # fmt: skip
+                      f"{as_fused:.0f} with fused kernels ({as_fused / p.tflops_per_gpu:.2f})")  # fmt: skip
     session.metrics.update(prediction=prediction | {"tflops_per_gpu": tflops, "mfu": mfu},
                            prediction_closed_form=closed | {"tflops_per_gpu": closed_tflops},
+                           prediction_fused=fused | {"tflops_per_gpu": fused_tflops},
                            published=[p.__dict__ for p in published])  # fmt: skip
 
 

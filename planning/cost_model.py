@@ -5,13 +5,11 @@ as one wherever it is shown, and set beside published runs (docs/at_scale.md) an
 really measures (benchmarks/at_scale_calibration.py).
 
 Per micro-batch, on each pipeline stage:
-  compute      the ops a fake rank recorded (predict_step's `traced`), each priced by the op model; or, for the
-               thousands of layouts a planner weighs, the same op model over a closed-form list: every op of the
-               stage's blocks (and the embedding, the head and the loss on the end stages): the matmuls (2 m k n
-               FLOPs; bytes: the operands and the output), attention's two matmuls (causal: half of 4 T^2 d per
-               sequence, as a flash kernel skips the masked half), and the memory-bound rest (norms, residual
-               adds, the MLP's activation, rope) as so many reads and writes of the activations. Backward: twice
-               the forward (weights' and inputs' gradients); full activation checkpointing runs the forward again.
+  compute      an op list priced by the op model, one op after another: the ops a fake rank recorded
+               (predict_step's `traced`), or, for the thousands of layouts a planner weighs, the closed form's
+               (planning/compute_ops.stage_ops): the same modules' ops traced at the rank's shapes, without a
+               process group, as eager PyTorch runs them or as fused kernels would (`kernels`); full activation
+               checkpointing runs each block's forward again in the backward.
   exposed      tensor parallelism's, context parallelism's and expert parallelism's collectives wait in every
                micro-batch (Megatron's TP waits for each all-reduce; our CP gathers K and V before attention; a MoE
                block waits for its tokens). A mixture of experts is priced on a uniform routing
@@ -39,115 +37,21 @@ import math
 from common.gpt import parameter_count
 from common.moe import active_parameter_count
 from planning.communication import clip_collectives_seconds, own_calls, switched_shares, traffic_seconds
+from planning.compute_ops import fsdp_gathered, stage_ops
 from planning.hardware import Hardware
-from planning.ops import OpCall
 from strategies import registry
 from strategies.layout import Layout, Workload
 from strategies.piece import Plan
 from strategies.pp_schedules import TIMELINE_OF, holder, simulate, stages_per_rank, step_seconds
 
-# reads and writes of the activation per token, per block, in units of d (the rest of the block's ops): two
-# norms (read, write: 4), two residual adds (two reads, one write: 6), rope on q and k (2 reads and writes of
-# q and k: counted on d); and of the MLP's hidden width: the activation (GELU: 2; SwiGLU: silu 2 + product 3)
-ELEMENTWISE_D = 12
-ELEMENTWISE_HIDDEN = {"gelu": 2, "swiglu": 5}
 ADAMW_BYTES_PER_PARAMETER = 28
 # the clipping reads each float32 gradient for its squared sum, then reads and writes it to scale it
 CLIP_BYTES_PER_PARAMETER = 12
-# a MoE's row (an assignment of a token to an expert) of width d: gathered in expert order (read, write: 2),
-# regrouped by local expert under ep (2), weighed by the router (2), added back to its token (index_add: 3)
-ELEMENTWISE_MOE_D = 9
-
-
-# ------------------------------------------------------------------------------------------------ compute
-DTYPE_OF = {"bf16": "bfloat16", "fp32": "float32"}
-
-
-def matmul_seconds(m: int, k: int, n: int, element: int, hw: Hardware, precision: str) -> float:
-    flops, moved = 2 * m * k * n, element * (m * k + k * n + m * n)
-    return hw.ops.seconds(OpCall("mm", "gemm", DTYPE_OF[precision], (m, k, n), flops, moved))
-
-
-def attention_seconds(rows: int, cfg, layout: Layout, element: int, hw: Hardware, precision: str) -> float:
-    """Causal attention's forward over this rank's rows: each of its heads (n_head / tp) and query tokens
-    (block_size / cp) against the sequence's keys up to it, QK^T and AV (flash: the masked half skipped)."""
-    heads, queries, width = (
-        rows * cfg.n_head // layout.tp,
-        cfg.block_size // layout.cp,
-        cfg.d_model // cfg.n_head,
-    )
-    flops = 4.0 * heads * queries * cfg.block_size * width * 0.5
-    moved = element * 4 * heads * queries * width
-    call = OpCall("scaled_dot_product_attention", "attention", DTYPE_OF[precision],
-                  (heads, queries, cfg.block_size, width), flops, moved, causal=True)  # fmt: skip
-    return hw.ops.seconds(call)
 
 
 def memory_seconds(bytes_moved: float, hw: Hardware) -> float:
-    """Memory-bound ops' bytes at the bandwidth the op model reaches."""
+    """Memory-bound bytes (the optimizer's, the clipping's) at the bandwidth the op model reaches."""
     return bytes_moved / hw.ops.bandwidth(int(bytes_moved)) if bytes_moved else 0.0
-
-
-def block_forward_seconds(work: Workload, layout: Layout, args, hw: Hardware, tokens: int) -> float:
-    """One block's forward over this rank's `tokens` (micro-batch rows x its share of the sequence)."""
-    cfg, precision = work.model, "bf16" if work.mixed_precision == "bf16" else "fp32"
-    element, tp, d = (2 if precision == "bf16" else 4), layout.tp, cfg.d_model
-    kv = cfg.kv_heads * (d // cfg.n_head)
-    seconds = sum(matmul_seconds(tokens, k, n // tp if split_out else n, element, hw, precision)
-                  for k, n, split_out in ((d, d, True), (d, kv, True), (d, kv, True)))  # fmt: skip
-    seconds += matmul_seconds(tokens, d // tp, d, element, hw, precision)  # output projection (row-parallel)
-    up = 3 if cfg.mlp == "swiglu" else 2  # gate, up, down; or up, down
-    if cfg.n_experts:
-        seconds += moe_forward_seconds(cfg, layout, hw, tokens, element, precision)
-    else:
-        seconds += (up - 1) * matmul_seconds(tokens, d, cfg.hidden // tp, element, hw, precision)
-        seconds += matmul_seconds(tokens, cfg.hidden // tp, d, element, hw, precision)
-    seconds += attention_seconds(tokens // (cfg.block_size // layout.cp), cfg, layout, element, hw, precision)
-    sequence_split = tp if args.sequence_parallel else 1
-    hidden_rows = tokens * cfg.hidden / tp if not cfg.n_experts else 0  # the MoE's: moe_forward_seconds
-    rest = element * (tokens * ELEMENTWISE_D * d / sequence_split + ELEMENTWISE_HIDDEN[cfg.mlp] * hidden_rows)
-    return seconds + memory_seconds(rest, hw)
-
-
-def moe_forward_seconds(
-    cfg, layout: Layout, hw: Hardware, tokens: int, element: int, precision: str
-) -> float:
-    """A MoE block's MLP over `tokens` (whole on every tp rank: strategies/tp.py leaves it so), routing uniform
-    (ep.uniform_routing): the router (tokens x d x E), the experts' grouped GEMMs over the tokens x top_k rows a
-    rank receives (each of its E / ep experts' weights read once), the shared experts' MLP over every token; the
-    memory-bound rest: the activation over the rows' hidden width, the rows gathered in expert order and the
-    outputs weighed and added back (ELEMENTWISE_MOE_D reads and writes of a row)."""
-    d, hidden, rows = cfg.d_model, cfg.hidden, tokens * cfg.top_k
-    matrices = 3 if cfg.mlp == "swiglu" else 2
-    local_experts = cfg.n_experts // layout.ep
-    seconds = matmul_seconds(tokens, d, cfg.n_experts, element, hw, precision)
-    grouped_flops = 2 * rows * d * hidden
-    grouped_bytes = element * (rows * d + local_experts * d * hidden + rows * hidden)
-    grouped = OpCall(
-        "_grouped_mm", "gemm", DTYPE_OF[precision], (rows, d, hidden), grouped_flops, grouped_bytes
-    )
-    seconds += matrices * hw.ops.seconds(grouped)
-    shared = cfg.n_shared_experts * hidden
-    if shared:
-        seconds += matrices * matmul_seconds(tokens, d, shared, element, hw, precision)
-    rest = element * (
-        ELEMENTWISE_HIDDEN[cfg.mlp] * (rows * hidden + tokens * shared) + ELEMENTWISE_MOE_D * rows * d
-    )
-    return seconds + memory_seconds(rest, hw)
-
-
-def ends_forward_seconds(
-    work: Workload, layout: Layout, hw: Hardware, tokens: int, first: bool, last: bool
-) -> float:
-    """The embedding (a gather: memory-bound) on the first stage; the head and the loss on the last."""
-    cfg, precision = work.model, "bf16" if work.mixed_precision == "bf16" else "fp32"
-    element = 2 if precision == "bf16" else 4
-    seconds = memory_seconds(element * tokens * cfg.d_model, hw) if first else 0.0
-    if last:
-        vocab = math.ceil(cfg.vocab_size / layout.tp)
-        seconds += matmul_seconds(tokens, cfg.d_model, vocab, element, hw, precision)
-        seconds += memory_seconds(4 * 3 * tokens * vocab, hw)  # log-softmax and its gradient, float32
-    return seconds
 
 
 # --------------------------------------------------------------------------------------------- the step
@@ -155,19 +59,25 @@ EXPOSED = ("tp", "cp", "pp", "ep")  # on the critical path of every micro-batch
 
 
 def predict_step(
-    theories: list, layout: Layout, args, work: Workload, hw: Hardware, calls: dict | None = None, traced=None
+    theories: list,
+    layout: Layout,
+    args,
+    work: Workload,
+    hw: Hardware,
+    calls: dict | None = None,
+    traced=None,
+    kernels: str = "eager",
+    attention: str = "flash",
 ) -> dict:
     """The predicted seconds of one optimizer step, term by term (the module docstring), of `layout` as its theory
     says each pipeline stage's first rank holds and sends (`theories`: strategies/theory.stage_theories, made by the
     caller once for every pricing of the layout: at_scale prices it from recorded ops and from the closed form).
     With `traced` (fake ranks' results, planning/fake_ranks.run_ranks: the ops each rank recorded), a stage's
     compute and optimizer are its recorded ops priced by the hardware's op model (planning/op_model.py) instead of
-    the closed form."""
+    the closed form's (planning/compute_ops.stage_ops: the same modules' ops at the rank's shapes, with `kernels`
+    eager or fused and `attention` flash or materialised), priced by the same op model."""
     m = args.pp_microbatches if layout.pp > 1 else work.micro_batches
     rows = work.rows // m if layout.pp > 1 else work.rows
-    tokens = rows * work.model.block_size // layout.cp
-    block = block_forward_seconds(work, layout, args, hw, tokens)
-    recompute = 1 if args.activation_checkpointing == "full" else 0
     shard = math.prod(getattr(layout, d) for d in layout.shard_dims)
     recorded = {layout.coordinate(r["rank"], "pp"): r["ops"] for r in traced or []}
     clipped = {layout.coordinate(r["rank"], "pp"): r.get("clip_collectives") for r in traced or []}
@@ -202,8 +112,12 @@ def predict_step(
             forward_s, backward_s, optimizer = phases["forward"] / m, phases["backward"] / m, phases["step"]
             clipping = phases["clip"]
         else:
-            forward_s = t.blocks * block + ends_forward_seconds(work, layout, hw, tokens, t.first, t.last)
-            backward_s = forward_s * (2 + recompute)
+            gathered = fsdp_gathered(t.held, layout, work)
+            ops = stage_ops(
+                work.model, layout, args, work, rows, t.blocks, t.first, t.last, kernels, gathered, m
+            )
+            forward_s = hw.ops.phase_seconds("forward", ops["forward"])
+            backward_s = hw.ops.phase_seconds("backward", ops["backward"])
             optimizer = memory_seconds(ADAMW_BYTES_PER_PARAMETER * held / shard, hw)
             clipping = memory_seconds(CLIP_BYTES_PER_PARAMETER * held / shard, hw)
         clip_s = clipping * shared_core + clip_collectives_seconds(clipped.get(layout.coordinate(t.rank, "pp")),

@@ -113,6 +113,9 @@ class PublishedRun:
     mfu: float
     source: str
     recompute_counted: bool = False  # the paper's FLOPs count activation recomputation (Megatron-LM's do)
+    # the attention kernel the run had (planning/compute_ops.ATTENTION): flash, or materialised before
+    # FlashAttention (Dao et al. 2022)
+    attention: str = "flash"
 
     @property
     def world_size(self) -> int:
@@ -135,6 +138,8 @@ PUBLISHED_RUNS = [
         0.52,
         "Narayanan et al. 2021, Table 1 (1T row) and abstract",
         recompute_counted=True,
+        # its section 4.2: a fused scale-mask-softmax kernel between batched GEMMs, the scores materialised
+        attention="materialised",
     ),
     # Llama 3, Table 4: the three 405B configurations (FSDP-style sharded data parallelism, "DP").
     PublishedRun(

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 
 import pytest
 import torch
@@ -62,7 +63,12 @@ def test_a_thousand_ranks_on_a_laptop(tmp_path, capsys):
         assert r["ops"]["forward"]["gemm"]["flops"] > 0 and r["ops"]["backward"]["gemm"]["flops"] > 0
         assert r["ops"]["dtensor_calls"]["forward"] > 0
     assert "PREDICTED on h100_sxm (bf16, priced from recorded ops)" in finished.stdout
-    assert "PREDICTED from the closed form (fused norms)" in finished.stdout
+    # the closed form's eager op list is the ranks' (tests/test_compute_ops.py: within 3 % on small layouts); at this
+    # toy shape (a micro-batch's compute 1.6 us on an H100) what it leaves out (tp's vocabulary-parallel embedding
+    # masks, a rank's DTensor copies) weighs more: within 10 %
+    agreement = re.search(r"PREDICTED from the closed form, eager kernels: .* \(its compute ([0-9.]+) of the recorded "
+                          r"ops'\); fused kernels \(flash attention\): step", finished.stdout)  # fmt: skip
+    assert agreement and 0.9 <= float(agreement.group(1)) <= 1.1, finished.stdout
 
 
 @pytest.mark.launch
@@ -198,7 +204,8 @@ def test_the_cost_model_adds_its_terms_as_its_docstring_says():
     layout = Layout(pp=2, dp_shard=4, tp=8)
     assert link_of(layout, ("tp",), h100) == h100.intra_node  # 8 consecutive ranks: one node
     assert link_of(layout, ("dp_shard",), h100) == h100.inter_node  # stride 8: across nodes
-    cfg = GPTConfig(vocab_size=512, block_size=64, n_layer=4, n_head=4, d_model=64)
+    # 8 heads: tp 8 splits them (the closed form runs the blocks at each rank's shapes)
+    cfg = GPTConfig(vocab_size=512, block_size=64, n_layer=4, n_head=8, d_model=64)
     with torch.device("meta"):
         reference = GPT(cfg)
     args = Config(pp_microbatches=4)

@@ -116,7 +116,7 @@ def test_a_given_layout_is_priced_even_when_it_does_not_fit_and_json_lists_the_d
     assert main(["--model", "llama3_8b", "--gpus", "8", "--dp_shard", "8"]) == 1
     out = capsys.readouterr().out
     assert "llama3_8b on 8 x h100_sxm, dp_shard 8: peak" in out and "does NOT fit: rank 0 (stage 0)" in out
-    assert "PREDICTED step" in out and "--world_size 8 --dp_shard 8" in out
+    assert "PREDICTED (fused kernels, flash attention) step" in out and "--world_size 8 --dp_shard 8" in out
     assert main(["--model", "llama3_8b", "--gpus", "8", "--json", "--top", "50"]) == 0
     layouts = json.loads(capsys.readouterr().out)
     steps = [row["step_s"] for row in layouts]
@@ -167,9 +167,10 @@ def test_an_interleaved_schedule_halves_the_bubble_and_a_refused_flag_is_one_lin
         main([*base, "--pp_schedule", schedule, "--json"])
         (row,) = json.loads(capsys.readouterr().out)
         assert row["pp_schedule"] == schedule
-    # 16 micro-batches on 16 stages: 1F1B's bubble 15 micro-batch times (15/16 of the work); two stages a rank, 7.5,
-    # but twice the sends (each chunk's output crosses to the next rank: 31 hops each way, not 15)
-    assert bubble["1f1b"][0] == pytest.approx(15 / 16, rel=0.1)
+    # 16 micro-batches on 16 stages: 1F1B's bubble 15 micro-batch times (15/16 of the work; the last stage, the
+    # slowest, its head and float32 loss over 128K words ~10 % more than another stage's work: 15/16 of the others'
+    # times over its own); two stages a rank, 7.5, but twice the sends (31 hops each way, not 15)
+    assert bubble["1f1b"][0] == pytest.approx(15 / 16 / 1.1, rel=0.1)
     assert bubble["interleaved_1f1b"][1] < 0.65 * bubble["1f1b"][1]
     main([*base, "--pp_schedule", "interleaved_1f1b"])
     out = capsys.readouterr().out

@@ -49,6 +49,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from common.config import UsageError, flag, parse_config, require, run_cli
 from common.gpt import GPTConfig, ModelFlags, count_parameters
 from common.hf_model import HFModelFlags, experts_of
+from planning.compute_ops import ATTENTION, KERNELS
 from planning.cost_model import model_flops_per_token, predict_step
 from planning.fake_ranks import meta_gpt
 from planning.hardware import hardware_names, load_hardware
@@ -91,6 +92,12 @@ class PlanArgs(HFModelFlags, ModelFlags):
                                    "wherever the strategies run it, but under --pp: there, priced when given)")  # fmt: skip
     reshard_after_forward: str = flag("default", "with a given layout's --dp_shard: as train_gpt's (default: ZeRO-3; "
                                       "under --pp never, as Llama 3 ran)", choices=RESHARD)  # fmt: skip
+    kernels: str = flag("fused", "the kernels the step is priced with (planning/compute_ops.py): fused (a norm, an "
+                        "activation, a rotary embedding one kernel each, no casts: Megatron-LM's and Meta's) or eager "
+                        "(the ops this project's modules dispatch, as a fake rank records them)", choices=KERNELS)  # fmt: skip
+    attention: str = flag("flash", "the attention kernel priced: flash (FlashAttention's: the masked half skipped, no "
+                          "score matrix) or materialised (before 2022: the scores a batched GEMM over the whole square, "
+                          "a fused scale-mask-softmax, a second GEMM; Megatron-LM 2021's)", choices=ATTENTION)  # fmt: skip
     json: bool = flag(False, "print the layouts that fit (a given layout: whether or not it fits) as JSON, fastest "
                       "first: layout (its degrees by name), tflops_per_gpu, mfu, step_s, peak_gib, fits")  # fmt: skip
 
@@ -237,7 +244,15 @@ def evaluate(
     if not fits and not price_all:  # listed by how far over it is: no step to predict
         return row | {"peak_bytes": memory[worst], "worst_rank": worst, "worst_stage": layout.coordinate(worst, "pp"),
                       "fits": False}  # fmt: skip
-    predicted = predict_step(stage_theories(reference, layout, flags, work), layout, flags, work, hardware)
+    predicted = predict_step(
+        stage_theories(reference, layout, flags, work),
+        layout,
+        flags,
+        work,
+        hardware,
+        kernels=args.kernels,
+        attention=args.attention,
+    )
     tflops = (  # the FLOPs a causal model needs (its attention's unmasked half): what the hardware can reach
         model_flops_per_token(cfg, causal=True)
         * predicted["global_tokens"]
@@ -273,7 +288,8 @@ def print_given(args: PlanArgs, row: dict, hardware) -> int:
                f"needs {row['peak_bytes'] / 2**30 - capacity:,.1f} GiB more than the {capacity:.0f} GiB a GPU has")  # fmt: skip
     print(ceiling(hardware, args.mixed_precision))
     print(f"{args.model} on {args.gpus:,} x {hardware.name}, {row['layout']}: peak {row['peak_bytes'] / 2**30:,.1f} "
-          f"GiB ({verdict}); PREDICTED step {row['step_s']:.3g} s, {row['tokens_per_s']:,.0f} tokens/s, "
+          f"GiB ({verdict}); PREDICTED ({args.kernels} kernels, {args.attention} attention) step {row['step_s']:.3g} s, "
+          f"{row['tokens_per_s']:,.0f} tokens/s, "
           f"{row['tflops_per_gpu']:.0f} TFLOP/s per GPU, MFU {row['mfu']:.0%}")  # fmt: skip
     print(f"check it at the real size: {at_scale_command(args, row)}")
     return 0 if row["fits"] else 1
@@ -340,7 +356,8 @@ def plan(args: PlanArgs) -> int:
     capacity = hardware.memory_bytes / 2**30
     print(f"{args.hf_config or args.model}: {count_parameters(reference):,} parameters, {cfg.block_size:,} tokens a sequence, "
           f"{args.global_batch:,} sequences a step, on {args.gpus:,} x {hardware.name} ({capacity:.0f} GiB each); "
-          f"{len(rows)} layouts considered, {len(fitting)} fit. Memory: theory and estimate; speed: PREDICTED")  # fmt: skip
+          f"{len(rows)} layouts considered, {len(fitting)} fit. Memory: theory and estimate; speed: PREDICTED "
+          f"({args.kernels} kernels, {args.attention} attention)")  # fmt: skip
     print(ceiling(hardware, args.mixed_precision))
     if fitting:
         print(f"\n{'layout':<62} {'micro-batches':>13} {'peak GiB':>8} {'step s':>8} {'tokens/s':>12} {'TFLOP/s':>8} "

@@ -1,0 +1,564 @@
+"""The closed form's compute: the op list a pipeline stage's rank runs in one micro-batch's forward and backward,
+made without a process group, so that the planner's thousands of layouts and at_scale's recorded ops are priced
+the same way, by one op model (planning/op_model.py's OpModel.phase_seconds).
+
+How. The model's own modules (common/gpt.py's Block, its embedding, its final norm, head and loss) are built on
+fake tensors at the rank's local shapes and run forward and backward under the planning/ops.OpRecorder a fake
+rank records with, in the run's precision (autocast over float32 weights; bf16 weights under FSDP's policy):
+  tp      each Linear holds its shard (q, k, v and the MLP's input split by output, o and the MLP's output by
+          input; the head by vocabulary, its logits gathered whole for the loss: strategies/tp.py);
+  cp      the rank's share of the tokens (a head and a tail chunk), its attention strategies/cp.py's (the fused
+          kernel per pair of chunks, merged by log-sum-exp), K and V gathered as concatenations;
+  sp      (tp's sequence parallelism) the norms and residual adds over T / tp tokens, the rest over T;
+  pp      the stage's blocks, the embedding on the first stage, the norm, head and loss on the last;
+  FSDP    its copies into and out of the all-gather and reduce-scatter buffers (torch.ops.fsdp, memory-bound),
+          in bytes of the parameters it gathers (the rule read off fake ranks at dp_shard 2 and 4, each copy a
+          multiple of the unsharded bf16 bytes B: copy-in B (2 + 2 / dp), split 3 B, the shard's cast 4 B / dp;
+          the gradients' chunk_cat 5 B);
+  full activation checkpointing: the backward runs each block's forward again, up to its last saved tensor.
+A block of a mixture of experts takes its MLP from the closed form (its routing needs values fake tensors do not
+hold): the router, the experts' grouped GEMMs over a uniform routing, the memory-bound rest.
+
+`kernels` says which kernels the run assumes:
+  eager   the ops our eager modules dispatch (RMSNorm as pow, mean, rsqrt and multiplies in float32; SwiGLU as
+          silu and a multiply; rope as a dozen ops; autocast's casts): what a fake rank records;
+  fused   what fused kernels run (Megatron-LM's and Meta's: a norm, an activation, a rotary embedding each one
+          kernel that reads its inputs and writes its outputs once; weights held in bf16, so no casts; a pipeline's
+          weight gradients accumulated in float32 by their GEMMs): each such module's eager ops replaced by one op
+          of those bytes.
+Not in the list: collectives (planning/communication.py), DTensor's and FSDP's Python (the op model's overheads, from
+a fake rank's counts only), the optimizer and clipping (per parameter: planning/cost_model.py).
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from collections import Counter
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from planning.ops import OpCall, OpRecorder
+
+KERNELS = ("eager", "fused")
+ATTENTION = ("flash", "materialised")
+FSDP_SPLIT, FSDP_GRADIENT_COPY = (
+    3,
+    5,
+)  # x the unsharded bf16 bytes (the module docstring; copy-in: B (2 + 2 / dp))
+
+
+def stage_ops(cfg, layout, args, work, rows: int, blocks: int, first: bool, last: bool, kernels: str = "eager",
+              gathered: tuple[int, int] = (0, 0), microbatches: int = 1,
+              attention: str = "flash") -> dict[str, list[tuple[OpCall, int]]]:  # fmt: skip
+    """{"forward": [(OpCall, count)], "backward": [...]}: one micro-batch of `rows` sequences on a rank of a stage
+    holding `blocks` blocks (and the ends `first` and `last` say). `gathered`: the bytes FSDP gathers for the stage
+    and for its blocks ((0, 0) without FSDP): all before the forward, the blocks' again before the backward (the
+    ends, the root's group, stay gathered); under a pipeline's `microbatches`, once a step, a micro-batch's share.
+    `attention`: the attention kernel (flash, or materialised: _materialised)."""
+    if kernels not in KERNELS or attention not in ATTENTION:
+        raise ValueError(f"kernels {kernels!r}, attention {attention!r}: one of {KERNELS} and of {ATTENTION}")
+    bf16_weights = work.mixed_precision == "bf16" and bool(layout.shard_dims)
+    autocast = work.mixed_precision == "bf16" and not bf16_weights
+    key = (_shape_key(cfg), rows, layout.tp, layout.cp, bool(getattr(args, "sequence_parallel", False)), layout.ep,
+           autocast, bf16_weights, kernels)  # fmt: skip
+    # a fake rank's data-parallel ranks (FSDP, or PyTorch's replicate for DDP) hold parameters that are no leaves
+    wrapped = layout.world_size // (layout.tp * layout.pp * layout.ep) > 1
+    block, ends = _block_ops(*key), _ends_ops(*key, first, last, wrapped)
+    recompute = getattr(args, "activation_checkpointing", "none") == "full"
+    phases = {}
+    for phase in ("forward", "backward"):
+        counts = Counter()
+        for call, n in block[phase]:
+            counts[call] += n * blocks
+        if phase == "backward" and recompute:
+            for call, n in _recomputed(block["forward"], cfg, rows, layout, args, work):
+                counts[call] += n * blocks
+        for call, n in ends[phase]:
+            counts[call] += n
+        phases[phase] = counts
+    if gathered[0]:
+        if layout.pp > 1:
+            fused_accumulation = kernels == "fused"
+            _add_fsdp_copies_pipelined(
+                phases, gathered[0], layout.size(layout.shard_dims), microbatches, fused_accumulation
+            )
+        else:
+            # the backward gathers again what the forward resharded: the blocks (ZeRO-3, the default), every unit
+            # (always), nothing (never: ZeRO-2)
+            reshard = getattr(args, "reshard_after_forward", "default")
+            again = {"default": gathered[1], "always": gathered[0], "never": 0}[reshard]
+            _add_fsdp_copies(phases, gathered[0], again, layout.size(layout.shard_dims))
+    if attention == "materialised":
+        phases = {phase: _materialised(counts) for phase, counts in phases.items()}
+    return {phase: list(counts.items()) for phase, counts in phases.items()}
+
+
+def _materialised(counts: Counter) -> Counter:
+    """Each attention call as the kernels before FlashAttention (Dao et al. 2022) ran it (Megatron-LM 2021,
+    Narayanan et al. section 4.2: a fused scale-mask-softmax kernel between two strided batched GEMMs): the
+    scores Q K^T a GEMM over the whole square (the masked half computed too), the softmax reading the scores and
+    writing the probabilities, P V a GEMM; the backward's four GEMMs (dV = P^T dO, dP = dO V^T, dQ = dS K,
+    dK = dS^T Q) from the saved probabilities (nothing recomputed) and the softmax's backward (P and dP read, dS
+    written). Attention dropout left out."""
+    out = Counter()
+    for call, n in counts.items():
+        if call.kind != "attention":
+            out[call] += n
+            continue
+        heads, q, k, w = call.shape
+        e, flops = (2 if call.dtype in ("bfloat16", "float16") else 4), 2.0 * heads * q * k * w
+
+        gemm = functools.partial(_batched_gemm, call.dtype, e, heads, flops)
+        scores = e * heads * q * k
+        if call.backward:
+            ops = [gemm(heads * k, q, w), gemm(heads * q, w, k), gemm(heads * q, k, w), gemm(heads * k, q, w),
+                   OpCall("softmax_backward", "memory", call.dtype, (), 0.0, 3 * scores)]  # fmt: skip
+        else:
+            ops = [gemm(heads * q, w, k), gemm(heads * q, k, w),
+                   OpCall("scaled_masked_softmax", "memory", call.dtype, (), 0.0, 2 * scores)]  # fmt: skip
+        for op in ops:
+            out[op] += n
+    return out
+
+
+def _batched_gemm(dtype: str, e: int, heads: int, flops: float, m: int, inner: int, cols: int) -> OpCall:
+    """A batched GEMM of `heads` matrices, m rows in all (its operands and output, e bytes an element)."""
+    return OpCall(
+        "bmm", "gemm", dtype, (m, inner, cols), flops, e * (m * inner + heads * inner * cols + m * cols)
+    )
+
+
+def fsdp_gathered(held: list, layout, work) -> tuple[int, int]:
+    """What FSDP gathers for a stage and for its blocks, in bytes (stage_ops' `gathered`): the parameters the
+    stage's rank holds before data parallelism (a Theory's `held`), in the dtype FSDP gathers them, less the
+    experts ep splits (FSDP leaves them out); (0, 0) without FSDP."""
+    if not layout.shard_dims:
+        return 0, 0
+    element = 2 if work.mixed_precision == "bf16" else 4
+    kept = [(name, math.prod(shape)) for name, shape in held if not (layout.ep > 1 and ".mlp.w_" in name)]
+    return (
+        sum(n for _, n in kept) * element,
+        sum(n for name, n in kept if name.startswith("blocks.")) * element,
+    )
+
+
+def _recomputed(forward: list, cfg, rows: int, layout, args, work) -> list:
+    """The forward a checkpointed block runs again in its backward: all of it but its MLP's output matmul and the
+    residual add after it, whose outputs nothing saved needs (torch.utils.checkpoint stops its recompute at the
+    last saved tensor: measured on fake ranks)."""
+    sp = layout.tp if getattr(args, "sequence_parallel", False) else 1
+    tokens = rows * cfg.block_size // layout.cp
+    stream = 2 if work.mixed_precision == "bf16" and layout.shard_dims else 4
+    branch = 2 if work.mixed_precision == "bf16" else 4
+    last_matmul = (tokens, cfg.hidden // layout.tp, cfg.d_model)
+    residual_add = (2 * stream + branch) * tokens // sp * cfg.d_model
+    skipped = [next((c for c, _ in forward if c.kind == "gemm" and c.shape == last_matmul), None),
+               next((c for c, _ in forward if c.name == "add" and c.bytes == residual_add), None)]  # fmt: skip
+    # a MoE's MLP is the closed form's (not traced): its recompute is left whole
+    if cfg.n_experts:
+        skipped = []
+    return [(c, n - skipped.count(c)) for c, n in forward if n - skipped.count(c) > 0]
+
+
+def _add_fsdp_copies(phases: dict, gathered: int, again: int, shards: int) -> None:
+    """FSDP's copies per micro-batch: an unshard before the forward and, before the backward, of what it resharded
+    after the forward (`again` bytes), the gradients' copy into the reduce-scatter's buffer. Fused or not: FSDP's."""
+    for phase, b in (("forward", gathered), ("backward", again)):
+        if not b:
+            continue
+        for name, moved in (("all_gather_copy_in", b * (2 + 2 / shards)), ("split_with_sizes_copy", FSDP_SPLIT * b),
+                            ("_foreach_copy_", 4 * b / shards)):  # fmt: skip
+            phases[phase][OpCall(name, "memory", "bfloat16", (), 0.0, int(moved))] += 1
+    phases["backward"][OpCall("chunk_cat", "memory", "bfloat16", (), 0.0, FSDP_GRADIENT_COPY * gathered)] += 1
+
+
+def _add_fsdp_copies_pipelined(
+    phases: dict, gathered: int, shards: int, m: int, fused_accumulation: bool
+) -> None:
+    """FSDP under a pipeline (read off fake ranks at 2 and 4 micro-batches): one unshard a step, before the first
+    forward (it reshards after the last backward); the first micro-batch's gradients cast to float32 (3 B), each
+    later one's added into that float32 sum (add_: 5 B), one reduce-scatter's float32 copy-in (6 B); B the
+    unsharded bf16 bytes. Per micro-batch: a step's over m. With fused kernels the weight-gradient GEMMs
+    accumulate into the float32 sum themselves (Megatron-LM's gradient_accumulation_fusion): no cast, no add_."""
+    b = gathered
+    for name, moved in (("all_gather_copy_in", b * (2 + 2 / shards)), ("split_with_sizes_copy", FSDP_SPLIT * b),
+                        ("_foreach_copy_", 4 * b / shards)):  # fmt: skip
+        phases["forward"][OpCall(name, "memory", "bfloat16", (), 0.0, int(moved / m))] += 1
+    accumulated = 0 if fused_accumulation else 1
+    for name, dtype, moved in (("_to_copy", "bfloat16", 3 * b * accumulated), ("add_", "float32", 5 * b * (m - 1) *
+                               accumulated), ("chunk_cat", "float32", 6 * b)):  # fmt: skip
+        if moved:
+            phases["backward"][OpCall(name, "memory", dtype, (), 0.0, int(moved / m))] += 1
+
+
+def _shape_key(cfg) -> tuple:
+    return (cfg.vocab_size, cfg.block_size, cfg.n_head, cfg.d_model, cfg.kv_heads, cfg.hidden, cfg.mlp, cfg.norm,
+            cfg.positions, cfg.bias, cfg.tie_weights, cfg.rope_theta, cfg.n_experts, cfg.top_k,
+            cfg.n_shared_experts)  # fmt: skip
+
+
+def _config(shape: tuple):
+    from common.gpt import GPTConfig
+
+    (vocab, block_size, n_head, d, kv, hidden, mlp, norm, positions, bias, tie, theta, experts, top_k,
+     shared) = shape  # fmt: skip
+    return GPTConfig(vocab_size=vocab, block_size=block_size, n_layer=1, n_head=n_head, d_model=d,
+                     n_kv_head=kv, d_ff=hidden, mlp=mlp, norm=norm, positions=positions, bias=bias,
+                     tie_weights=tie, rope_theta=theta, n_experts=experts, top_k=top_k,
+                     n_shared_experts=shared)  # fmt: skip
+
+
+def _shard(linear: nn.Linear, out_parts: int = 1, in_parts: int = 1) -> None:
+    """The Linear's tp shard: its weight (out, in) split by output (column-parallel) or by input (row-parallel)."""
+    out_features, in_features = linear.weight.shape
+    dtype = linear.weight.dtype
+    linear.weight = nn.Parameter(torch.empty(out_features // out_parts, in_features // in_parts, dtype=dtype))
+    if linear.bias is not None and out_parts > 1:
+        linear.bias = nn.Parameter(torch.empty(out_features // out_parts, dtype=dtype))
+
+
+def _built(make, dtype):
+    """`make()`'s module with its parameters in `dtype` (fake tensors cannot be converted after)."""
+    default = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        return make()
+    finally:
+        torch.set_default_dtype(default)
+
+
+def _record(run, autocast: bool) -> dict[str, Counter]:
+    """`run(recorder)`'s ops on fake tensors, as a fake rank records them; `run` sets the phase."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    with FakeTensorMode(allow_non_fake_inputs=True), OpRecorder() as recorder:
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+            run(recorder)
+    return recorder.calls
+
+
+def _dense(calls: dict[str, Counter]) -> dict[str, list]:
+    return {phase: [(c, n) for c, n in calls.get(phase, Counter()).items() if c.kind != "view"]
+            for phase in ("forward", "backward")}  # fmt: skip
+
+
+@functools.lru_cache(maxsize=256)
+def _block_ops(shape, rows, tp, cp, sp, ep, autocast, bf16_weights, kernels) -> dict[str, list]:
+    """One block's ops, forward and backward, at the rank's shapes (the module docstring)."""
+    from common.gpt import Block
+
+    cfg = _config(shape)
+    weights = torch.bfloat16 if bf16_weights else torch.float32
+    tokens, sp_tokens = cfg.block_size // cp, cfg.block_size // cp // (tp if sp else 1)
+
+    def run(recorder):
+        with torch.device("cpu"):
+            block = _built(lambda: Block(cfg if not cfg.n_experts else _dense_stand_in(cfg)), weights)
+        attn, mlp = block.attn, block.mlp
+        for lin in (
+            attn.q_proj,
+            attn.k_proj,
+            attn.v_proj,
+            mlp.fc_in,
+            *([mlp.fc_gate] if mlp.fc_gate else []),
+        ):
+            _shard(lin, out_parts=tp)
+        for lin in (attn.o_proj, mlp.fc_out):
+            _shard(lin, in_parts=tp)
+        if cp > 1:
+            attn.attend, attn.positions = _context_parallel_attention(cp), _chunk_positions(cp)
+        recorder.calls.clear()  # the modules' construction is not the step
+        x = torch.empty(rows, sp_tokens, cfg.d_model, dtype=weights, requires_grad=True)
+        out = _block_forward(block, x, tp if sp else 1, cfg.n_experts > 0)
+        recorder.phase = "backward"
+        out.backward(torch.empty_like(out))
+
+    calls = _dense(_record(run, autocast))
+    if cp > 1:  # the K and V all-gathers' backward: each gradient laid out for its reduce-scatter (a cat)
+        kv = rows * cfg.kv_heads // tp * cfg.block_size * (cfg.d_model // cfg.n_head)
+        element = 2 if (autocast or bf16_weights) else 4
+        calls["backward"] = calls["backward"] + [(OpCall("cat", "memory", str(weights if element == 4 else
+                                                  torch.bfloat16).removeprefix("torch."), (), 0.0,
+                                                  2 * element * kv), 2)]  # fmt: skip
+    if cfg.n_experts:
+        calls = _with_moe_mlp(calls, cfg, ep, rows * tokens, weights, autocast)
+    if kernels == "fused":
+        calls = _fused(calls, cfg, rows, tokens, sp_tokens, tp, weights, autocast)
+    return calls
+
+
+def _block_forward(block, x, sequence_split: int, moe: bool):
+    """Block.forward, with sequence parallelism's gathers (the tokens' shards concatenated) and scatters (this
+    rank's shard kept) around the attention and the MLP; a MoE block's MLP left to _with_moe_mlp."""
+
+    def gathered(h):
+        # the other ranks' shards are new tensors (a collective's output): no gradient summed over them
+        others = [torch.empty_like(h) for _ in range(sequence_split - 1)]
+        return torch.cat([h, *others], dim=1) if sequence_split > 1 else h
+
+    def scattered(h):
+        return h.narrow(1, 0, h.shape[1] // sequence_split) if sequence_split > 1 else h
+
+    x = x + scattered(block.attn(gathered(block.ln_1(x))))
+    h = block.ln_2(x)
+    return x + (h if moe else scattered(block.mlp(gathered(h))))
+
+
+def _dense_stand_in(cfg):
+    """A MoE block's attention and norms, its MLP a zero-width dense one (the experts' are priced apart)."""
+    import dataclasses
+
+    return dataclasses.replace(cfg, n_experts=0, n_shared_experts=0, d_ff=cfg.hidden)
+
+
+def _context_parallel_attention(cp: int):
+    """strategies/cp.py's attention of the first cp rank (each holds a head and a tail chunk: the same work), its
+    all-gathers of K and V the rank's own chunks beside new tensors (a collective's output: no gradient summed)."""
+    from common.gpt import grouped
+    from strategies.cp import ChunkedAttention, chunks_of, plan_for
+
+    mine, holders = chunks_of(0, cp, True), [chunks_of(r, cp, True) for r in range(cp)]
+
+    def attend(q, k, v):
+        gathered = [
+            torch.cat([t.contiguous(), *(torch.empty_like(t) for _ in range(cp - 1))], dim=2) for t in (k, v)
+        ]
+        k_all, v_all = grouped(q, gathered[0]), grouped(q, gathered[1])
+        return ChunkedAttention.apply(
+            q.contiguous(), k_all, v_all, plan_for(mine, holders, q.shape[2] // 2), False
+        )
+
+    return attend
+
+
+def _chunk_positions(cp: int):
+    from strategies.cp import ChunkPositions, chunks_of
+
+    return ChunkPositions(chunks_of(0, cp, True))
+
+
+@functools.lru_cache(maxsize=256)
+def _ends_ops(
+    shape, rows, tp, cp, sp, ep, autocast, bf16_weights, kernels, first, last, wrapped
+) -> dict[str, list]:
+    """The first stage's embedding (and learned positions), the last stage's norm, head and loss: the GPT's own
+    modules, the embedding and the head split by vocabulary under tp, the logits gathered whole for the loss."""
+    from common.gpt import GPT, lm_loss
+
+    cfg = _config(shape)
+    weights = torch.bfloat16 if bf16_weights else torch.float32
+    tokens = cfg.block_size // cp
+    if not (first or last):
+        return {"forward": [], "backward": []}
+
+    def run(recorder):
+        import dataclasses
+
+        with torch.device("cpu"):
+            gpt = _built(lambda: GPT(dataclasses.replace(cfg, n_layer=0)), weights)
+        # a tied head without tp keeps its tie where a fake rank's data-parallel wrapping (FSDP, replicate) makes
+        # the weight no leaf, so that autograd sums its two gradients in an add (a plain rank's recorded none)
+        if tp > 1 or not wrapped:
+            _shard(gpt.head, out_parts=tp)
+            gpt.tok_emb.weight = nn.Parameter(
+                torch.empty(-(-cfg.vocab_size // tp), cfg.d_model, dtype=weights)
+            )
+        recorder.calls.clear()
+        if first:
+            x = gpt.tok_emb(torch.zeros(rows, tokens, dtype=torch.long))
+            if gpt.pos_emb is not None:
+                x = x + gpt.pos_emb(torch.arange(tokens))
+        else:
+            x = torch.empty(rows, tokens, cfg.d_model, dtype=weights, requires_grad=True)
+        if last:
+            logits = gpt.head(gpt.ln_f(x))
+            others = [torch.empty_like(logits) for _ in range(tp - 1)]  # the other ranks' shards
+            logits = torch.cat([logits, *others], dim=-1) if tp > 1 else logits
+            out = lm_loss(logits, torch.zeros(rows, tokens, dtype=torch.long))
+        else:
+            out = x
+        recorder.phase = "backward"
+        out.backward(torch.empty_like(out) if out.dim() else None)
+
+    calls = _dense(_record(run, autocast))
+    for phase, ops in _vocabulary_parallel_ops(
+        cfg, rows * tokens, tp, first, last, weights, autocast
+    ).items():
+        calls[phase] = calls[phase] + [(op, 1) for op in ops]
+    if kernels == "fused" and last:
+        calls = _fused_norm_only(calls, cfg, rows * tokens, weights)
+    return calls
+
+
+def _vocabulary_parallel_ops(
+    cfg, tokens: int, tp: int, first: bool, last: bool, weights, autocast: bool
+) -> dict:
+    """What tp's vocabulary split adds to the plain modules traced (strategies/tp.py, as a fake rank records it):
+    the embedding's lookups outside the rank's rows zeroed (index_put_, forward), and its backward handing the
+    whole vocabulary's gradient (DTensor's choice: tp.align_gradients slices it after) where the plain one writes
+    the rank's rows; the gathered logits' gradient cut back to the rank's shard (a clone); a tied weight's
+    gradient sliced (a clone) and summed with the head's."""
+    ops = {"forward": [], "backward": []}
+    if tp == 1:
+        return ops
+    e, d = weights.itemsize, cfg.d_model
+    dtype, logits_e = str(weights).removeprefix("torch."), 2 if (autocast or weights == torch.bfloat16) else 4
+    shard = math.ceil(cfg.vocab_size / tp)
+    if first:
+        ops["forward"].append(OpCall("index_put_", "memory", dtype, (), 0.0, 2 * e * tokens * d + tokens + e))
+        whole = (cfg.vocab_size - shard) * d * e  # the rows beyond the rank's, written by the backward too
+        ops["backward"].append(OpCall("embedding_dense_backward", "memory", dtype, (), 0.0, whole))
+    if last:
+        logits = "bfloat16" if logits_e == 2 else "float32"
+        ops["backward"].append(OpCall("clone", "memory", logits, (), 0.0, 2 * logits_e * tokens * shard))
+    if first and last and cfg.tie_weights:
+        ops["backward"].append(OpCall("clone", "memory", dtype, (), 0.0, 2 * e * shard * d))
+        ops["backward"].append(OpCall("add", "memory", dtype, (), 0.0, 3 * e * shard * d))
+    return ops
+
+
+def _module_ops(build_and_run, autocast: bool) -> dict[str, Counter]:
+    """The ops of a module run alone (forward, then backward from an empty gradient): what _fused takes out of a
+    block's eager list to put its fused kernel in. `build_and_run()` builds its inputs and returns the output."""
+
+    def run(recorder):
+        out = build_and_run(recorder)
+        recorder.phase = "backward"
+        out.backward(torch.empty_like(out))
+
+    return _record(run, autocast)
+
+
+def _fused(
+    calls: dict, cfg, rows: int, tokens: int, sp_tokens: int, tp: int, weights, autocast: bool
+) -> dict:
+    """The block's eager list with its norms, its MLP's activation and its rotary embedding each one kernel (its
+    inputs read and its outputs written once, forward and backward), and no casts (the module docstring)."""
+    from common.gpt import norm, rotate
+
+    compute = torch.bfloat16 if (autocast or weights == torch.bfloat16) else torch.float32
+    e_stream, e = (2 if weights == torch.bfloat16 else 4), (2 if compute == torch.bfloat16 else 4)
+    d, hidden, head_dim = cfg.d_model, cfg.hidden // tp, cfg.d_model // cfg.n_head
+    eager, fused = Counter(), Counter()  # (phase, OpCall) -> count
+
+    def leaf(*shape, dtype):
+        return torch.empty(*shape, dtype=dtype, requires_grad=True)
+
+    def take_out(ops: dict, times: int = 1) -> None:
+        for phase, counts in ops.items():
+            for call, n in counts.items():
+                if call.kind != "view":
+                    eager[phase, call] += n * times
+
+    def add(name: str, forward_bytes: float, backward_bytes: float, times: int = 1) -> None:
+        dtype = str(compute).removeprefix("torch.")
+        fused["forward", OpCall(name, "memory", dtype, (), 0.0, int(forward_bytes))] += times
+        fused["backward", OpCall(name + "_backward", "memory", dtype, (), 0.0, int(backward_bytes))] += times
+
+    def norm_alone(recorder):
+        module = _built(lambda: norm(cfg), weights)
+        x = leaf(rows, sp_tokens, d, dtype=weights)
+        recorder.calls.clear()
+        return module(x)
+
+    take_out(_module_ops(norm_alone, autocast), times=2)
+    norm_weights = e_stream * d * (1 if cfg.norm == "rmsnorm" else 2)
+    add("fused_norm", e_stream * 2 * rows * sp_tokens * d + norm_weights, e_stream * 3 * rows * sp_tokens * d
+        + 2 * norm_weights, times=2)  # fmt: skip
+
+    def activation_alone(recorder):
+        gate, up = leaf(rows, tokens, hidden, dtype=compute), leaf(rows, tokens, hidden, dtype=compute)
+        recorder.calls.clear()
+        return F.silu(gate) * up if cfg.mlp == "swiglu" else F.gelu(up)
+
+    if not cfg.n_experts:
+        take_out(_module_ops(activation_alone, autocast))
+        reads = 2 if cfg.mlp == "swiglu" else 1
+        add(
+            f"fused_{cfg.mlp}",
+            e * (reads + 1) * rows * tokens * hidden,
+            e * (2 * reads + 1) * rows * tokens * hidden,
+        )
+    if cfg.positions == "rope":
+        for heads in (cfg.n_head // tp, cfg.kv_heads // tp):
+
+            def rope_alone(recorder, heads=heads):
+                x, positions = leaf(rows, heads, tokens, head_dim, dtype=compute), torch.arange(tokens)
+                recorder.calls.clear()
+                return rotate(x, positions, cfg.rope_theta)
+
+            take_out(_module_ops(rope_alone, autocast))
+            size = rows * heads * tokens * head_dim
+            add("fused_rope", e * 2 * size, e * 2 * size)
+    out = {}
+    for phase, ops in calls.items():
+        counts = Counter({c: n for c, n in ops if c.name != "_to_copy"})
+        counts.subtract({c: n for (p, c), n in eager.items() if p == phase and c.name != "_to_copy"})
+        counts.update({c: n for (p, c), n in fused.items() if p == phase})
+        out[phase] = [(c, n) for c, n in counts.items() if n > 0]
+    return out
+
+
+def _fused_norm_only(calls: dict, cfg, tokens: int, weights) -> dict:
+    """The last stage's final norm one kernel and no casts (the loss's float32 upcast fused into it)."""
+    e = 2 if weights == torch.bfloat16 else 4
+    norm_weights = e * cfg.d_model * (1 if cfg.norm == "rmsnorm" else 2)
+    norm_names = ("native_layer_norm", "native_layer_norm_backward") if cfg.norm == "layernorm" else ()
+    out = {}
+    for phase, ops in calls.items():
+        kept = [(c, n) for c, n in ops if c.name != "_to_copy" and c.name not in norm_names]
+        dtype = str(weights).removeprefix("torch.")
+        moved = e * (2 if phase == "forward" else 3) * tokens * cfg.d_model + norm_weights * (
+            1 if phase == "forward" else 2
+        )
+        out[phase] = kept + [(OpCall("fused_norm", "memory", dtype, (), 0.0, int(moved)), 1)]
+    return out
+
+
+def _with_moe_mlp(calls: dict, cfg, ep: int, tokens: int, weights, autocast: bool) -> dict:
+    """A MoE block's MLP as ops (strategies/ep.uniform_routing's even shares; common/moe.py's grouped GEMMs), whole
+    on every tp rank (strategies/tp.py leaves it so): the router's matmul, the experts' matrices each a grouped GEMM
+    over the tokens x top_k rows a rank receives (its E / ep experts' weights), the shared experts' matmuls; in the
+    backward each GEMM's input and weight gradients (dX: m n k; dW: k m n); the memory-bound rest (the activation
+    over the rows' hidden width; each row gathered in expert order, weighed and added back: 9 reads and writes of
+    d). Under ep the experts stay float32 beside FSDP's bf16 (it ignores them): cast each micro-batch, both ways."""
+    e = 2 if (autocast or weights == torch.bfloat16) else 4
+    dtype = "bfloat16" if e == 2 else "float32"
+    d, hidden, rows, local = cfg.d_model, cfg.hidden, tokens * cfg.top_k, cfg.n_experts // ep
+    up = 2 if cfg.mlp == "swiglu" else 1  # gate and up, or up; then down
+
+    def gemm(name, m, k, n, weight_elements):
+        offsets = 4 * local if name == "_grouped_mm" else 0  # each expert's end row, int32
+        return OpCall(
+            name, "gemm", dtype, (m, k, n), 2.0 * m * k * n, e * (m * k + weight_elements + m * n) + offsets
+        )
+
+    def backward_of(call: OpCall) -> list:
+        """dX (m, n, k) and dW (k, m, n): the forward's operands' sizes, permuted (its bytes)."""
+        m, k, n = call.shape
+        return [
+            OpCall(call.name, "gemm", dtype, shape, call.flops, call.bytes)
+            for shape in ((m, n, k), (k, m, n))
+        ]
+
+    forward = [(gemm("mm", tokens, d, cfg.n_experts, d * cfg.n_experts), 1),
+               (gemm("_grouped_mm", rows, d, hidden, local * d * hidden), up),
+               (gemm("_grouped_mm", rows, hidden, d, local * d * hidden), 1)]  # fmt: skip
+    shared = cfg.n_shared_experts * hidden
+    if shared:
+        forward += [
+            (gemm("mm", tokens, d, shared, d * shared), up),
+            (gemm("mm", tokens, shared, d, d * shared), 1),
+        ]
+    backward = [(b, n) for c, n in forward for b in backward_of(c)]
+    activation = {"gelu": 2, "swiglu": 5}[cfg.mlp] * (rows * hidden + tokens * shared)
+    rest = OpCall("moe_rest", "memory", dtype, (), 0.0, e * (activation + 9 * rows * d))
+    forward, backward = forward + [(rest, 1)], backward + [(rest, 2)]
+    if e == 2 and (weights == torch.float32 or ep > 1):
+        cast = 6 * local * (up + 1) * d * hidden
+        forward.append((OpCall("_to_copy", "memory", "float32", (), 0.0, cast), 1))
+        backward.append((OpCall("_to_copy", "memory", "bfloat16", (), 0.0, cast), 1))
+    return {"forward": calls["forward"] + forward, "backward": calls["backward"] + backward}
