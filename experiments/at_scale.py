@@ -58,10 +58,10 @@ from common.config import RunArgs, flag, parse_config, require, run_cli
 from common.gpt import GPTConfig, ModelFlags, count_parameters
 from common.hf_model import HFModelFlags, experts_of
 from common.run import start_run
-from planning.compute_ops import ATTENTION
 from planning.cost_model import model_flops_per_token, predict_step
 from planning.fake_ranks import every_stage, meta_gpt, ranks_that_differ, run_ranks
 from planning.hardware import hardware_names, load_hardware
+from planning.kernels import ATTENTION
 from planning.published import MODELS, PUBLISHED_RUNS, model_named
 from strategies.args import ParallelArgs
 from strategies.layout import DIMS, Layout, Workload

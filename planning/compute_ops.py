@@ -19,13 +19,14 @@ rank records with, in the run's precision (autocast over float32 weights; bf16 w
 A block of a mixture of experts takes its MLP from the closed form (its routing needs values fake tensors do not
 hold): the router, the experts' grouped GEMMs over a uniform routing, the memory-bound rest.
 
-`kernels` says which kernels the run assumes:
+`kernels` says which kernels the run assumes (planning/kernels.py):
   eager   the ops our eager modules dispatch (RMSNorm as pow, mean, rsqrt and multiplies in float32; SwiGLU as
           silu and a multiply; rope as a dozen ops; autocast's casts): what a fake rank records;
   fused   what fused kernels run (Megatron-LM's and Meta's: a norm, an activation, a rotary embedding each one
           kernel that reads its inputs and writes its outputs once; weights held in bf16, so no casts; a pipeline's
           weight gradients accumulated in float32 by their GEMMs): each such module's eager ops replaced by one op
-          of those bytes.
+          of those bytes;
+and `attention` which attention kernel: flash (the ranks') or materialised (before FlashAttention).
 Not in the list: collectives (planning/communication.py), DTensor's and FSDP's Python (the op model's overheads, from
 a fake rank's counts only), the optimizer and clipping (per parameter: planning/cost_model.py).
 """
@@ -37,17 +38,14 @@ import math
 from collections import Counter
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
-from planning.ops import OpCall, OpRecorder
+from planning.kernels import ATTENTION, KERNELS, fused, fused_final_norm, materialised
+from planning.ops import OpCall
+from planning.tracing import built, dense, record
 
-KERNELS = ("eager", "fused")
-ATTENTION = ("flash", "materialised")
-FSDP_SPLIT, FSDP_GRADIENT_COPY = (
-    3,
-    5,
-)  # x the unsharded bf16 bytes (the module docstring; copy-in: B (2 + 2 / dp))
+# FSDP's split and gradient copies, x the unsharded bf16 bytes (the module docstring; its copy-in: B (2 + 2 / dp))
+FSDP_SPLIT, FSDP_GRADIENT_COPY = 3, 5
 
 
 def stage_ops(cfg, layout, args, work, rows: int, blocks: int, first: bool, last: bool, kernels: str = "eager",
@@ -92,43 +90,8 @@ def stage_ops(cfg, layout, args, work, rows: int, blocks: int, first: bool, last
             again = {"default": gathered[1], "always": gathered[0], "never": 0}[reshard]
             _add_fsdp_copies(phases, gathered[0], again, layout.size(layout.shard_dims))
     if attention == "materialised":
-        phases = {phase: _materialised(counts) for phase, counts in phases.items()}
+        phases = {phase: materialised(counts) for phase, counts in phases.items()}
     return {phase: list(counts.items()) for phase, counts in phases.items()}
-
-
-def _materialised(counts: Counter) -> Counter:
-    """Each attention call as the kernels before FlashAttention (Dao et al. 2022) ran it (Megatron-LM 2021,
-    Narayanan et al. section 4.2: a fused scale-mask-softmax kernel between two strided batched GEMMs): the
-    scores Q K^T a GEMM over the whole square (the masked half computed too), the softmax reading the scores and
-    writing the probabilities, P V a GEMM; the backward's four GEMMs (dV = P^T dO, dP = dO V^T, dQ = dS K,
-    dK = dS^T Q) from the saved probabilities (nothing recomputed) and the softmax's backward (P and dP read, dS
-    written). Attention dropout left out."""
-    out = Counter()
-    for call, n in counts.items():
-        if call.kind != "attention":
-            out[call] += n
-            continue
-        heads, q, k, w = call.shape
-        e, flops = (2 if call.dtype in ("bfloat16", "float16") else 4), 2.0 * heads * q * k * w
-
-        gemm = functools.partial(_batched_gemm, call.dtype, e, heads, flops)
-        scores = e * heads * q * k
-        if call.backward:
-            ops = [gemm(heads * k, q, w), gemm(heads * q, w, k), gemm(heads * q, k, w), gemm(heads * k, q, w),
-                   OpCall("softmax_backward", "memory", call.dtype, (), 0.0, 3 * scores)]  # fmt: skip
-        else:
-            ops = [gemm(heads * q, w, k), gemm(heads * q, k, w),
-                   OpCall("scaled_masked_softmax", "memory", call.dtype, (), 0.0, 2 * scores)]  # fmt: skip
-        for op in ops:
-            out[op] += n
-    return out
-
-
-def _batched_gemm(dtype: str, e: int, heads: int, flops: float, m: int, inner: int, cols: int) -> OpCall:
-    """A batched GEMM of `heads` matrices, m rows in all (its operands and output, e bytes an element)."""
-    return OpCall(
-        "bmm", "gemm", dtype, (m, inner, cols), flops, e * (m * inner + heads * inner * cols + m * cols)
-    )
 
 
 def fsdp_gathered(held: list, layout, work) -> tuple[int, int]:
@@ -220,31 +183,6 @@ def _shard(linear: nn.Linear, out_parts: int = 1, in_parts: int = 1) -> None:
         linear.bias = nn.Parameter(torch.empty(out_features // out_parts, dtype=dtype))
 
 
-def _built(make, dtype):
-    """`make()`'s module with its parameters in `dtype` (fake tensors cannot be converted after)."""
-    default = torch.get_default_dtype()
-    torch.set_default_dtype(dtype)
-    try:
-        return make()
-    finally:
-        torch.set_default_dtype(default)
-
-
-def _record(run, autocast: bool) -> dict[str, Counter]:
-    """`run(recorder)`'s ops on fake tensors, as a fake rank records them; `run` sets the phase."""
-    from torch._subclasses.fake_tensor import FakeTensorMode
-
-    with FakeTensorMode(allow_non_fake_inputs=True), OpRecorder() as recorder:
-        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
-            run(recorder)
-    return recorder.calls
-
-
-def _dense(calls: dict[str, Counter]) -> dict[str, list]:
-    return {phase: [(c, n) for c, n in calls.get(phase, Counter()).items() if c.kind != "view"]
-            for phase in ("forward", "backward")}  # fmt: skip
-
-
 @functools.lru_cache(maxsize=256)
 def _block_ops(shape, rows, tp, cp, sp, ep, autocast, bf16_weights, kernels) -> dict[str, list]:
     """One block's ops, forward and backward, at the rank's shapes (the module docstring)."""
@@ -256,7 +194,7 @@ def _block_ops(shape, rows, tp, cp, sp, ep, autocast, bf16_weights, kernels) -> 
 
     def run(recorder):
         with torch.device("cpu"):
-            block = _built(lambda: Block(cfg if not cfg.n_experts else _dense_stand_in(cfg)), weights)
+            block = built(lambda: Block(cfg if not cfg.n_experts else _dense_stand_in(cfg)), weights)
         attn, mlp = block.attn, block.mlp
         for lin in (
             attn.q_proj,
@@ -276,7 +214,7 @@ def _block_ops(shape, rows, tp, cp, sp, ep, autocast, bf16_weights, kernels) -> 
         recorder.phase = "backward"
         out.backward(torch.empty_like(out))
 
-    calls = _dense(_record(run, autocast))
+    calls = dense(record(run, autocast))
     if cp > 1:  # the K and V all-gathers' backward: each gradient laid out for its reduce-scatter (a cat)
         kv = rows * cfg.kv_heads // tp * cfg.block_size * (cfg.d_model // cfg.n_head)
         element = 2 if (autocast or bf16_weights) else 4
@@ -286,7 +224,7 @@ def _block_ops(shape, rows, tp, cp, sp, ep, autocast, bf16_weights, kernels) -> 
     if cfg.n_experts:
         calls = _with_moe_mlp(calls, cfg, ep, rows * tokens, weights, autocast)
     if kernels == "fused":
-        calls = _fused(calls, cfg, rows, tokens, sp_tokens, tp, weights, autocast)
+        calls = fused(calls, cfg, rows, tokens, sp_tokens, tp, weights, autocast)
     return calls
 
 
@@ -358,7 +296,7 @@ def _ends_ops(
         import dataclasses
 
         with torch.device("cpu"):
-            gpt = _built(lambda: GPT(dataclasses.replace(cfg, n_layer=0)), weights)
+            gpt = built(lambda: GPT(dataclasses.replace(cfg, n_layer=0)), weights)
         # a tied head without tp keeps its tie where a fake rank's data-parallel wrapping (FSDP, replicate) makes
         # the weight no leaf, so that autograd sums its two gradients in an add (a plain rank's recorded none)
         if tp > 1 or not wrapped:
@@ -383,13 +321,13 @@ def _ends_ops(
         recorder.phase = "backward"
         out.backward(torch.empty_like(out) if out.dim() else None)
 
-    calls = _dense(_record(run, autocast))
+    calls = dense(record(run, autocast))
     for phase, ops in _vocabulary_parallel_ops(
         cfg, rows * tokens, tp, first, last, weights, autocast
     ).items():
         calls[phase] = calls[phase] + [(op, 1) for op in ops]
     if kernels == "fused" and last:
-        calls = _fused_norm_only(calls, cfg, rows * tokens, weights)
+        calls = fused_final_norm(calls, cfg, rows * tokens, weights)
     return calls
 
 
@@ -418,104 +356,6 @@ def _vocabulary_parallel_ops(
         ops["backward"].append(OpCall("clone", "memory", dtype, (), 0.0, 2 * e * shard * d))
         ops["backward"].append(OpCall("add", "memory", dtype, (), 0.0, 3 * e * shard * d))
     return ops
-
-
-def _module_ops(build_and_run, autocast: bool) -> dict[str, Counter]:
-    """The ops of a module run alone (forward, then backward from an empty gradient): what _fused takes out of a
-    block's eager list to put its fused kernel in. `build_and_run()` builds its inputs and returns the output."""
-
-    def run(recorder):
-        out = build_and_run(recorder)
-        recorder.phase = "backward"
-        out.backward(torch.empty_like(out))
-
-    return _record(run, autocast)
-
-
-def _fused(
-    calls: dict, cfg, rows: int, tokens: int, sp_tokens: int, tp: int, weights, autocast: bool
-) -> dict:
-    """The block's eager list with its norms, its MLP's activation and its rotary embedding each one kernel (its
-    inputs read and its outputs written once, forward and backward), and no casts (the module docstring)."""
-    from common.gpt import norm, rotate
-
-    compute = torch.bfloat16 if (autocast or weights == torch.bfloat16) else torch.float32
-    e_stream, e = (2 if weights == torch.bfloat16 else 4), (2 if compute == torch.bfloat16 else 4)
-    d, hidden, head_dim = cfg.d_model, cfg.hidden // tp, cfg.d_model // cfg.n_head
-    eager, fused = Counter(), Counter()  # (phase, OpCall) -> count
-
-    def leaf(*shape, dtype):
-        return torch.empty(*shape, dtype=dtype, requires_grad=True)
-
-    def take_out(ops: dict, times: int = 1) -> None:
-        for phase, counts in ops.items():
-            for call, n in counts.items():
-                if call.kind != "view":
-                    eager[phase, call] += n * times
-
-    def add(name: str, forward_bytes: float, backward_bytes: float, times: int = 1) -> None:
-        dtype = str(compute).removeprefix("torch.")
-        fused["forward", OpCall(name, "memory", dtype, (), 0.0, int(forward_bytes))] += times
-        fused["backward", OpCall(name + "_backward", "memory", dtype, (), 0.0, int(backward_bytes))] += times
-
-    def norm_alone(recorder):
-        module = _built(lambda: norm(cfg), weights)
-        x = leaf(rows, sp_tokens, d, dtype=weights)
-        recorder.calls.clear()
-        return module(x)
-
-    take_out(_module_ops(norm_alone, autocast), times=2)
-    norm_weights = e_stream * d * (1 if cfg.norm == "rmsnorm" else 2)
-    add("fused_norm", e_stream * 2 * rows * sp_tokens * d + norm_weights, e_stream * 3 * rows * sp_tokens * d
-        + 2 * norm_weights, times=2)  # fmt: skip
-
-    def activation_alone(recorder):
-        gate, up = leaf(rows, tokens, hidden, dtype=compute), leaf(rows, tokens, hidden, dtype=compute)
-        recorder.calls.clear()
-        return F.silu(gate) * up if cfg.mlp == "swiglu" else F.gelu(up)
-
-    if not cfg.n_experts:
-        take_out(_module_ops(activation_alone, autocast))
-        reads = 2 if cfg.mlp == "swiglu" else 1
-        add(
-            f"fused_{cfg.mlp}",
-            e * (reads + 1) * rows * tokens * hidden,
-            e * (2 * reads + 1) * rows * tokens * hidden,
-        )
-    if cfg.positions == "rope":
-        for heads in (cfg.n_head // tp, cfg.kv_heads // tp):
-
-            def rope_alone(recorder, heads=heads):
-                x, positions = leaf(rows, heads, tokens, head_dim, dtype=compute), torch.arange(tokens)
-                recorder.calls.clear()
-                return rotate(x, positions, cfg.rope_theta)
-
-            take_out(_module_ops(rope_alone, autocast))
-            size = rows * heads * tokens * head_dim
-            add("fused_rope", e * 2 * size, e * 2 * size)
-    out = {}
-    for phase, ops in calls.items():
-        counts = Counter({c: n for c, n in ops if c.name != "_to_copy"})
-        counts.subtract({c: n for (p, c), n in eager.items() if p == phase and c.name != "_to_copy"})
-        counts.update({c: n for (p, c), n in fused.items() if p == phase})
-        out[phase] = [(c, n) for c, n in counts.items() if n > 0]
-    return out
-
-
-def _fused_norm_only(calls: dict, cfg, tokens: int, weights) -> dict:
-    """The last stage's final norm one kernel and no casts (the loss's float32 upcast fused into it)."""
-    e = 2 if weights == torch.bfloat16 else 4
-    norm_weights = e * cfg.d_model * (1 if cfg.norm == "rmsnorm" else 2)
-    norm_names = ("native_layer_norm", "native_layer_norm_backward") if cfg.norm == "layernorm" else ()
-    out = {}
-    for phase, ops in calls.items():
-        kept = [(c, n) for c, n in ops if c.name != "_to_copy" and c.name not in norm_names]
-        dtype = str(weights).removeprefix("torch.")
-        moved = e * (2 if phase == "forward" else 3) * tokens * cfg.d_model + norm_weights * (
-            1 if phase == "forward" else 2
-        )
-        out[phase] = kept + [(OpCall("fused_norm", "memory", dtype, (), 0.0, int(moved)), 1)]
-    return out
 
 
 def _with_moe_mlp(calls: dict, cfg, ep: int, tokens: int, weights, autocast: bool) -> dict:

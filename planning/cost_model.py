@@ -114,7 +114,18 @@ def predict_step(
         else:
             gathered = fsdp_gathered(t.held, layout, work)
             ops = stage_ops(
-                work.model, layout, args, work, rows, t.blocks, t.first, t.last, kernels, gathered, m
+                work.model,
+                layout,
+                args,
+                work,
+                rows,
+                t.blocks,
+                t.first,
+                t.last,
+                kernels,
+                gathered,
+                m,
+                attention,
             )
             forward_s = hw.ops.phase_seconds("forward", ops["forward"])
             backward_s = hw.ops.phase_seconds("backward", ops["backward"])

@@ -178,3 +178,10 @@ def test_materialised_attention_is_two_batched_gemms_around_a_softmax_over_the_w
         assert Counter(dict(rest)) == Counter(
             {c: n for c, n in materialised[phase] if c.name not in ("bmm", softmax)}
         )
+
+    # and the predictor prices the kernel it is told: the same step, slower with the scores materialised
+    theories = stage_theories(meta_gpt(work.model), layout, cfg, work)
+    h100 = load_hardware("h100_sxm")
+    steps = {a: predict_step(theories, layout, cfg, work, h100, kernels="fused", attention=a)["terms_s"]["compute"]
+             for a in ("flash", "materialised")}  # fmt: skip
+    assert steps["materialised"] > steps["flash"] > 0

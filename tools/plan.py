@@ -49,10 +49,10 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from common.config import UsageError, flag, parse_config, require, run_cli
 from common.gpt import GPTConfig, ModelFlags, count_parameters
 from common.hf_model import HFModelFlags, experts_of
-from planning.compute_ops import ATTENTION, KERNELS
 from planning.cost_model import model_flops_per_token, predict_step
 from planning.fake_ranks import meta_gpt
 from planning.hardware import hardware_names, load_hardware
+from planning.kernels import ATTENTION, KERNELS
 from planning.memory import memory_estimate
 from planning.published import MODELS, model_named
 from strategies.args import ParallelArgs

@@ -1,0 +1,141 @@
+"""Which kernels a step's op list assumes (planning/compute_ops.stage_ops' `kernels` and `attention`): the list our
+eager modules dispatch, rewritten as fused kernels or as attention before FlashAttention would run it.
+
+  fused          a norm, the MLP's activation, a rotary embedding each one kernel that reads its inputs and writes
+                 its outputs once (their eager ops found by running each module alone and taken out of the list),
+                 no casts (weights held in bf16): Megatron-LM's and Meta's kernels;
+  materialised   each attention call as the scores' GEMM, a softmax over the whole square and a second GEMM.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections import Counter
+
+import torch
+import torch.nn.functional as F
+
+from planning.ops import OpCall
+from planning.tracing import built, module_ops
+
+KERNELS = ("eager", "fused")
+ATTENTION = ("flash", "materialised")
+
+
+def fused(calls: dict, cfg, rows: int, tokens: int, sp_tokens: int, tp: int, weights, autocast: bool) -> dict:
+    """The block's eager list with its norms, its MLP's activation and its rotary embedding each one kernel (its
+    inputs read and its outputs written once, forward and backward), and no casts (the module docstring)."""
+    from common.gpt import norm, rotate
+
+    compute = torch.bfloat16 if (autocast or weights == torch.bfloat16) else torch.float32
+    e_stream, e = (2 if weights == torch.bfloat16 else 4), (2 if compute == torch.bfloat16 else 4)
+    d, hidden, head_dim = cfg.d_model, cfg.hidden // tp, cfg.d_model // cfg.n_head
+    eager, one_kernel = Counter(), Counter()  # (phase, OpCall) -> count
+
+    def leaf(*shape, dtype):
+        return torch.empty(*shape, dtype=dtype, requires_grad=True)
+
+    def take_out(ops: dict, times: int = 1) -> None:
+        for phase, counts in ops.items():
+            for call, n in counts.items():
+                if call.kind != "view":
+                    eager[phase, call] += n * times
+
+    def add(name: str, forward_bytes: float, backward_bytes: float, times: int = 1) -> None:
+        dtype = str(compute).removeprefix("torch.")
+        one_kernel["forward", OpCall(name, "memory", dtype, (), 0.0, int(forward_bytes))] += times
+        one_kernel["backward", OpCall(name + "_backward", "memory", dtype, (), 0.0, int(backward_bytes))] += times
+
+    def norm_alone(recorder):
+        module = built(lambda: norm(cfg), weights)
+        x = leaf(rows, sp_tokens, d, dtype=weights)
+        recorder.calls.clear()
+        return module(x)
+
+    take_out(module_ops(norm_alone, autocast), times=2)
+    norm_weights = e_stream * d * (1 if cfg.norm == "rmsnorm" else 2)
+    add("fused_norm", e_stream * 2 * rows * sp_tokens * d + norm_weights, e_stream * 3 * rows * sp_tokens * d
+        + 2 * norm_weights, times=2)  # fmt: skip
+
+    def activation_alone(recorder):
+        gate, up = leaf(rows, tokens, hidden, dtype=compute), leaf(rows, tokens, hidden, dtype=compute)
+        recorder.calls.clear()
+        return F.silu(gate) * up if cfg.mlp == "swiglu" else F.gelu(up)
+
+    if not cfg.n_experts:
+        take_out(module_ops(activation_alone, autocast))
+        reads = 2 if cfg.mlp == "swiglu" else 1
+        add(
+            f"fused_{cfg.mlp}",
+            e * (reads + 1) * rows * tokens * hidden,
+            e * (2 * reads + 1) * rows * tokens * hidden,
+        )
+    if cfg.positions == "rope":
+        for heads in (cfg.n_head // tp, cfg.kv_heads // tp):
+
+            def rope_alone(recorder, heads=heads):
+                x, positions = leaf(rows, heads, tokens, head_dim, dtype=compute), torch.arange(tokens)
+                recorder.calls.clear()
+                return rotate(x, positions, cfg.rope_theta)
+
+            take_out(module_ops(rope_alone, autocast))
+            size = rows * heads * tokens * head_dim
+            add("fused_rope", e * 2 * size, e * 2 * size)
+    out = {}
+    for phase, ops in calls.items():
+        counts = Counter({c: n for c, n in ops if c.name != "_to_copy"})
+        counts.subtract({c: n for (p, c), n in eager.items() if p == phase and c.name != "_to_copy"})
+        counts.update({c: n for (p, c), n in one_kernel.items() if p == phase})
+        out[phase] = [(c, n) for c, n in counts.items() if n > 0]
+    return out
+
+
+def fused_final_norm(calls: dict, cfg, tokens: int, weights) -> dict:
+    """The last stage's final norm one kernel and no casts (the loss's float32 upcast fused into it)."""
+    e = 2 if weights == torch.bfloat16 else 4
+    norm_weights = e * cfg.d_model * (1 if cfg.norm == "rmsnorm" else 2)
+    norm_names = ("native_layer_norm", "native_layer_norm_backward") if cfg.norm == "layernorm" else ()
+    out = {}
+    for phase, ops in calls.items():
+        kept = [(c, n) for c, n in ops if c.name != "_to_copy" and c.name not in norm_names]
+        dtype = str(weights).removeprefix("torch.")
+        moved = e * (2 if phase == "forward" else 3) * tokens * cfg.d_model + norm_weights * (
+            1 if phase == "forward" else 2
+        )
+        out[phase] = kept + [(OpCall("fused_norm", "memory", dtype, (), 0.0, int(moved)), 1)]
+    return out
+
+
+def materialised(counts: Counter) -> Counter:
+    """Each attention call as the kernels before FlashAttention (Dao et al. 2022) ran it (Megatron-LM 2021,
+    Narayanan et al. section 4.2: a fused scale-mask-softmax kernel between two strided batched GEMMs): the
+    scores Q K^T a GEMM over the whole square (the masked half computed too), the softmax reading the scores and
+    writing the probabilities, P V a GEMM; the backward's four GEMMs (dV = P^T dO, dP = dO V^T, dQ = dS K,
+    dK = dS^T Q) from the saved probabilities (nothing recomputed) and the softmax's backward (P and dP read, dS
+    written). Attention dropout left out."""
+    out = Counter()
+    for call, n in counts.items():
+        if call.kind != "attention":
+            out[call] += n
+            continue
+        heads, q, k, w = call.shape
+        e, flops = (2 if call.dtype in ("bfloat16", "float16") else 4), 2.0 * heads * q * k * w
+
+        gemm = functools.partial(_batched_gemm, call.dtype, e, heads, flops)
+        scores = e * heads * q * k
+        if call.backward:
+            ops = [gemm(heads * k, q, w), gemm(heads * q, w, k), gemm(heads * q, k, w), gemm(heads * k, q, w),
+                   OpCall("softmax_backward", "memory", call.dtype, (), 0.0, 3 * scores)]  # fmt: skip
+        else:
+            ops = [gemm(heads * q, w, k), gemm(heads * q, k, w),
+                   OpCall("scaled_masked_softmax", "memory", call.dtype, (), 0.0, 2 * scores)]  # fmt: skip
+        for op in ops:
+            out[op] += n
+    return out
+
+
+def _batched_gemm(dtype: str, e: int, heads: int, flops: float, m: int, inner: int, cols: int) -> OpCall:
+    """A batched GEMM of `heads` matrices, m rows in all (its operands and output, e bytes an element)."""
+    return OpCall(
+        "bmm", "gemm", dtype, (m, inner, cols), flops, e * (m * inner + heads * inner * cols + m * cols)
+    )
