@@ -44,7 +44,9 @@ def fused(calls: dict, cfg, rows: int, tokens: int, sp_tokens: int, tp: int, wei
     def add(name: str, forward_bytes: float, backward_bytes: float, times: int = 1) -> None:
         dtype = str(compute).removeprefix("torch.")
         one_kernel["forward", OpCall(name, "memory", dtype, (), 0.0, int(forward_bytes))] += times
-        one_kernel["backward", OpCall(name + "_backward", "memory", dtype, (), 0.0, int(backward_bytes))] += times
+        one_kernel["backward", OpCall(name + "_backward", "memory", dtype, (), 0.0, int(backward_bytes))] += (
+            times
+        )
 
     def norm_alone(recorder):
         module = built(lambda: norm(cfg), weights)
