@@ -64,7 +64,7 @@ def stage_ops(cfg, layout, args, work, rows: int, blocks: int, first: bool, last
            autocast, bf16_weights, kernels)  # fmt: skip
     # a fake rank's data-parallel ranks (FSDP, or PyTorch's replicate for DDP) hold parameters that are no leaves
     wrapped = layout.world_size // (layout.tp * layout.pp * layout.ep) > 1
-    block, ends = _block_ops(*key), _ends_ops(*key, first, last, wrapped)
+    block, ends = _at_rows(_block_ops, key, ()), _at_rows(_ends_ops, key, (first, last, wrapped))
     recompute = getattr(args, "activation_checkpointing", "none") == "full"
     phases = {}
     for phase in ("forward", "backward"):
@@ -92,6 +92,35 @@ def stage_ops(cfg, layout, args, work, rows: int, blocks: int, first: bool, last
     if attention == "materialised":
         phases = {phase: materialised(counts) for phase, counts in phases.items()}
     return {phase: list(counts.items()) for phase, counts in phases.items()}
+
+
+# per (trace, its key but the rows, its extra arguments): {rows: the op list traced at those rows}
+_TRACED: dict = {}
+
+
+def _at_rows(trace, key: tuple, extra: tuple) -> dict[str, list]:
+    """`trace`'s op list at the key's rows. Every op of a step is affine in the rows (a batch's tokens; the weights'
+    part the same), so once two row counts of a shape are traced, each op's shape, FLOPs and bytes at any other
+    follow from them, exactly: a planner's layouts differ in rows most, and pay at most two traces a shape. Traced
+    directly while fewer than two are, or where two traces do not pair op by op."""
+    rows, points = key[1], _TRACED.setdefault((trace, key[0], *key[2:], *extra), {})
+    if rows not in points and len(points) >= 2:
+        (r1, one), (r2, two) = list(points.items())[:2]
+        if all(len(one[p]) == len(two[p]) and all(n1 == n2 and a.name == b.name for (a, n1), (b, n2)
+                                                  in zip(one[p], two[p], strict=True)) for p in one):  # fmt: skip
+
+            def grown(x1, x2):
+                step = (x2 - x1) * (rows - r1) / (r2 - r1)
+                return x1 + (round(step) if isinstance(x1, int) else step)
+
+            return {phase: [(OpCall(a.name, a.kind, a.dtype, tuple(grown(u, v) for u, v in zip(a.shape, b.shape,
+                                                                                              strict=True)),
+                                    grown(a.flops, b.flops), grown(a.bytes, b.bytes), a.causal, a.backward), n)
+                            for (a, n), (b, _) in zip(one[phase], two[phase], strict=True)]
+                    for phase in one}  # fmt: skip
+    if rows not in points:
+        points[rows] = trace(*key, *extra)
+    return points[rows]
 
 
 def fsdp_gathered(held: list, layout, work) -> tuple[int, int]:

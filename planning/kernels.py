@@ -25,15 +25,10 @@ ATTENTION = ("flash", "materialised")
 def fused(calls: dict, cfg, rows: int, tokens: int, sp_tokens: int, tp: int, weights, autocast: bool) -> dict:
     """The block's eager list with its norms, its MLP's activation and its rotary embedding each one kernel (its
     inputs read and its outputs written once, forward and backward), and no casts (the module docstring)."""
-    from common.gpt import norm, rotate
-
     compute = torch.bfloat16 if (autocast or weights == torch.bfloat16) else torch.float32
     e_stream, e = (2 if weights == torch.bfloat16 else 4), (2 if compute == torch.bfloat16 else 4)
     d, hidden, head_dim = cfg.d_model, cfg.hidden // tp, cfg.d_model // cfg.n_head
     eager, one_kernel = Counter(), Counter()  # (phase, OpCall) -> count
-
-    def leaf(*shape, dtype):
-        return torch.empty(*shape, dtype=dtype, requires_grad=True)
 
     def take_out(ops: dict, times: int = 1) -> None:
         for phase, counts in ops.items():
@@ -48,24 +43,12 @@ def fused(calls: dict, cfg, rows: int, tokens: int, sp_tokens: int, tp: int, wei
             times
         )
 
-    def norm_alone(recorder):
-        module = built(lambda: norm(cfg), weights)
-        x = leaf(rows, sp_tokens, d, dtype=weights)
-        recorder.calls.clear()
-        return module(x)
-
-    take_out(module_ops(norm_alone, autocast), times=2)
+    take_out(_alone("norm", cfg.norm, (rows, sp_tokens, d), weights, autocast), times=2)
     norm_weights = e_stream * d * (1 if cfg.norm == "rmsnorm" else 2)
     add("fused_norm", e_stream * 2 * rows * sp_tokens * d + norm_weights, e_stream * 3 * rows * sp_tokens * d
         + 2 * norm_weights, times=2)  # fmt: skip
-
-    def activation_alone(recorder):
-        gate, up = leaf(rows, tokens, hidden, dtype=compute), leaf(rows, tokens, hidden, dtype=compute)
-        recorder.calls.clear()
-        return F.silu(gate) * up if cfg.mlp == "swiglu" else F.gelu(up)
-
     if not cfg.n_experts:
-        take_out(module_ops(activation_alone, autocast))
+        take_out(_alone("activation", cfg.mlp, (rows, tokens, hidden), compute, autocast))
         reads = 2 if cfg.mlp == "swiglu" else 1
         add(
             f"fused_{cfg.mlp}",
@@ -74,13 +57,7 @@ def fused(calls: dict, cfg, rows: int, tokens: int, sp_tokens: int, tp: int, wei
         )
     if cfg.positions == "rope":
         for heads in (cfg.n_head // tp, cfg.kv_heads // tp):
-
-            def rope_alone(recorder, heads=heads):
-                x, positions = leaf(rows, heads, tokens, head_dim, dtype=compute), torch.arange(tokens)
-                recorder.calls.clear()
-                return rotate(x, positions, cfg.rope_theta)
-
-            take_out(module_ops(rope_alone, autocast))
+            take_out(_alone("rope", cfg.rope_theta, (rows, heads, tokens, head_dim), compute, autocast))
             size = rows * heads * tokens * head_dim
             add("fused_rope", e * 2 * size, e * 2 * size)
     out = {}
@@ -90,6 +67,33 @@ def fused(calls: dict, cfg, rows: int, tokens: int, sp_tokens: int, tp: int, wei
         counts.update({c: n for (p, c), n in one_kernel.items() if p == phase})
         out[phase] = [(c, n) for c, n in counts.items() if n > 0]
     return out
+
+
+@functools.lru_cache(maxsize=512)
+def _alone(kind: str, variant, shape: tuple, dtype, autocast: bool) -> dict:
+    """The eager ops of one module run alone on an input of `shape` (tracing.module_ops), the same for every block
+    and layout of that shape: a norm (`variant` its kind; shape rows, tokens, width), the MLP's activation (gelu or
+    swiglu; rows, tokens, hidden), a rotary embedding (`variant` its theta; rows, heads, tokens, head width)."""
+    from common.gpt import GPTConfig, norm, rotate
+
+    def leaf():
+        return torch.empty(*shape, dtype=dtype, requires_grad=True)
+
+    def run(recorder):
+        if kind == "norm":
+            module = built(lambda: norm(GPTConfig(d_model=shape[-1], norm=variant)), dtype)
+            x = leaf()
+            recorder.calls.clear()
+            return module(x)
+        if kind == "activation":
+            gate, up = leaf(), leaf()
+            recorder.calls.clear()
+            return F.silu(gate) * up if variant == "swiglu" else F.gelu(up)
+        x, positions = leaf(), torch.arange(shape[2])
+        recorder.calls.clear()
+        return rotate(x, positions, variant)
+
+    return module_ops(run, autocast)
 
 
 def fused_final_norm(calls: dict, cfg, tokens: int, weights) -> dict:

@@ -58,7 +58,7 @@ def compute(ops, kind: str) -> Counter:
         ),  # GPT-2's shape: LayerNorm, GELU, biases, learned positions, a tied head; autocast
         (f"{LLAMA} --world_size 1", 0.01),  # Llama's: RMSNorm, SwiGLU, rope, grouped-query attention
         ("--tp 2", 0.01),  # tp's shards, the vocabulary split (a tied one); the logits gathered for the loss
-        ("--dp_shard 2", 0.01),  # FSDP: bf16 weights, its copies
+        ("--dp_shard 2 --per_rank_batch_size 3", 0.01),  # FSDP: bf16 weights, its copies; 3 rows (_at_rows)
         ("--dp_shard 2 --reshard_after_forward never", 0.01),  # ZeRO-2: no gather again before the backward
         (
             f"{LLAMA} --pp 2 --dp_shard 2 --per_rank_batch_size 4 --pp_microbatches 4",
@@ -185,3 +185,27 @@ def test_materialised_attention_is_two_batched_gemms_around_a_softmax_over_the_w
     steps = {a: predict_step(theories, layout, cfg, work, h100, kernels="fused", attention=a)["terms_s"]["compute"]
              for a in ("flash", "materialised")}  # fmt: skip
     assert steps["materialised"] > steps["flash"] > 0
+
+
+@pytest.mark.parametrize("kernels", ["eager", "fused"])
+def test_an_op_list_at_r_rows_follows_from_two_traces_at_other_rows(kernels):
+    """Every op is affine in the rows, so once a shape is traced at 1 and 3 rows its list at 7 is the list traced at
+    7: the same ops, shapes, FLOPs and bytes (Llama's shape under tp 2 with sequence parallelism, and under cp 2)."""
+    from planning import compute_ops
+
+    cfg = parse_config(Config, ["--report_to", "none", "--model", "custom", *shlex.split(f"{SHAPE} {LLAMA}"),
+                                "--world_size", "1"])  # fmt: skip
+    shape = compute_ops._shape_key(cfg.workload().model)
+
+    def plain(ops):
+        return Counter({(c.name, c.shape, c.flops, c.bytes, c.backward): n for c, n in ops})
+
+    for tp, cp, sp in ((2, 1, True), (1, 2, False)):
+        for trace, extra in ((compute_ops._block_ops, ()), (compute_ops._ends_ops, (True, True, False))):
+            for rows in (1, 3):  # traced
+                compute_ops._at_rows(trace, (shape, rows, tp, cp, sp, 1, True, False, kernels), extra)
+            key = (shape, 7, tp, cp, sp, 1, True, False, kernels)
+            grown, traced = compute_ops._at_rows(trace, key, extra), trace(*key, *extra)
+            assert 7 not in compute_ops._TRACED[(trace, shape, *key[2:], *extra)]  # grown, not traced
+            for phase in ("forward", "backward"):
+                assert plain(grown[phase]) == plain(traced[phase]), (trace.__name__, tp, cp, phase)
