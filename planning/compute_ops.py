@@ -17,7 +17,8 @@ rank records with, in the run's precision (autocast over float32 weights; bf16 w
           the gradients' chunk_cat 5 B);
   full activation checkpointing: the backward runs each block's forward again, up to its last saved tensor.
 A block of a mixture of experts takes its MLP from the closed form (its routing needs values fake tensors do not
-hold): the router, the experts' grouped GEMMs over a uniform routing, the memory-bound rest.
+hold): the router, the experts' grouped GEMMs over a uniform routing, the memory-bound rest. A transformers model
+(--hf_config) is traced as the project's GPT of its shape: its own modules dispatch other ops (docs/your_model.md).
 
 `kernels` says which kernels the run assumes (planning/kernels.py):
   eager   the ops our eager modules dispatch (RMSNorm as pow, mean, rsqrt and multiplies in float32; SwiGLU as
@@ -55,7 +56,7 @@ def stage_ops(cfg, layout, args, work, rows: int, blocks: int, first: bool, last
     holding `blocks` blocks (and the ends `first` and `last` say). `gathered`: the bytes FSDP gathers for the stage
     and for its blocks ((0, 0) without FSDP): all before the forward, the blocks' again before the backward (the
     ends, the root's group, stay gathered); under a pipeline's `microbatches`, once a step, a micro-batch's share.
-    `attention`: the attention kernel (flash, or materialised: _materialised)."""
+    `attention`: the attention kernel (flash, or materialised: planning/kernels.materialised)."""
     if kernels not in KERNELS or attention not in ATTENTION:
         raise ValueError(f"kernels {kernels!r}, attention {attention!r}: one of {KERNELS} and of {ATTENTION}")
     bf16_weights = work.mixed_precision == "bf16" and bool(layout.shard_dims)
