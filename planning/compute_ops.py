@@ -276,7 +276,8 @@ def _block_forward(block, x, sequence_split: int, moe: bool):
 
 
 def _dense_stand_in(cfg):
-    """A MoE block's attention and norms, its MLP a zero-width dense one (the experts' are priced apart)."""
+    """A MoE block's attention and norms; its MLP a dense one, built but not run (_block_forward skips it: the
+    experts' are priced apart, _with_moe_mlp)."""
     import dataclasses
 
     return dataclasses.replace(cfg, n_experts=0, n_shared_experts=0, d_ff=cfg.hidden)
