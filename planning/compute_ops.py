@@ -79,12 +79,26 @@ def stage_ops(cfg, layout, args, work, rows: int, blocks: int, first: bool, last
             counts[call] += n
         phases[phase] = counts
     if gathered[0]:
+        # under tp the first stage's embedding gradient arrives whole (tp's vocabulary split: DTensor's choice) and
+        # FSDP sums it so, until tp.align_gradients keeps the rank's rows (a copy of them)
+        whole = (cfg.vocab_size - math.ceil(cfg.vocab_size / layout.tp)) * cfg.d_model if first else 0
+        # (a tied weight on a stage with the head: its rows kept with the head's gradient, _vocabulary_parallel_ops)
+        sliced_here = first and layout.tp > 1 and not (last and cfg.tie_weights)
+        rows_kept = math.ceil(cfg.vocab_size / layout.tp) * cfg.d_model if sliced_here else 0
+        element = 2 if work.mixed_precision == "bf16" else 4
         if layout.pp > 1:
             fused_accumulation = kernels == "fused"
-            _add_fsdp_copies_pipelined(
-                phases, gathered[0], layout.size(layout.shard_dims), microbatches, fused_accumulation
-            )
+            _add_fsdp_copies_pipelined(phases, gathered[0], layout.size(layout.shard_dims), microbatches,
+                                       fused_accumulation, whole * element)  # fmt: skip
+            # the float32 sum's rows, once a step
+            kept = OpCall("clone", "memory", "float32", (), 0.0, int(2 * 4 * rows_kept / microbatches))
         else:
+            kept = OpCall(
+                "clone", "memory", "bfloat16" if element == 2 else "float32", (), 0.0, 2 * element * rows_kept
+            )
+        if rows_kept:
+            phases["backward"][kept] += 1
+        if layout.pp == 1:
             # the backward gathers again what the forward resharded: the blocks (ZeRO-3, the default), every unit
             # (always), nothing (never: ZeRO-2)
             reshard = getattr(args, "reshard_after_forward", "default")
@@ -169,20 +183,23 @@ def _add_fsdp_copies(phases: dict, gathered: int, again: int, shards: int) -> No
 
 
 def _add_fsdp_copies_pipelined(
-    phases: dict, gathered: int, shards: int, m: int, fused_accumulation: bool
+    phases: dict, gathered: int, shards: int, m: int, fused_accumulation: bool, whole_embedding: int = 0
 ) -> None:
     """FSDP under a pipeline (read off fake ranks at 2 and 4 micro-batches): one unshard a step, before the first
     forward (it reshards after the last backward); the first micro-batch's gradients cast to float32 (3 B), each
     later one's added into that float32 sum (add_: 5 B), one reduce-scatter's float32 copy-in (6 B); B the
-    unsharded bf16 bytes. Per micro-batch: a step's over m. With fused kernels the weight-gradient GEMMs
-    accumulate into the float32 sum themselves (Megatron-LM's gradient_accumulation_fusion): no cast, no add_."""
+    unsharded bf16 bytes, and the cast and the add_ also over `whole_embedding` (a first stage's embedding gradient
+    beyond the tp rank's rows, whole until tp slices it). Per micro-batch: a step's over m. With fused kernels the
+    weight-gradient GEMMs accumulate into the float32 sum themselves (Megatron-LM's gradient_accumulation_fusion):
+    no cast, no add_."""
     b = gathered
     for name, moved in (("all_gather_copy_in", b * (2 + 2 / shards)), ("split_with_sizes_copy", FSDP_SPLIT * b),
                         ("_foreach_copy_", 4 * b / shards)):  # fmt: skip
         phases["forward"][OpCall(name, "memory", "bfloat16", (), 0.0, int(moved / m))] += 1
     accumulated = 0 if fused_accumulation else 1
-    for name, dtype, moved in (("_to_copy", "bfloat16", 3 * b * accumulated), ("add_", "float32", 5 * b * (m - 1) *
-                               accumulated), ("chunk_cat", "float32", 6 * b)):  # fmt: skip
+    summed = (b + whole_embedding) * accumulated
+    for name, dtype, moved in (("_to_copy", "bfloat16", 3 * summed), ("add_", "float32", 5 * summed * (m - 1)),
+                               ("chunk_cat", "float32", 6 * b)):  # fmt: skip
         if moved:
             phases["backward"][OpCall(name, "memory", dtype, (), 0.0, int(moved / m))] += 1
 

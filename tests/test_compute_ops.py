@@ -69,6 +69,9 @@ def compute(ops, kind: str) -> Counter:
             0.01,
         ),  # the recompute, stopped early
         (f"{LLAMA} --cp 2 --dp_shard 2", 0.01),  # cp's chunked attention; K and V gathered
+        # Llama 3's layout in small (its first stage): the whole vocabulary's gradient summed by FSDP, then sliced
+        (f"{LLAMA} --pp 2 --tp 2 --dp_shard 2 --pp_microbatches 2 --per_rank_batch_size 2", 0.01),
+        ("--tp 2 --dp_shard 2", 0.01),  # a tied vocabulary split under FSDP
         # sequence parallelism: its gathers traced as concatenations after autocast's casts, which DTensor's
         # redistributes run after them (bf16): within 5 %
         (f"{LLAMA} --tp 2 --sequence_parallel", 0.05),
