@@ -375,7 +375,7 @@ def _ends_ops(
     ).items():
         calls[phase] = calls[phase] + [(op, 1) for op in ops]
     if kernels == "fused" and last:
-        calls = fused_final_norm(calls, cfg, rows * tokens, weights)
+        calls = fused_final_norm(calls, cfg, rows, tokens, weights, autocast)
     return calls
 
 

@@ -10,6 +10,7 @@ eager modules dispatch, rewritten as fused kernels or as attention before FlashA
 from __future__ import annotations
 
 import functools
+import math
 from collections import Counter
 
 import torch
@@ -26,40 +27,63 @@ def fused(calls: dict, cfg, rows: int, tokens: int, sp_tokens: int, tp: int, wei
     """The block's eager list with its norms, its MLP's activation and its rotary embedding each one kernel (its
     inputs read and its outputs written once, forward and backward), and no casts (the module docstring)."""
     compute = torch.bfloat16 if (autocast or weights == torch.bfloat16) else torch.float32
-    e_stream, e = (2 if weights == torch.bfloat16 else 4), (2 if compute == torch.bfloat16 else 4)
+    e = 2 if compute == torch.bfloat16 else 4
     d, hidden, head_dim = cfg.d_model, cfg.hidden // tp, cfg.d_model // cfg.n_head
     eager, one_kernel = Counter(), Counter()  # (phase, OpCall) -> count
-
-    def take_out(ops: dict, times: int = 1) -> None:
-        for phase, counts in ops.items():
-            for call, n in counts.items():
-                if call.kind != "view":
-                    eager[phase, call] += n * times
-
-    def add(name: str, forward_bytes: float, backward_bytes: float, times: int = 1) -> None:
-        dtype = str(compute).removeprefix("torch.")
-        one_kernel["forward", OpCall(name, "memory", dtype, (), 0.0, int(forward_bytes))] += times
-        one_kernel["backward", OpCall(name + "_backward", "memory", dtype, (), 0.0, int(backward_bytes))] += (
-            times
-        )
-
-    take_out(_alone("norm", cfg.norm, (rows, sp_tokens, d), weights, autocast), times=2)
-    norm_weights = e_stream * d * (1 if cfg.norm == "rmsnorm" else 2)
-    add("fused_norm", e_stream * 2 * rows * sp_tokens * d + norm_weights, e_stream * 3 * rows * sp_tokens * d
-        + 2 * norm_weights, times=2)  # fmt: skip
+    _one_kernel_norm(eager, one_kernel, cfg, (rows, sp_tokens, d), weights, autocast, times=2)
     if not cfg.n_experts:
-        take_out(_alone("activation", cfg.mlp, (rows, tokens, hidden), compute, autocast))
+        _take_out(eager, _alone("activation", cfg.mlp, (rows, tokens, hidden), compute, autocast))
         reads = 2 if cfg.mlp == "swiglu" else 1
-        add(
-            f"fused_{cfg.mlp}",
-            e * (reads + 1) * rows * tokens * hidden,
-            e * (2 * reads + 1) * rows * tokens * hidden,
-        )
+        _add(one_kernel, f"fused_{cfg.mlp}", compute, e * (reads + 1) * rows * tokens * hidden,
+             e * (2 * reads + 1) * rows * tokens * hidden)  # fmt: skip
     if cfg.positions == "rope":
         for heads in (cfg.n_head // tp, cfg.kv_heads // tp):
-            take_out(_alone("rope", cfg.rope_theta, (rows, heads, tokens, head_dim), compute, autocast))
+            _take_out(
+                eager, _alone("rope", cfg.rope_theta, (rows, heads, tokens, head_dim), compute, autocast)
+            )
             size = rows * heads * tokens * head_dim
-            add("fused_rope", e * 2 * size, e * 2 * size)
+            _add(one_kernel, "fused_rope", compute, e * 2 * size, e * 2 * size)
+    return _swapped(calls, eager, one_kernel)
+
+
+def fused_final_norm(calls: dict, cfg, rows: int, tokens: int, weights, autocast: bool) -> dict:
+    """The last stage's final norm one kernel and no casts (the loss's float32 upcast fused into it): its eager ops
+    taken out as a block's norms' are (fused)."""
+    eager, one_kernel = Counter(), Counter()
+    _one_kernel_norm(eager, one_kernel, cfg, (rows, tokens, cfg.d_model), weights, autocast, times=1)
+    return _swapped(calls, eager, one_kernel)
+
+
+def _one_kernel_norm(
+    eager: Counter, one_kernel: Counter, cfg, shape: tuple, weights, autocast: bool, times: int
+):
+    """`times` norms over an input of `shape` (rows, tokens, width) in the weights' dtype: their eager ops (traced
+    alone) to take out, one kernel each to put in (the input read and the output written; backward the input and
+    the output's gradient read, the input's written; its weights read, and their gradient written)."""
+    e = 2 if weights == torch.bfloat16 else 4
+    elements, norm_weights = math.prod(shape), e * shape[-1] * (1 if cfg.norm == "rmsnorm" else 2)
+    _take_out(eager, _alone("norm", cfg.norm, shape, weights, autocast), times)
+    _add(one_kernel, "fused_norm", weights, e * 2 * elements + norm_weights, e * 3 * elements + 2 * norm_weights,
+         times)  # fmt: skip
+
+
+def _take_out(eager: Counter, ops: dict, times: int = 1) -> None:
+    for phase, counts in ops.items():
+        for call, n in counts.items():
+            if call.kind != "view":
+                eager[phase, call] += n * times
+
+
+def _add(
+    one_kernel: Counter, name: str, dtype, forward_bytes: float, backward_bytes: float, times: int = 1
+) -> None:
+    label = str(dtype).removeprefix("torch.")
+    one_kernel["forward", OpCall(name, "memory", label, (), 0.0, int(forward_bytes))] += times
+    one_kernel["backward", OpCall(name + "_backward", "memory", label, (), 0.0, int(backward_bytes))] += times
+
+
+def _swapped(calls: dict, eager: Counter, one_kernel: Counter) -> dict:
+    """`calls` without its casts and the eager ops taken out, with the one-kernel ops put in."""
     out = {}
     for phase, ops in calls.items():
         counts = Counter({c: n for c, n in ops if c.name != "_to_copy"})
@@ -94,22 +118,6 @@ def _alone(kind: str, variant, shape: tuple, dtype, autocast: bool) -> dict:
         return rotate(x, positions, variant)
 
     return module_ops(run, autocast)
-
-
-def fused_final_norm(calls: dict, cfg, tokens: int, weights) -> dict:
-    """The last stage's final norm one kernel and no casts (the loss's float32 upcast fused into it)."""
-    e = 2 if weights == torch.bfloat16 else 4
-    norm_weights = e * cfg.d_model * (1 if cfg.norm == "rmsnorm" else 2)
-    norm_names = ("native_layer_norm", "native_layer_norm_backward") if cfg.norm == "layernorm" else ()
-    out = {}
-    for phase, ops in calls.items():
-        kept = [(c, n) for c, n in ops if c.name != "_to_copy" and c.name not in norm_names]
-        dtype = str(weights).removeprefix("torch.")
-        moved = e * (2 if phase == "forward" else 3) * tokens * cfg.d_model + norm_weights * (
-            1 if phase == "forward" else 2
-        )
-        out[phase] = kept + [(OpCall("fused_norm", "memory", dtype, (), 0.0, int(moved)), 1)]
-    return out
 
 
 def materialised(counts: Counter) -> Counter:

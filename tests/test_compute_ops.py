@@ -129,6 +129,14 @@ def test_fused_kernels_make_each_norm_activation_and_rotary_embedding_one_op():
         moved = {k: sum(c.bytes * n for c, n in ops[phase] if c.kind == "memory") for k, ops in (("eager", eager),
                                                                                                 ("fused", fused))}  # fmt: skip
         assert 0 < moved["fused"] < 0.75 * moved["eager"], moved
+    # the last stage's final norm the same: one kernel, its eager RMSNorm's ops taken out (pow, rsqrt, mean)
+    ends = stage_ops(work.model, layout, cfg, work, 1, 0, False, True, "fused")
+    names = Counter()
+    for c, n in ends["forward"] + ends["backward"]:
+        names[c.name] += n
+    assert names["fused_norm"] == names["fused_norm_backward"] == 1
+    for gone in ("_to_copy", "rsqrt", "pow", "mean"):
+        assert names[gone] == 0, gone
 
 
 def test_the_planner_prices_the_kernels_it_is_told_and_says_which(capsys):
