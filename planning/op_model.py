@@ -55,6 +55,22 @@ class OpModel:
     per_op_overhead_s: dict | None = None  # phase -> seconds per op
     per_byte_overhead_s: dict | None = None  # phase -> seconds per byte the phase's ops read and write
     step_overhead_s: float = 0.0
+    # a GPU's GEMM kernels: the output tiles (rows, columns) one SM computes at a time, and the SMs; a GEMM runs in
+    # waves of sm_count tiles, its last wave and its edge tiles partly idle (NVIDIA's Matrix Multiplication
+    # Background guide, tile and wave quantization); none: every GEMM at the measured efficiency
+    gemm_tiles: tuple = ()
+    sm_count: int = 0
+
+    def quantisation(self, m: int, n: int) -> float:
+        """The share of the SMs' tile work a GEMM's (m x n) output uses, with the tile that uses most."""
+        if not self.gemm_tiles or not self.sm_count:
+            return 1.0
+        best = 0.0
+        for rows, cols in self.gemm_tiles:
+            tiles = math.ceil(m / rows) * math.ceil(n / cols)
+            waves = math.ceil(tiles / self.sm_count)
+            best = max(best, m * n / (waves * self.sm_count * rows * cols))
+        return best
 
     def precision(self, dtype: str) -> str:
         return "bf16" if dtype in ("bfloat16", "float16") else "fp32"
@@ -92,6 +108,7 @@ class OpModel:
             work = call.flops / self.throughput(
                 self.gemm_points, call.shape, call.dtype, self.gemm_efficiency
             )
+            work /= self.quantisation(call.shape[0], call.shape[2])
             # a small matmul is memory-bound: never faster than its operands at the bandwidth
             work = max(work, call.bytes / self.bandwidth(call.bytes))
         elif call.kind == "attention":
@@ -189,4 +206,6 @@ def op_model_from(profile: dict, peak_flops: dict, memory_bandwidth: float) -> O
             phase: gaps.get(f"{phase}_us_per_mb", 0.0) * 1e-12 for phase in ("forward", "backward")
         },
         step_overhead_s=gaps.get("step_us", 0.0) * 1e-6,
+        gemm_tiles=tuple(tuple(t) for t in spec.get("gemm_tiles", {}).get("value", ())),
+        sm_count=spec.get("sm_count", {}).get("value", 0),
     )

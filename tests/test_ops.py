@@ -199,6 +199,28 @@ def test_the_op_model_prices_by_nearest_measured_shape_by_bandwidth_and_by_table
     )
 
 
+def test_a_gpus_gemm_runs_in_waves_of_tiles_its_last_wave_and_edge_tiles_partly_idle():
+    """Tile and wave quantization (NVIDIA's Matrix Multiplication Background guide): 108 SMs, 256x128 tiles."""
+    a100 = OpModel(
+        {"bf16": 312e12}, 2e12, gemm_efficiency=0.8, gemm_tiles=((256, 128), (128, 256)), sm_count=108
+    )
+    assert a100.quantisation(256 * 12, 128 * 9) == 1.0  # 108 tiles: one full wave
+    assert a100.quantisation(256 * 12, 128 * 10) == pytest.approx(120 / 216)  # 120 tiles: a second wave of 12
+    # 128 rows: the 128 x 256 tile fills one wave (108 tiles), where 256 x 128 tiles, half empty, would run two
+    assert a100.quantisation(128, 256 * 108) == 1.0
+    assert dataclasses.replace(a100, gemm_tiles=((256, 128),)).quantisation(128, 256 * 108) == 0.5
+    gemm = OpCall("mm", "gemm", "bfloat16", (256 * 12, 4096, 128 * 10), 2.0 * 3072 * 4096 * 1280, 0)
+    flat = dataclasses.replace(a100, gemm_tiles=())
+    assert a100.seconds(gemm) == pytest.approx(flat.seconds(gemm) * 216 / 120)
+    # no tiles in the profile (a CPU): every GEMM at its measured throughput
+    assert flat.quantisation(1, 1) == 1.0
+    for gpu in ("a100_80gb", "h100_sxm"):  # every GEMM no faster than the profile's square one
+        ops = load_hardware(gpu).ops
+        assert ops.sm_count and all(
+            0 < ops.quantisation(m, n) <= 1 for m in (1, 300, 8192) for n in (7, 4096)
+        )
+
+
 def test_a_fake_rank_records_the_matmuls_its_layout_leaves_it():
     """One forward's matmul FLOPs on a fake rank: each block's q, k, v, output (4 d^2) and MLP (8 d^2) per token,
     and the head (d V); under tp 2 each rank multiplies half of every one of them."""
@@ -400,6 +422,8 @@ def test_every_op_model_figure_of_a_profile_names_its_source():
         for key, figure in (profiles[name].get("ops") or {}).items():
             if key.endswith("_efficiency"):
                 assert figure["source"].strip() and 0 < figure["value"] <= 1, (name, key)
+            if key in ("sm_count", "gemm_tiles"):
+                assert figure["source"].strip() and figure["value"], (name, key)
         table = (profiles[name].get("ops") or {}).get("measured_ops")
         if isinstance(table, str):
             assert (Path(PROFILES).parent / table).exists(), (name, table)
