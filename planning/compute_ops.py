@@ -34,7 +34,6 @@ a fake rank's counts only), the optimizer and clipping (per parameter: planning/
 
 from __future__ import annotations
 
-import functools
 import math
 from collections import Counter
 
@@ -44,6 +43,7 @@ from torch import nn
 from planning.kernels import ATTENTION, KERNELS, fused, fused_final_norm, materialised
 from planning.ops import OpCall
 from planning.tracing import built, dense, record
+from strategies.layout import stream_dtype
 
 # FSDP's split and gradient copies, x the unsharded bf16 bytes (the module docstring; its copy-in: B (2 + 2 / dp))
 FSDP_SPLIT, FSDP_GRADIENT_COPY = 3, 5
@@ -59,7 +59,8 @@ def stage_ops(cfg, layout, args, work, rows: int, blocks: int, first: bool, last
     `attention`: the attention kernel (flash, or materialised: planning/kernels.materialised)."""
     if kernels not in KERNELS or attention not in ATTENTION:
         raise ValueError(f"kernels {kernels!r}, attention {attention!r}: one of {KERNELS} and of {ATTENTION}")
-    bf16_weights = work.mixed_precision == "bf16" and bool(layout.shard_dims)
+    # bf16 weights under FSDP's policy, whose bf16 stream they start; else float32 ones, under autocast in bf16
+    bf16_weights = stream_dtype(layout, work) == torch.bfloat16
     autocast = work.mixed_precision == "bf16" and not bf16_weights
     key = (_shape_key(cfg), rows, layout.tp, layout.cp, bool(getattr(args, "sequence_parallel", False)), layout.ep,
            autocast, bf16_weights, kernels)  # fmt: skip
@@ -128,11 +129,14 @@ def _at_rows(trace, key: tuple, extra: tuple) -> dict[str, list]:
                 step = (x2 - x1) * (rows - r1) / (r2 - r1)
                 return x1 + (round(step) if isinstance(x1, int) else step)
 
-            return {phase: [(OpCall(a.name, a.kind, a.dtype, tuple(grown(u, v) for u, v in zip(a.shape, b.shape,
-                                                                                              strict=True)),
-                                    grown(a.flops, b.flops), grown(a.bytes, b.bytes), a.causal, a.backward), n)
-                            for (a, n), (b, _) in zip(one[phase], two[phase], strict=True)]
-                    for phase in one}  # fmt: skip
+            def op_at_rows(a: OpCall, b: OpCall) -> OpCall:
+                shape = tuple(grown(u, v) for u, v in zip(a.shape, b.shape, strict=True))
+                return OpCall(a.name, a.kind, a.dtype, shape, grown(a.flops, b.flops), grown(a.bytes, b.bytes),
+                              a.causal, a.backward)  # fmt: skip
+
+            # kept: a planner asks again for the rows it priced (one stage's, then the other stages')
+            points[rows] = {phase: [(op_at_rows(a, b), n) for (a, n), (b, _) in zip(one[phase], two[phase], strict=True)]
+                            for phase in one}  # fmt: skip
     if rows not in points:
         points[rows] = trace(*key, *extra)
     return points[rows]
@@ -158,7 +162,7 @@ def _recomputed(forward: list, cfg, rows: int, layout, args, work) -> list:
     last saved tensor: measured on fake ranks)."""
     sp = layout.tp if getattr(args, "sequence_parallel", False) else 1
     tokens = rows * cfg.block_size // layout.cp
-    stream = 2 if work.mixed_precision == "bf16" and layout.shard_dims else 4
+    stream = stream_dtype(layout, work).itemsize
     branch = 2 if work.mixed_precision == "bf16" else 4
     last_matmul = (tokens, cfg.hidden // layout.tp, cfg.d_model)
     residual_add = (2 * stream + branch) * tokens // sp * cfg.d_model
@@ -230,7 +234,6 @@ def _shard(linear: nn.Linear, out_parts: int = 1, in_parts: int = 1) -> None:
         linear.bias = nn.Parameter(torch.empty(out_features // out_parts, dtype=dtype))
 
 
-@functools.lru_cache(maxsize=256)
 def _block_ops(shape, rows, tp, cp, sp, ep, autocast, bf16_weights, kernels) -> dict[str, list]:
     """One block's ops, forward and backward, at the rank's shapes (the module docstring)."""
     from common.gpt import Block
@@ -326,7 +329,6 @@ def _chunk_positions(cp: int):
     return ChunkPositions(chunks_of(0, cp, True))
 
 
-@functools.lru_cache(maxsize=256)
 def _ends_ops(
     shape, rows, tp, cp, sp, ep, autocast, bf16_weights, kernels, first, last, wrapped
 ) -> dict[str, list]:

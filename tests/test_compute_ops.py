@@ -213,10 +213,16 @@ def test_an_op_list_at_r_rows_follows_from_two_traces_at_other_rows(kernels):
 
     for tp, cp, sp in ((2, 1, True), (1, 2, False)):
         for trace, extra in ((compute_ops._block_ops, ()), (compute_ops._ends_ops, (True, True, False))):
-            for rows in (1, 3):  # traced
-                compute_ops._at_rows(trace, (shape, rows, tp, cp, sp, 1, True, False, kernels), extra)
-            key = (shape, 7, tp, cp, sp, 1, True, False, kernels)
-            grown, traced = compute_ops._at_rows(trace, key, extra), trace(*key, *extra)
-            assert 7 not in compute_ops._TRACED[(trace, shape, *key[2:], *extra)]  # grown, not traced
+            calls = []
+
+            def counted(*key, trace=trace, calls=calls):
+                calls.append(key[1])
+                return trace(*key)
+
+            for rows in (1, 3, 7, 7):  # traced at 1 and 3; grown at 7, and kept
+                key = (shape, rows, tp, cp, sp, 1, True, False, kernels)
+                grown = compute_ops._at_rows(counted, key, extra)
+            assert calls == [1, 3], calls
+            traced = trace(*key, *extra)
             for phase in ("forward", "backward"):
                 assert plain(grown[phase]) == plain(traced[phase]), (trace.__name__, tp, cp, phase)
