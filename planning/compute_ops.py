@@ -34,6 +34,7 @@ a fake rank's counts only), the optimizer and clipping (per parameter: planning/
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections import Counter
 
@@ -44,19 +45,22 @@ from planning.kernels import ATTENTION, KERNELS, fused, fused_final_norm, materi
 from planning.ops import OpCall
 from planning.tracing import built, dense, record
 from strategies.layout import stream_dtype
+from strategies.replicate import replicates_whole_model
 
 # FSDP's split and gradient copies, x the unsharded bf16 bytes (the module docstring; its copy-in: B (2 + 2 / dp))
 FSDP_SPLIT, FSDP_GRADIENT_COPY = 3, 5
 
 
 def stage_ops(cfg, layout, args, work, rows: int, blocks: int, first: bool, last: bool, kernels: str = "eager",
-              gathered: tuple[int, int] = (0, 0), microbatches: int = 1,
-              attention: str = "flash") -> dict[str, list[tuple[OpCall, int]]]:  # fmt: skip
+              gathered: tuple[int, int] = (0, 0), microbatches: int = 1, attention: str = "flash",
+              held: list = ()) -> dict[str, list[tuple[OpCall, int]]]:  # fmt: skip
     """{"forward": [(OpCall, count)], "backward": [...]}: one micro-batch of `rows` sequences on a rank of a stage
     holding `blocks` blocks (and the ends `first` and `last` say). `gathered`: the bytes FSDP gathers for the stage
     and for its blocks ((0, 0) without FSDP): all before the forward, the blocks' again before the backward (the
     ends, the root's group, stay gathered); under a pipeline's `microbatches`, once a step, a micro-batch's share.
-    `attention`: the attention kernel (flash, or materialised: planning/kernels.materialised)."""
+    `attention`: the attention kernel (flash, or materialised: planning/kernels.materialised). `held`: the
+    parameters the rank holds before data parallelism (a Theory's, (name, shape)), whose float32 gradients a
+    pipeline accumulates and PyTorch's replicate copies without FSDP (_add_unsharded_gradient_copies)."""
     if kernels not in KERNELS or attention not in ATTENTION:
         raise ValueError(f"kernels {kernels!r}, attention {attention!r}: one of {KERNELS} and of {ATTENTION}")
     # bf16 weights under FSDP's policy, whose bf16 stream they start; else float32 ones, under autocast in bf16
@@ -79,10 +83,21 @@ def stage_ops(cfg, layout, args, work, rows: int, blocks: int, first: bool, last
         for call, n in ends[phase]:
             counts[call] += n
         phases[phase] = counts
+    # autocast's casts of the weights, once in its region: a pipeline's step runs every micro-batch's forward and
+    # backward in one (a micro-batch's share of them here), a step without one its forward, and its backward
+    # (outside it) again for a checkpointed block's recompute (measured on fake ranks)
+    share = microbatches if layout.pp > 1 else 1
+    for call, n in [(c, n * blocks) for c, n in block["weight_casts"]] + ends["weight_casts"]:
+        phases["forward"][dataclasses.replace(call, bytes=call.bytes // share)] += n
+    if recompute and layout.pp == 1:
+        for call, n in block["weight_casts"]:
+            phases["backward"][call] += n * blocks
+    # under tp the first stage's embedding gradient arrives whole (tp's vocabulary split: DTensor's choice) and is
+    # summed so, by FSDP or autograd, until tp.align_gradients keeps the rank's rows (a copy of them)
+    whole = (cfg.vocab_size - math.ceil(cfg.vocab_size / layout.tp)) * cfg.d_model if first else 0
+    if not gathered[0] and held:
+        _add_unsharded_gradient_copies(phases, layout, held, whole, microbatches, kernels == "fused")
     if gathered[0]:
-        # under tp the first stage's embedding gradient arrives whole (tp's vocabulary split: DTensor's choice) and
-        # FSDP sums it so, until tp.align_gradients keeps the rank's rows (a copy of them)
-        whole = (cfg.vocab_size - math.ceil(cfg.vocab_size / layout.tp)) * cfg.d_model if first else 0
         # (a tied weight on a stage with the head: its rows kept with the head's gradient, _vocabulary_parallel_ops)
         sliced_here = first and layout.tp > 1 and not (last and cfg.tie_weights)
         rows_kept = math.ceil(cfg.vocab_size / layout.tp) * cfg.d_model if sliced_here else 0
@@ -174,6 +189,30 @@ def _recomputed(forward: list, cfg, rows: int, layout, args, work) -> list:
     return [(c, n - skipped.count(c)) for c, n in forward if n - skipped.count(c) > 0]
 
 
+def _add_unsharded_gradient_copies(
+    phases: dict, layout, held: list, whole_embedding: int, m: int, fused_accumulation: bool
+) -> None:
+    """Float32 gradients without FSDP (read off fake ranks at 2 and 4 micro-batches: pp, pp x tp, pp x dp_replicate,
+    tp x dp_replicate), in bytes a parameter held: under a pipeline autograd adds each micro-batch's gradient after
+    the first into the one it holds (add_, 12), the whole-vocabulary embedding gradient of a first stage under tp
+    too; fused kernels accumulate in their weight-gradient GEMMs instead (as under FSDP). PyTorch's replicate
+    (dp_replicate where a rank is not a replica of the whole model: that is a launch's DDP, its reducer C++ and
+    not priced), once a step: a copy_ before the forward and the gradients' copies into and out of the
+    all-reduce's buffer (chunk_cat, copy_), 12 each, of the parameters but ep's experts (ep holds those). Per
+    micro-batch: a step's over m."""
+    replicated = sum(math.prod(shape) for name, shape in held if not (layout.ep > 1 and ".mlp.w_" in name))
+    held = sum(math.prod(shape) for _, shape in held)
+    if layout.pp > 1 and not fused_accumulation and m > 1:
+        phases["backward"][
+            OpCall("add_", "memory", "float32", (), 0.0, int(12 * (held + whole_embedding) * (m - 1) / m))
+        ] += 1
+    if layout.replicate_dims and not replicates_whole_model(layout):
+        once = int(12 * replicated / (m if layout.pp > 1 else 1))
+        phases["forward"][OpCall("copy_", "memory", "float32", (), 0.0, once)] += 1
+        for name in ("chunk_cat", "copy_"):
+            phases["backward"][OpCall(name, "memory", "float32", (), 0.0, once)] += 1
+
+
 def _add_fsdp_copies(phases: dict, gathered: int, again: int, shards: int) -> None:
     """FSDP's copies per micro-batch: an unshard before the forward and, before the backward, of what it resharded
     after the forward (`again` bytes), the gradients' copy into the reduce-scatter's buffer. Fused or not: FSDP's."""
@@ -260,11 +299,16 @@ def _block_ops(shape, rows, tp, cp, sp, ep, autocast, bf16_weights, kernels) -> 
             attn.attend, attn.positions = _context_parallel_attention(cp), _chunk_positions(cp)
         recorder.calls.clear()  # the modules' construction is not the step
         x = torch.empty(rows, sp_tokens, cfg.d_model, dtype=weights, requires_grad=True)
+        recorder.phase = (
+            "first"  # autocast casts each weight once in its region: the next forward finds them cached
+        )
+        _block_forward(block, x, tp if sp else 1, cfg.n_experts > 0)
+        recorder.phase = "forward"
         out = _block_forward(block, x, tp if sp else 1, cfg.n_experts > 0)
         recorder.phase = "backward"
         out.backward(torch.empty_like(out))
 
-    calls = dense(record(run, autocast))
+    calls = _with_weight_casts(record(run, autocast))
     if cp > 1:  # the K and V all-gathers' backward: each gradient laid out for its reduce-scatter (a cat)
         kv = rows * cfg.kv_heads // tp * cfg.block_size * (cfg.d_model // cfg.n_head)
         element = 2 if (autocast or bf16_weights) else 4
@@ -293,6 +337,16 @@ def _block_forward(block, x, sequence_split: int, moe: bool):
     x = x + scattered(block.attn(gathered(block.ln_1(x))))
     h = block.ln_2(x)
     return x + (h if moe else scattered(block.mlp(gathered(h))))
+
+
+def _with_weight_casts(recorded: dict) -> dict[str, list]:
+    """A trace's forward and backward, and apart (`weight_casts`) what a first forward ran that the one after did not:
+    autocast's casts of the weights, which it caches for the rest of its region (none without autocast)."""
+    calls = dense(recorded)
+    first = recorded.get("first", Counter())
+    cached = first - recorded.get("forward", Counter())
+    calls["weight_casts"] = [(c, n) for c, n in cached.items() if c.kind != "view"]
+    return calls
 
 
 def _dense_stand_in(cfg):
@@ -340,7 +394,7 @@ def _ends_ops(
     weights = torch.bfloat16 if bf16_weights else torch.float32
     tokens = cfg.block_size // cp
     if not (first or last):
-        return {"forward": [], "backward": []}
+        return {"forward": [], "backward": [], "weight_casts": []}
 
     def run(recorder):
         import dataclasses
@@ -362,6 +416,9 @@ def _ends_ops(
         else:
             x = torch.empty(rows, tokens, cfg.d_model, dtype=weights, requires_grad=True)
         if last:
+            recorder.phase = "first"  # the head's weight cast, cached for the forward after (as a block's)
+            gpt.head(gpt.ln_f(x))
+            recorder.phase = "forward"
             logits = gpt.head(gpt.ln_f(x))
             others = [torch.empty_like(logits) for _ in range(tp - 1)]  # the other ranks' shards
             logits = torch.cat([logits, *others], dim=-1) if tp > 1 else logits
@@ -371,7 +428,7 @@ def _ends_ops(
         recorder.phase = "backward"
         out.backward(torch.empty_like(out) if out.dim() else None)
 
-    calls = dense(record(run, autocast))
+    calls = _with_weight_casts(record(run, autocast))
     for phase, ops in _vocabulary_parallel_ops(
         cfg, rows * tokens, tp, first, last, weights, autocast
     ).items():
@@ -447,8 +504,12 @@ def _with_moe_mlp(calls: dict, cfg, ep: int, tokens: int, weights, autocast: boo
     activation = {"gelu": 2, "swiglu": 5}[cfg.mlp] * (rows * hidden + tokens * shared)
     rest = OpCall("moe_rest", "memory", dtype, (), 0.0, e * (activation + 9 * rows * d))
     forward, backward = forward + [(rest, 1)], backward + [(rest, 2)]
+    casts = []
     if e == 2 and (weights == torch.float32 or ep > 1):
         cast = 6 * local * (up + 1) * d * hidden
-        forward.append((OpCall("_to_copy", "memory", "float32", (), 0.0, cast), 1))
+        # autocast's cast is of its region, cached (weight_casts); FSDP's policy leaves ep's experts float32, each
+        # forward's own
+        (casts if autocast else forward).append((OpCall("_to_copy", "memory", "float32", (), 0.0, cast), 1))
         backward.append((OpCall("_to_copy", "memory", "bfloat16", (), 0.0, cast), 1))
-    return {"forward": calls["forward"] + forward, "backward": calls["backward"] + backward}
+    return {"forward": calls["forward"] + forward, "backward": calls["backward"] + backward,
+            "weight_casts": calls["weight_casts"] + casts}  # fmt: skip

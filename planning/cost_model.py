@@ -126,6 +126,7 @@ def predict_step(
                 gathered,
                 m,
                 attention,
+                t.held,
             )
             forward_s = hw.ops.phase_seconds("forward", ops["forward"])
             backward_s = hw.ops.phase_seconds("backward", ops["backward"])

@@ -36,7 +36,7 @@ def closed_and_recorded(flags: str) -> tuple:
     m = cfg.pp_microbatches if layout.pp > 1 else 1
     gathered = fsdp_gathered(first.held, layout, work)
     closed = stage_ops(work.model, layout, cfg, work, work.rows // m, first.blocks, first.first, first.last,
-                       "eager", gathered, m)  # fmt: skip
+                       "eager", gathered, m, held=first.held)  # fmt: skip
     return cfg, layout, work, theories, recorded, closed, m
 
 
@@ -69,6 +69,10 @@ def compute(ops, kind: str) -> Counter:
             0.01,
         ),  # the recompute, stopped early
         (f"{LLAMA} --cp 2 --dp_shard 2", 0.01),  # cp's chunked attention; K and V gathered
+        # autocast under a pipeline: each weight cast once a step; autograd's float32 sums; replicate's copies
+        (f"{LLAMA} --pp 2 --dp_replicate 2 --per_rank_batch_size 4 --pp_microbatches 4", 0.01),
+        # autocast's recompute outside its region: the weights cast again in the backward
+        ("--world_size 1 --activation_checkpointing full", 0.01),
         # Llama 3's layout in small (its first stage): the whole vocabulary's gradient summed by FSDP, then sliced
         (f"{LLAMA} --pp 2 --tp 2 --dp_shard 2 --pp_microbatches 2 --per_rank_batch_size 2", 0.01),
         ("--tp 2 --dp_shard 2", 0.01),  # a tied vocabulary split under FSDP
