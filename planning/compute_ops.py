@@ -16,9 +16,10 @@ rank records with, in the run's precision (autocast over float32 weights; bf16 w
           multiple of the unsharded bf16 bytes B: copy-in B (2 + 2 / dp), split 3 B, the shard's cast 4 B / dp;
           the gradients' chunk_cat 5 B);
   full activation checkpointing: the backward runs each block's forward again, up to its last saved tensor.
-A block of a mixture of experts takes its MLP from the closed form (its routing needs values fake tensors do not
-hold): the router, the experts' grouped GEMMs over a uniform routing, the memory-bound rest. A transformers model
-(--hf_config) is traced as the project's GPT of its shape: its own modules dispatch other ops (docs/your_model.md).
+A block of a mixture of experts runs its own MoE as a rank of ep does (its E / ep experts; the routing uniform, as a
+fake rank assumes, fake tensors holding none; strategies/ep's all-to-all, what its collectives return new tensors).
+A transformers model (--hf_config) is traced as the project's GPT of its shape: its own modules dispatch other ops
+(docs/your_model.md).
 
 `kernels` says which kernels the run assumes (planning/kernels.py):
   eager   the ops our eager modules dispatch (RMSNorm as pow, mean, rsqrt and multiplies in float32; SwiGLU as
@@ -35,6 +36,7 @@ a fake rank's counts only), the optimizer and clipping (per parameter: planning/
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from collections import Counter
 
@@ -44,6 +46,7 @@ from torch import nn
 from planning.kernels import ATTENTION, KERNELS, fused, fused_final_norm, materialised
 from planning.ops import OpCall
 from planning.tracing import built, dense, record
+from strategies.ep import AllToAll
 from strategies.layout import stream_dtype
 from strategies.replicate import replicates_whole_model
 
@@ -183,9 +186,6 @@ def _recomputed(forward: list, cfg, rows: int, layout, args, work) -> list:
     residual_add = (2 * stream + branch) * tokens // sp * cfg.d_model
     skipped = [next((c for c, _ in forward if c.kind == "gemm" and c.shape == last_matmul), None),
                next((c for c, _ in forward if c.name == "add" and c.bytes == residual_add), None)]  # fmt: skip
-    # a MoE's MLP is the closed form's (not traced): its recompute is left whole
-    if cfg.n_experts:
-        skipped = []
     return [(c, n - skipped.count(c)) for c, n in forward if n - skipped.count(c) > 0]
 
 
@@ -250,18 +250,19 @@ def _add_fsdp_copies_pipelined(
 def _shape_key(cfg) -> tuple:
     return (cfg.vocab_size, cfg.block_size, cfg.n_head, cfg.d_model, cfg.kv_heads, cfg.hidden, cfg.mlp, cfg.norm,
             cfg.positions, cfg.bias, cfg.tie_weights, cfg.rope_theta, cfg.n_experts, cfg.top_k,
-            cfg.n_shared_experts)  # fmt: skip
+            cfg.n_shared_experts, cfg.router, cfg.route_norm, cfg.aux_loss_coef, cfg.expert_matmul)  # fmt: skip
 
 
 def _config(shape: tuple):
     from common.gpt import GPTConfig
 
     (vocab, block_size, n_head, d, kv, hidden, mlp, norm, positions, bias, tie, theta, experts, top_k,
-     shared) = shape  # fmt: skip
+     shared, router, route_norm, aux_loss_coef, expert_matmul) = shape  # fmt: skip
     return GPTConfig(vocab_size=vocab, block_size=block_size, n_layer=1, n_head=n_head, d_model=d,
                      n_kv_head=kv, d_ff=hidden, mlp=mlp, norm=norm, positions=positions, bias=bias,
                      tie_weights=tie, rope_theta=theta, n_experts=experts, top_k=top_k,
-                     n_shared_experts=shared)  # fmt: skip
+                     n_shared_experts=shared, router=router, route_norm=route_norm, aux_loss_coef=aux_loss_coef,
+                     expert_matmul=expert_matmul)  # fmt: skip
 
 
 def _shard(linear: nn.Linear, out_parts: int = 1, in_parts: int = 1) -> None:
@@ -283,18 +284,17 @@ def _block_ops(shape, rows, tp, cp, sp, ep, autocast, bf16_weights, kernels) -> 
 
     def run(recorder):
         with torch.device("cpu"):
-            block = built(lambda: Block(cfg if not cfg.n_experts else _dense_stand_in(cfg)), weights)
+            block = built(lambda: Block(cfg), weights)
         attn, mlp = block.attn, block.mlp
-        for lin in (
-            attn.q_proj,
-            attn.k_proj,
-            attn.v_proj,
-            mlp.fc_in,
-            *([mlp.fc_gate] if mlp.fc_gate else []),
-        ):
+        for lin in (attn.q_proj, attn.k_proj, attn.v_proj):
             _shard(lin, out_parts=tp)
-        for lin in (attn.o_proj, mlp.fc_out):
-            _shard(lin, in_parts=tp)
+        _shard(attn.o_proj, in_parts=tp)
+        if cfg.n_experts:  # whole on every tp rank (strategies/tp.py leaves it so)
+            _as_expert_parallel_rank(mlp, ep, torch.float32 if ep > 1 and bf16_weights else weights)
+        else:
+            for lin in (mlp.fc_in, *([mlp.fc_gate] if mlp.fc_gate else [])):
+                _shard(lin, out_parts=tp)
+            _shard(mlp.fc_out, in_parts=tp)
         if cp > 1:
             attn.attend, attn.positions = _context_parallel_attention(cp), _chunk_positions(cp)
         recorder.calls.clear()  # the modules' construction is not the step
@@ -302,9 +302,9 @@ def _block_ops(shape, rows, tp, cp, sp, ep, autocast, bf16_weights, kernels) -> 
         recorder.phase = (
             "first"  # autocast casts each weight once in its region: the next forward finds them cached
         )
-        _block_forward(block, x, tp if sp else 1, cfg.n_experts > 0)
+        _block_forward(block, x, tp if sp else 1)
         recorder.phase = "forward"
-        out = _block_forward(block, x, tp if sp else 1, cfg.n_experts > 0)
+        out = _block_forward(block, x, tp if sp else 1)
         recorder.phase = "backward"
         out.backward(torch.empty_like(out))
 
@@ -315,16 +315,14 @@ def _block_ops(shape, rows, tp, cp, sp, ep, autocast, bf16_weights, kernels) -> 
         calls["backward"] = calls["backward"] + [(OpCall("cat", "memory", str(weights if element == 4 else
                                                   torch.bfloat16).removeprefix("torch."), (), 0.0,
                                                   2 * element * kv), 2)]  # fmt: skip
-    if cfg.n_experts:
-        calls = _with_moe_mlp(calls, cfg, ep, rows * tokens, weights, autocast)
     if kernels == "fused":
         calls = fused(calls, cfg, rows, tokens, sp_tokens, tp, weights, autocast)
     return calls
 
 
-def _block_forward(block, x, sequence_split: int, moe: bool):
+def _block_forward(block, x, sequence_split: int):
     """Block.forward, with sequence parallelism's gathers (the tokens' shards concatenated) and scatters (this
-    rank's shard kept) around the attention and the MLP; a MoE block's MLP left to _with_moe_mlp."""
+    rank's shard kept) around the attention and the MLP."""
 
     def gathered(h):
         # the other ranks' shards are new tensors (a collective's output): no gradient summed over them
@@ -335,8 +333,54 @@ def _block_forward(block, x, sequence_split: int, moe: bool):
         return h.narrow(1, 0, h.shape[1] // sequence_split) if sequence_split > 1 else h
 
     x = x + scattered(block.attn(gathered(block.ln_1(x))))
-    h = block.ln_2(x)
-    return x + (h if moe else scattered(block.mlp(gathered(h))))
+    return x + scattered(block.mlp(gathered(block.ln_2(x))))
+
+
+def _as_expert_parallel_rank(moe, ep: int, expert_weights) -> None:
+    """A MoE MLP as a rank of ep runs it: its E / ep experts' weights (in `expert_weights`: FSDP's bf16 policy leaves
+    ep's experts float32), the routing uniform (planning/fake_ranks.uniform_order, what a fake rank assumes) and,
+    under ep, strategies/ep's all-to-all with new tensors for what its collectives return (_TracedAllToAll)."""
+    from planning.fake_ranks import uniform_order
+
+    local = moe.n_experts // ep
+    for name in ("w_in", "w_gate", "w_out"):
+        weight = getattr(moe, name)
+        if weight is not None:
+            setattr(moe, name, nn.Parameter(torch.empty(local, *weight.shape[1:], dtype=expert_weights)))
+    moe.order = functools.partial(uniform_order, moe)
+    if ep > 1:
+        moe.exchange = _TracedAllToAll(ep)
+
+
+class _TracedAllToAll(AllToAll):
+    """strategies/ep.AllToAll without a process group: every rank routes alike, and what its all-to-alls return
+    are new tensors of the rows it receives (a collective's output: no op of this rank's)."""
+
+    def __init__(self, ep: int):
+        super().__init__(None, ep, "")
+        self.assume_same_routing = True
+
+    def rank(self) -> int:
+        return 0
+
+    def counts_from_peers(self, sent_counts: torch.Tensor) -> torch.Tensor:
+        return sent_counts
+
+    def rows_from_peers(self, rows: torch.Tensor, receive: list[int], send: list[int]) -> torch.Tensor:
+        return _Received.apply(rows, sum(receive))
+
+
+class _Received(torch.autograd.Function):
+    """`rows` sent, as many received: new tensors both ways (the gradient sent back too)."""
+
+    @staticmethod
+    def forward(ctx, rows: torch.Tensor, received: int) -> torch.Tensor:
+        ctx.sent = rows.shape
+        return rows.new_empty(received, *rows.shape[1:])
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return grad.new_empty(ctx.sent), None
 
 
 def _with_weight_casts(recorded: dict) -> dict[str, list]:
@@ -347,14 +391,6 @@ def _with_weight_casts(recorded: dict) -> dict[str, list]:
     cached = first - recorded.get("forward", Counter())
     calls["weight_casts"] = [(c, n) for c, n in cached.items() if c.kind != "view"]
     return calls
-
-
-def _dense_stand_in(cfg):
-    """A MoE block's attention and norms; its MLP a dense one, built but not run (_block_forward skips it: the
-    experts' are priced apart, _with_moe_mlp)."""
-    import dataclasses
-
-    return dataclasses.replace(cfg, n_experts=0, n_shared_experts=0, d_ff=cfg.hidden)
 
 
 def _context_parallel_attention(cp: int):
@@ -463,53 +499,3 @@ def _vocabulary_parallel_ops(
         ops["backward"].append(OpCall("clone", "memory", dtype, (), 0.0, 2 * e * shard * d))
         ops["backward"].append(OpCall("add", "memory", dtype, (), 0.0, 3 * e * shard * d))
     return ops
-
-
-def _with_moe_mlp(calls: dict, cfg, ep: int, tokens: int, weights, autocast: bool) -> dict:
-    """A MoE block's MLP as ops (strategies/ep.uniform_routing's even shares; common/moe.py's grouped GEMMs), whole
-    on every tp rank (strategies/tp.py leaves it so): the router's matmul, the experts' matrices each a grouped GEMM
-    over the tokens x top_k rows a rank receives (its E / ep experts' weights), the shared experts' matmuls; in the
-    backward each GEMM's input and weight gradients (dX: m n k; dW: k m n); the memory-bound rest (the activation
-    over the rows' hidden width; each row gathered in expert order, weighed and added back: 9 reads and writes of
-    d). Under ep the experts stay float32 beside FSDP's bf16 (it ignores them): cast each micro-batch, both ways."""
-    e = 2 if (autocast or weights == torch.bfloat16) else 4
-    dtype = "bfloat16" if e == 2 else "float32"
-    d, hidden, rows, local = cfg.d_model, cfg.hidden, tokens * cfg.top_k, cfg.n_experts // ep
-    up = 2 if cfg.mlp == "swiglu" else 1  # gate and up, or up; then down
-
-    def gemm(name, m, k, n, weight_elements):
-        offsets = 4 * local if name == "_grouped_mm" else 0  # each expert's end row, int32
-        return OpCall(
-            name, "gemm", dtype, (m, k, n), 2.0 * m * k * n, e * (m * k + weight_elements + m * n) + offsets
-        )
-
-    def backward_of(call: OpCall) -> list:
-        """dX (m, n, k) and dW (k, m, n): the forward's operands' sizes, permuted (its bytes)."""
-        m, k, n = call.shape
-        return [
-            OpCall(call.name, "gemm", dtype, shape, call.flops, call.bytes)
-            for shape in ((m, n, k), (k, m, n))
-        ]
-
-    forward = [(gemm("mm", tokens, d, cfg.n_experts, d * cfg.n_experts), 1),
-               (gemm("_grouped_mm", rows, d, hidden, local * d * hidden), up),
-               (gemm("_grouped_mm", rows, hidden, d, local * d * hidden), 1)]  # fmt: skip
-    shared = cfg.n_shared_experts * hidden
-    if shared:
-        forward += [
-            (gemm("mm", tokens, d, shared, d * shared), up),
-            (gemm("mm", tokens, shared, d, d * shared), 1),
-        ]
-    backward = [(b, n) for c, n in forward for b in backward_of(c)]
-    activation = {"gelu": 2, "swiglu": 5}[cfg.mlp] * (rows * hidden + tokens * shared)
-    rest = OpCall("moe_rest", "memory", dtype, (), 0.0, e * (activation + 9 * rows * d))
-    forward, backward = forward + [(rest, 1)], backward + [(rest, 2)]
-    casts = []
-    if e == 2 and (weights == torch.float32 or ep > 1):
-        cast = 6 * local * (up + 1) * d * hidden
-        # autocast's cast is of its region, cached (weight_casts); FSDP's policy leaves ep's experts float32, each
-        # forward's own
-        (casts if autocast else forward).append((OpCall("_to_copy", "memory", "float32", (), 0.0, cast), 1))
-        backward.append((OpCall("_to_copy", "memory", "bfloat16", (), 0.0, cast), 1))
-    return {"forward": calls["forward"] + forward, "backward": calls["backward"] + backward,
-            "weight_casts": calls["weight_casts"] + casts}  # fmt: skip

@@ -158,7 +158,7 @@ class AllToAll:
         started = device_time(routed.device)
         sent_counts = torch.tensor(counts, device=routed.device)
         # each peer's counts for this rank's experts, (peer, local expert); tolist() waits for them
-        counts_in = funcol.all_to_all_single(sent_counts, None, None, self.group)
+        counts_in = self.counts_from_peers(sent_counts)
         # fake tensors (experiments/at_scale.py) hold no counts: there every rank routes alike (uniform)
         counts_in = counts if self.assume_same_routing else counts_in.tolist()
         send = [sum(counts[j * local_experts : (j + 1) * local_experts]) for j in range(self.ep)]
@@ -166,8 +166,7 @@ class AllToAll:
         per_local_expert = [
             sum(counts_in[j * local_experts + e] for j in range(self.ep)) for e in range(local_experts)
         ]
-        arrived = funcol.all_to_all_single_autograd(routed, receive, send, self.group)
-        arrived = arrived.wait() if hasattr(arrived, "wait") else arrived
+        arrived = self.rows_from_peers(routed, receive, send)
         waited = device_time(routed.device) - started
         # arrived in (peer, local expert) order: regrouped by local expert, stable, then put back
         expert_of = torch.arange(local_experts, device=routed.device).repeat(self.ep)
@@ -177,18 +176,28 @@ class AllToAll:
         )
         outputs = run_experts(moe, arrived[by_expert], per_local_expert)
         back = torch.empty_like(outputs).index_copy(0, by_expert, outputs)
-        returned = funcol.all_to_all_single_autograd(back, *((send, receive) if self.swap_back else (receive, send)),
-                                                     self.group)  # fmt: skip
         started = device_time(routed.device)
-        returned = returned.wait() if hasattr(returned, "wait") else returned
+        returned = self.rows_from_peers(back, *((send, receive) if self.swap_back else (receive, send)))
         if torch.is_grad_enabled():
             self.seconds += waited + device_time(routed.device) - started
             # the rows a rank sends itself (send[me] = receive[me]) cross no wire
             self.routing.append({"sent_rows": sum(send), "received_rows": sum(receive),
-                                 "own_rows": send[dist.get_rank(self.group)],
+                                 "own_rows": send[self.rank()],
                                  "row_bytes": routed.shape[-1] * (routed.element_size() + back.element_size()),
                                  "experts": moe.n_experts})  # fmt: skip
         return returned
+
+    # the process group's part, apart: planning/compute_ops traces the rest of the exchange without one
+    def rank(self) -> int:
+        return dist.get_rank(self.group)
+
+    def counts_from_peers(self, sent_counts: torch.Tensor) -> torch.Tensor:
+        return funcol.all_to_all_single(sent_counts, None, None, self.group)
+
+    def rows_from_peers(self, rows: torch.Tensor, receive: list[int], send: list[int]) -> torch.Tensor:
+        """`send[j]` of the rows to peer j, `receive[j]` from it (autograd sends the gradients back)."""
+        arrived = funcol.all_to_all_single_autograd(rows, receive, send, self.group)
+        return arrived.wait() if hasattr(arrived, "wait") else arrived
 
 
 def apply(model, ep_mesh, data_group, layout: Layout, rank: int, args) -> list[AllToAll]:

@@ -82,8 +82,16 @@ def compute(ops, kind: str) -> Counter:
         # a mixture of experts: its MLP the closed form's (fake tensors hold no routing to trace it by)
         (
             "--model olmoe_1b_7b --block_size 32 --world_size 16 --dp_shard 4 --ep 4 --per_rank_batch_size 1",
-            0.05,
+            0.01,
         ),
+        # DeepSeek-V3's in small: shared experts, a sigmoid router, autocast under a pipeline beside ep
+        (
+            f"{LLAMA} --n_experts 8 --top_k 2 --n_shared_experts 1 --router sigmoid --route_norm true --world_size 8 "
+            "--pp 2 --dp_replicate 2 --ep 2 --per_rank_batch_size 2 --pp_microbatches 2",
+            0.01,
+        ),
+        # the recompute of a MoE block under FSDP (ep refuses checkpointing)
+        (f"{LLAMA} --n_experts 8 --top_k 2 --dp_shard 2 --activation_checkpointing full", 0.01),
     ],
 )
 def test_the_closed_forms_op_list_is_the_one_a_fake_rank_records(flags, memory_within):
