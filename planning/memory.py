@@ -7,7 +7,7 @@ from __future__ import annotations
 from common.gpt import GPTConfig, parameter_count
 from strategies.layout import Layout, Workload, stream_dtype
 from strategies.pp_schedules import stages_per_rank
-from strategies.theory import gathered_bytes, held_bytes, theory_of
+from strategies.theory import theory_of
 
 
 def activation_bytes(work: Workload, layout: Layout, args, blocks: int, first: bool, last: bool) -> float:
@@ -147,11 +147,8 @@ def memory_estimate(reference, layout: Layout, args, work: Workload, rank: int) 
     over the micro-batches), and `activation_bytes` for each micro-batch in flight. experiments/at_scale.py
     measures the same categories."""
 
-    held, gathered = (
-        held_bytes(reference, layout, rank, args, work),
-        gathered_bytes(reference, layout, rank, args, work),
-    )
-    holding = theory_of(reference, layout, rank, args, work)  # its blocks and ends
+    holding = theory_of(reference, layout, rank, args, work)  # its pieces, its blocks and ends
+    held, gathered = holding.held_bytes(), holding.gathered_bytes()
     m = args.pp_microbatches if layout.pp > 1 else 1
     flying = in_flight(args.pp_schedule, layout.pp, layout.coordinate(rank, "pp"), m)
     activations = flying * activation_bytes(work, layout, args, holding.blocks, holding.first, holding.last)
