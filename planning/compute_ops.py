@@ -299,9 +299,8 @@ def _block_ops(shape, rows, tp, cp, sp, ep, autocast, bf16_weights, kernels) -> 
             attn.attend, attn.positions = _context_parallel_attention(cp), _chunk_positions(cp)
         recorder.calls.clear()  # the modules' construction is not the step
         x = torch.empty(rows, sp_tokens, cfg.d_model, dtype=weights, requires_grad=True)
-        recorder.phase = (
-            "first"  # autocast casts each weight once in its region: the next forward finds them cached
-        )
+        # autocast casts each weight once in its region: the next forward finds them cached
+        recorder.phase = "first"
         _block_forward(block, x, tp if sp else 1)
         recorder.phase = "forward"
         out = _block_forward(block, x, tp if sp else 1)
