@@ -59,6 +59,12 @@ class AttachAuxLoss(torch.autograd.Function):
         return grad_output, torch.full_like(aux_loss, ctx.scale), None
 
 
+def recomputing() -> bool:
+    """A forward run again inside the backward (selective activation checkpointing's recompute of a MoE block): its
+    tokens were counted, and its routing recorded, when it first ran."""
+    return torch._C._current_graph_task_id() != -1
+
+
 def local(tensor: torch.Tensor) -> torch.Tensor:
     """A DTensor's local piece (this rank's experts of a stacked weight under expert parallelism, FSDP2's shard,
     tensor parallelism's), or the tensor itself."""
@@ -182,7 +188,7 @@ class MoE(nn.Module):
         kept = self.keep_within_capacity(expert_ids, tokens)
         assignment = torch.argsort(expert_ids.masked_fill(~kept, self.n_experts), stable=True)
         counts = torch.bincount(expert_ids[kept], minlength=self.n_experts)
-        if torch.is_grad_enabled():  # a training forward's tokens (not an evaluation's)
+        if torch.is_grad_enabled() and not recomputing():  # a training forward's tokens (not an evaluation's)
             self.tokens_per_expert += counts.to(self.tokens_per_expert.dtype)
             self.dropped += (~kept).sum()
         counts = counts.tolist()

@@ -70,7 +70,7 @@ def activation_bytes(work: Workload, layout: Layout, args, blocks: int, first: b
     per_block = {
         "none": 2 * norm + attention + mlp + casts,
         "full": t * d / s * stream_e,
-        "selective": selective_block_bytes(cfg, layout, args, t, e, stream_e, mlp),
+        "selective": selective_block_bytes(cfg, layout, args, t, e, stream_e),
     }[args.activation_checkpointing]
     ends = 0.0
     if last:  # the final norm, the head's input and the loss's float32 logits
@@ -82,7 +82,7 @@ def activation_bytes(work: Workload, layout: Layout, args, blocks: int, first: b
     return blocks * per_block + ends
 
 
-def selective_block_bytes(cfg, layout: Layout, args, t: float, e: int, stream_e: int, mlp: float) -> float:
+def selective_block_bytes(cfg, layout: Layout, args, t: float, e: int, stream_e: int) -> float:
     """A block's bytes kept under selective checkpointing (strategies/activation_checkpointing.py): its input,
     and the output of every op the policy saves, whether backward reads it or not, in the matmuls' dtype e (bf16
     under autocast, where nothing else is kept: the casts are recomputed):
@@ -91,7 +91,9 @@ def selective_block_bytes(cfg, layout: Layout, args, t: float, e: int, stream_e:
       o_proj's and fc_out's, which under tp are each rank's full-width partial sums (t d) and the all-reduce's
       result (t d) again, or under sequence parallelism the reduce-scatter's (t d / n); and then the two
       all-gathers of the norms' outputs (t d, the residual stream's dtype).
-    A MoE MLP: half of what it keeps without checkpointing (not measured)."""
+    A MoE MLP (its grouped GEMMs are recomputed): the router's scores (t E), the shared experts' matmul outputs
+    (as a dense MLP's, over the t tokens), and under ep what its all-to-alls return: the R = t k rows dispatched (in
+    the residual stream's dtype) and combined (in the matmuls')."""
     tp, d, heads = layout.tp, cfg.d_model, cfg.n_head
     sp = args.sequence_parallel and tp > 1
     kv_width = cfg.kv_heads * (d // heads)
@@ -99,7 +101,13 @@ def selective_block_bytes(cfg, layout: Layout, args, t: float, e: int, stream_e:
     kept = t * d / (tp if sp else 1) * stream_e  # the block's input
     kept += (d + 2 * kv_width) * t / tp * e + t * d / tp * e + heads / tp * t * 4 + row_parallel
     if cfg.n_experts:
-        kept += mlp / 2
+        shared = cfg.n_shared_experts * cfg.hidden
+        kept += (
+            t * cfg.n_experts * e
+            + (2 if cfg.mlp == "swiglu" else 1) * t * shared * e
+            + (t * d * e if shared else 0)
+        )
+        kept += t * cfg.top_k * d * (stream_e + e) if layout.ep > 1 else 0
     else:
         kept += (2 if cfg.mlp == "swiglu" else 1) * t * cfg.hidden / tp * e + row_parallel
     return kept + (2 * t * d * stream_e if sp else 0)

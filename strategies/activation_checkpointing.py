@@ -44,7 +44,10 @@ SAVED_BY_SELECTIVE = {
     aten._scaled_dot_product_flash_attention.default,
     aten._scaled_dot_product_efficient_attention.default,
     aten._scaled_dot_product_cudnn_attention.default,
-    # and what tensor parallelism's collectives return: recomputing them would send the bytes again
+    # and what tensor parallelism's and expert parallelism's collectives return: recomputing them would send the
+    # bytes again (ep's all-to-alls of the tokens' counts and rows, the rows' with their backward)
+    torch.ops._c10d_functional.all_to_all_single.default,
+    torch.ops._c10d_functional_autograd.all_to_all_single.default,
     torch.ops._c10d_functional.all_reduce.default,
     torch.ops._c10d_functional.all_gather_into_tensor.default,
     torch.ops._c10d_functional.reduce_scatter_tensor.default,

@@ -47,7 +47,7 @@ import torch.distributed._functional_collectives as funcol
 from common import moe
 from common.config import flag, require
 from common.device import device_time
-from common.moe import moe_layers, run_experts
+from common.moe import moe_layers, recomputing, run_experts
 from strategies.layout import Layout, Mistake, Traffic, chunk_rows, stream_dtype, submesh
 from strategies.piece import Context, HooksTheStep, Measures, Piece, Plan, SplitsParameters, Theory
 
@@ -121,8 +121,9 @@ def refuse(plan: Plan) -> None:
     )
     require(not plan.engine_stage, "--n_experts under a DeepSpeed accelerate config: not built")
     require(
-        layout.ep == 1 or not {"recomputes", "compiled"} & plan.traits,
-        "--ep with --activation_checkpointing or --compile: not built (a recompute would send the tokens again)",
+        layout.ep == 1 or not {"recomputes_blocks", "compiled"} & plan.traits,
+        "--ep with --activation_checkpointing full or --compile: not built (a block's recompute would send the "
+        "tokens again; selective checkpointing keeps what the all-to-alls return)",
     )
 
 
@@ -178,7 +179,7 @@ class AllToAll:
         back = torch.empty_like(outputs).index_copy(0, by_expert, outputs)
         started = device_time(routed.device)
         returned = self.rows_from_peers(back, *((send, receive) if self.swap_back else (receive, send)))
-        if torch.is_grad_enabled():
+        if torch.is_grad_enabled() and not recomputing():
             self.seconds += waited + device_time(routed.device) - started
             # the rows a rank sends itself (send[me] = receive[me]) cross no wire
             self.routing.append({"sent_rows": sum(send), "received_rows": sum(receive),
@@ -238,14 +239,15 @@ def earlier_assignments(counts: torch.Tensor, group, data_rank: int, ranks: int)
     row of a (ranks, experts) table, one all-reduce fills it."""
     table = counts.new_zeros(ranks, counts.shape[0])
     table[data_rank] = counts
-    dist.all_reduce(table, group=group)
+    table = summed(table, group)
     return table[:data_rank].sum(0), ranks
 
 
 def summed(counts: torch.Tensor, group) -> torch.Tensor:
-    counts = counts.clone()
-    dist.all_reduce(counts, group=group)
-    return counts
+    """`counts` summed over `group`: a functional all-reduce, whose result selective checkpointing keeps for the
+    recompute (strategies/activation_checkpointing.SAVED_BY_SELECTIVE) rather than sending again."""
+    total = funcol.all_reduce(counts, "sum", group)
+    return total.wait() if hasattr(total, "wait") else total
 
 
 def expert_parameters(model) -> list:

@@ -90,7 +90,7 @@ def compute(ops, kind: str) -> Counter:
             "--pp 2 --dp_replicate 2 --ep 2 --per_rank_batch_size 2 --pp_microbatches 2",
             0.01,
         ),
-        # the recompute of a MoE block under FSDP (ep refuses checkpointing)
+        # the recompute of a MoE block under FSDP (ep refuses full checkpointing)
         (f"{LLAMA} --n_experts 8 --top_k 2 --dp_shard 2 --activation_checkpointing full", 0.01),
     ],
 )

@@ -429,6 +429,29 @@ def test_expert_parallel_composes_with_a_pipeline(tmp_path):
 
 
 @pytest.mark.launch
+def test_expert_parallel_composes_with_selective_checkpointing_without_sending_again(tmp_path):
+    """ep 2 with selective activation checkpointing: the recompute takes what the all-to-alls returned (the policy
+    saves them), so it sends nothing again and counts no token twice: every check (the one-process parity, the
+    bytes sent against the theory), and the all-to-alls a step as without checkpointing (counts, dispatch, combine
+    forward, two back: five a block). Full checkpointing is refused in one line."""
+    args = [*GPT_TINY, *MOE, "--ep", "2", "--capacity_factor", "1.25", "--bias_update_rate", "0.001",
+            "--activation_checkpointing", "selective", "--max_steps", "8", "--parity_steps", "4"]  # fmt: skip
+    summary = assert_gpt_passed(fork_launch(main, args, tmp_path / "run", num_processes=2), 2)
+    assert set(summary["checks"]) == GPT_DISTRIBUTED_CHECKS
+    counted = summary["metrics"]["communication"]["counted"]
+    assert counted["calls"]["all_to_all"] == 5 * 2  # two blocks
+    # each assignment counted once: a block's step is 2 ranks x 4 rows x 32 tokens x top-2, less the capacity's
+    # drops (a recompute counting them again read ~1,000)
+    assignments = 2 * 4 * 32 * 2
+    assert all(
+        0.9 * assignments <= sum(b) <= assignments for b in summary["metrics"]["moe"]["loads_last_step"]
+    )
+    full = [*args[:-6], "--activation_checkpointing", "full", "--max_steps", "8", "--parity_steps", "4"]
+    refused = fork_launch(main, full, tmp_path / "full", num_processes=2)
+    assert refused.returncode != 0 and "--ep with --activation_checkpointing full" in refused.stderr
+
+
+@pytest.mark.launch
 def test_expert_parallel_composes_with_context_parallelism(tmp_path):
     """ep 2 x cp 2: each cp rank routes its chunks of every sequence (tokens are independent to a MoE); the counts
     are summed and the experts' gradients averaged over the cp ranks too, as over data-parallel ones."""
