@@ -50,6 +50,8 @@ from strategies.ep import AllToAll
 from strategies.layout import stream_dtype
 from strategies.replicate import replicates_whole_model
 
+# the matmuls whose outputs selective checkpointing saves (strategies/activation_checkpointing.SAVED_BY_SELECTIVE)
+SAVED_MATMULS = ("mm", "addmm", "bmm")
 # FSDP's split and gradient copies, x the unsharded bf16 bytes (the module docstring; its copy-in: B (2 + 2 / dp))
 FSDP_SPLIT, FSDP_GRADIENT_COPY = 3, 5
 
@@ -74,14 +76,14 @@ def stage_ops(cfg, layout, args, work, rows: int, blocks: int, first: bool, last
     # a fake rank's data-parallel ranks (FSDP, or PyTorch's replicate for DDP) hold parameters that are no leaves
     wrapped = layout.world_size // (layout.tp * layout.pp * layout.ep) > 1
     block, ends = _at_rows(_block_ops, key, ()), _at_rows(_ends_ops, key, (first, last, wrapped))
-    recompute = getattr(args, "activation_checkpointing", "none") == "full"
+    recompute = getattr(args, "activation_checkpointing", "none")
     phases = {}
     for phase in ("forward", "backward"):
         counts = Counter()
         for call, n in block[phase]:
             counts[call] += n * blocks
-        if phase == "backward" and recompute:
-            for call, n in _recomputed(block["forward"], cfg, rows, layout, args, work):
+        if phase == "backward" and recompute != "none":
+            for call, n in _recomputed(block["forward"], cfg, rows, layout, args, work, recompute):
                 counts[call] += n * blocks
         for call, n in ends[phase]:
             counts[call] += n
@@ -92,7 +94,7 @@ def stage_ops(cfg, layout, args, work, rows: int, blocks: int, first: bool, last
     share = microbatches if layout.pp > 1 else 1
     for call, n in [(c, n * blocks) for c, n in block["weight_casts"]] + ends["weight_casts"]:
         phases["forward"][dataclasses.replace(call, bytes=call.bytes // share)] += n
-    if recompute and layout.pp == 1:
+    if recompute != "none" and layout.pp == 1:
         for call, n in block["weight_casts"]:
             phases["backward"][call] += n * blocks
     # under tp the first stage's embedding gradient arrives whole (tp's vocabulary split: DTensor's choice) and is
@@ -174,10 +176,11 @@ def fsdp_gathered(held: list, layout, work) -> tuple[int, int]:
     )
 
 
-def _recomputed(forward: list, cfg, rows: int, layout, args, work) -> list:
+def _recomputed(forward: list, cfg, rows: int, layout, args, work, mode: str = "full") -> list:
     """The forward a checkpointed block runs again in its backward: all of it but its MLP's output matmul and the
     residual add after it, whose outputs nothing saved needs (torch.utils.checkpoint stops its recompute at the
-    last saved tensor: measured on fake ranks)."""
+    last saved tensor: measured on fake ranks); under selective checkpointing, less the ops whose outputs its
+    policy saved (the matmuls and attention: strategies/activation_checkpointing.SAVED_BY_SELECTIVE)."""
     sp = layout.tp if getattr(args, "sequence_parallel", False) else 1
     tokens = rows * cfg.block_size // layout.cp
     stream = stream_dtype(layout, work).itemsize
@@ -186,6 +189,8 @@ def _recomputed(forward: list, cfg, rows: int, layout, args, work) -> list:
     residual_add = (2 * stream + branch) * tokens // sp * cfg.d_model
     skipped = [next((c for c, _ in forward if c.kind == "gemm" and c.shape == last_matmul), None),
                next((c for c, _ in forward if c.name == "add" and c.bytes == residual_add), None)]  # fmt: skip
+    if mode == "selective":
+        forward = [(c, n) for c, n in forward if c.kind != "attention" and c.name not in SAVED_MATMULS]
     return [(c, n - skipped.count(c)) for c, n in forward if n - skipped.count(c) > 0]
 
 

@@ -90,6 +90,10 @@ def compute(ops, kind: str) -> Counter:
             "--pp 2 --dp_replicate 2 --ep 2 --per_rank_batch_size 2 --pp_microbatches 2",
             0.01,
         ),
+        # selective checkpointing: the recompute of what its policy does not save (no matmul, no attention); a
+        # MoE's grouped GEMMs recomputed under ep, its all-to-alls not
+        (f"{LLAMA} --tp 2 --dp_shard 2 --activation_checkpointing selective", 0.01),
+        (f"{LLAMA} --n_experts 8 --top_k 2 --dp_shard 2 --ep 2 --activation_checkpointing selective", 0.01),
         # the recompute of a MoE block under FSDP (ep refuses full checkpointing)
         (f"{LLAMA} --n_experts 8 --top_k 2 --dp_shard 2 --activation_checkpointing full", 0.01),
     ],
