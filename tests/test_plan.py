@@ -109,6 +109,23 @@ def test_divisors_are_every_divisor_in_order_at_any_size():
     assert divisors(2**20) == [2**k for k in range(21)]  # in sqrt(n) steps: 16,384 ranks and beyond at once
 
 
+def test_selective_checkpointing_is_priced_for_a_given_layout_between_none_and_full(capsys):
+    """--activation_checkpointing selective with a given layout: its recompute priced (the forward's ops its
+    policy does not save, no matmul), so its step is between no checkpointing's and full's; its at_scale command
+    carries it. OLMoE under ep, which refuses full checkpointing, fits the published batch with it."""
+    steps = {}
+    for mode in ("none", "selective", "full"):
+        main(["--model", "llama3_8b", "--gpus", "8", "--dp_shard", "8", "--activation_checkpointing", mode])
+        out = capsys.readouterr().out
+        steps[mode] = float(out.split(" step ")[1].split(" s,")[0])
+    assert steps["none"] < steps["selective"] < steps["full"], steps
+    assert main(["--model", "olmoe_1b_7b", "--gpus", "256", "--dp_shard", "32", "--ep", "8",
+                 "--activation_checkpointing", "selective"]) == 0  # fmt: skip
+    out = capsys.readouterr().out
+    assert "dp_shard 32 x ep 8, selective checkpointing: peak" in out and "(fits)" in out
+    assert "--ep 8 --activation_checkpointing selective" in out
+
+
 def test_a_given_layout_is_priced_even_when_it_does_not_fit_and_json_lists_the_degrees(capsys):
     """--tp --pp --dp_shard ...: that one layout, priced and printed; one that does not fit says so (exit 1).
     --json: the layouts that fit, fastest first, each with its degrees by name (as the table: the priced ones that

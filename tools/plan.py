@@ -82,7 +82,10 @@ class PlanArgs(HFModelFlags, ModelFlags):
     cp: int = flag(0, "price this one layout: context-parallel degree (0: enumerate)")
     ep: int = flag(0, "price this one layout: expert-parallel degree (0: enumerate)")
     activation_checkpointing: str = flag(
-        "none", "with a given layout: none or full", choices=("none", "full")
+        "none",
+        "with a given layout: none, full, or selective (its recompute priced: what its policy does not save; "
+        "the search weighs none and full)",
+        choices=("none", "full", "selective"),
     )
     pp_schedule: str = flag("1f1b", "with a given layout's --pp: the schedule priced (gpipe, 1f1b, interleaved_1f1b: "
                             "two stages a rank; zbv and interleaved_zero_bubble in torch's own order, their "
@@ -201,7 +204,7 @@ def describe(
     text = " x ".join(on) or "one GPU"
     text += " (sp)" if sequence_parallel else ""
     text += f", {schedule}" if degrees.get("pp", 1) > 1 and schedule != "1f1b" else ""
-    return text + (", full checkpointing" if checkpointing == "full" else "")
+    return text + (f", {checkpointing} checkpointing" if checkpointing != "none" else "")
 
 
 def evaluate(
@@ -308,7 +311,7 @@ def ceiling(hardware, mixed_precision: str) -> str:
 
 def at_scale_command(args: PlanArgs, row: dict) -> str:
     degrees = " ".join(f"--{d} {n}" for d, n in row["degrees"].items() if n > 1)
-    extra = " --activation_checkpointing full" if row["checkpointing"] == "full" else ""
+    extra = f" --activation_checkpointing {row['checkpointing']}" if row["checkpointing"] != "none" else ""
     extra += " --sequence_parallel" if row["sequence_parallel"] else ""
     # at_scale runs one stage a rank (gpipe, 1f1b): another schedule's layout is checked under 1f1b, said so
     extra += " --pp_schedule gpipe" if row["pp_schedule"] == "gpipe" else ""
