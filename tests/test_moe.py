@@ -108,6 +108,19 @@ def test_bf16_tokens_go_through_float32_experts_as_fsdps_bf16_policy_leaves_them
         )
 
 
+@pytest.mark.parametrize("mode", ["full", "selective"])
+def test_a_checkpointed_blocks_recompute_counts_no_token_twice(mode):
+    """The forward a checkpoint runs again inside the backward routes the same tokens: the step's counts (what
+    `balance` moves the bias by and reports) take each assignment once (full checkpointing counted them twice)."""
+    from strategies.activation_checkpointing import run_checkpointed
+
+    torch.manual_seed(0)
+    cfg = GPTConfig(d_model=16, n_experts=4, top_k=2)
+    moe, x = MoE(cfg), torch.randn(2, 8, 16, requires_grad=True)
+    run_checkpointed(moe, x, mode=mode).sum().backward()
+    assert moe.tokens_per_expert.sum() == 2 * 8 * 2 and x.grad is not None
+
+
 def test_the_parameter_formula_counts_every_expert_and_the_active_ones_are_fewer():
     from common.moe import active_parameter_count
 
