@@ -83,8 +83,8 @@ class PlanArgs(HFModelFlags, ModelFlags):
     ep: int = flag(0, "price this one layout: expert-parallel degree (0: enumerate)")
     activation_checkpointing: str = flag(
         "none",
-        "with a given layout: none, full, or selective (its recompute priced: what its policy does not save; "
-        "the search weighs none and full)",
+        "with a given layout: none, full, or selective (its recompute priced: what its policy does not save); "
+        "the search weighs all three",
         choices=("none", "full", "selective"),
     )
     pp_schedule: str = flag("1f1b", "with a given layout's --pp: the schedule priced (gpipe, 1f1b, interleaved_1f1b: "
@@ -192,7 +192,7 @@ def candidates(cfg: GPTConfig, gpus: int, gpus_per_node: int, global_batch: int)
                     interleaved = pp > 1 and 2 * pp <= cfg.n_layer and rows % pp == 0
                     for schedule in ("1f1b", "interleaved_1f1b")[: 2 if interleaved else 1]:
                         for data_parallel in ("dp_shard", "dp_replicate")[: 2 if rest > 1 else 1]:
-                            for checkpointing in ("none", "full"):
+                            for checkpointing in ("none", "selective", "full"):
                                 degrees = {"tp": tp, "pp": pp, "cp": cp, data_parallel: rest, "ep": ep}
                                 yield degrees, checkpointing, schedule
 
