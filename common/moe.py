@@ -60,8 +60,8 @@ class AttachAuxLoss(torch.autograd.Function):
 
 
 def recomputing() -> bool:
-    """A forward run again inside the backward (selective activation checkpointing's recompute of a MoE block): its
-    tokens were counted, and its routing recorded, when it first ran."""
+    """A forward run again inside the backward (activation checkpointing's recompute of a MoE block, full or
+    selective): its tokens were counted, and its routing recorded, when it first ran."""
     return torch._C._current_graph_task_id() != -1
 
 
