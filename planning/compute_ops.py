@@ -46,12 +46,13 @@ from torch import nn
 from planning.kernels import ATTENTION, KERNELS, fused, fused_final_norm, materialised
 from planning.ops import OpCall
 from planning.tracing import built, dense, record
-from strategies.ep import AllToAll
+from strategies.activation_checkpointing import SAVED_BY_SELECTIVE
+from strategies.ep import AllToAll, is_expert
 from strategies.layout import stream_dtype
 from strategies.replicate import replicates_whole_model
 
-# the matmuls whose outputs selective checkpointing saves (strategies/activation_checkpointing.SAVED_BY_SELECTIVE)
-SAVED_MATMULS = ("mm", "addmm", "bmm")
+# the ops whose outputs selective checkpointing saves, by the name an OpCall has (planning/ops.py: the packet's)
+SAVED_BY_SELECTIVE_NAMES = {str(op.overloadpacket).partition(".")[2] for op in SAVED_BY_SELECTIVE}
 # FSDP's split and gradient copies, x the unsharded bf16 bytes (the module docstring; its copy-in: B (2 + 2 / dp))
 FSDP_SPLIT, FSDP_GRADIENT_COPY = 3, 5
 
@@ -169,7 +170,7 @@ def fsdp_gathered(held: list, layout, work) -> tuple[int, int]:
     if not layout.shard_dims:
         return 0, 0
     element = 2 if work.mixed_precision == "bf16" else 4
-    kept = [(name, math.prod(shape)) for name, shape in held if not (layout.ep > 1 and ".mlp.w_" in name)]
+    kept = [(name, math.prod(shape)) for name, shape in held if not (layout.ep > 1 and is_expert(name))]
     return (
         sum(n for _, n in kept) * element,
         sum(n for name, n in kept if name.startswith("blocks.")) * element,
@@ -190,7 +191,7 @@ def _recomputed(forward: list, cfg, rows: int, layout, args, work, mode: str = "
     skipped = [next((c for c, _ in forward if c.kind == "gemm" and c.shape == last_matmul), None),
                next((c for c, _ in forward if c.name == "add" and c.bytes == residual_add), None)]  # fmt: skip
     if mode == "selective":
-        forward = [(c, n) for c, n in forward if c.kind != "attention" and c.name not in SAVED_MATMULS]
+        forward = [(c, n) for c, n in forward if c.name not in SAVED_BY_SELECTIVE_NAMES]
     return [(c, n - skipped.count(c)) for c, n in forward if n - skipped.count(c) > 0]
 
 
@@ -205,11 +206,11 @@ def _add_unsharded_gradient_copies(
     not priced), once a step: a copy_ before the forward and the gradients' copies into and out of the
     all-reduce's buffer (chunk_cat, copy_), 12 each, of the parameters but ep's experts (ep holds those). Per
     micro-batch: a step's over m."""
-    replicated = sum(math.prod(shape) for name, shape in held if not (layout.ep > 1 and ".mlp.w_" in name))
-    held = sum(math.prod(shape) for _, shape in held)
+    replicated = sum(math.prod(shape) for name, shape in held if not (layout.ep > 1 and is_expert(name)))
+    elements = sum(math.prod(shape) for _, shape in held)
     if layout.pp > 1 and not fused_accumulation and m > 1:
         phases["backward"][
-            OpCall("add_", "memory", "float32", (), 0.0, int(12 * (held + whole_embedding) * (m - 1) / m))
+            OpCall("add_", "memory", "float32", (), 0.0, int(12 * (elements + whole_embedding) * (m - 1) / m))
         ] += 1
     if layout.replicate_dims and not replicates_whole_model(layout):
         once = int(12 * replicated / (m if layout.pp > 1 else 1))
