@@ -44,15 +44,15 @@ import torch
 from torch import nn
 
 from planning.kernels import ATTENTION, KERNELS, fused, fused_final_norm, materialised
-from planning.ops import OpCall
+from planning.ops import OpCall, op_name
 from planning.tracing import built, dense, record
 from strategies.activation_checkpointing import SAVED_BY_SELECTIVE
 from strategies.ep import AllToAll, is_expert
 from strategies.layout import stream_dtype
 from strategies.replicate import replicates_whole_model
 
-# the ops whose outputs selective checkpointing saves, by the name an OpCall has (planning/ops.py: the packet's)
-SAVED_BY_SELECTIVE_NAMES = {str(op.overloadpacket).partition(".")[2] for op in SAVED_BY_SELECTIVE}
+# the ops whose outputs selective checkpointing saves, by the name an OpCall has
+SAVED_BY_SELECTIVE_NAMES = {op_name(op)[1] for op in SAVED_BY_SELECTIVE}
 # FSDP's split and gradient copies, x the unsharded bf16 bytes (the module docstring; its copy-in: B (2 + 2 / dp))
 FSDP_SPLIT, FSDP_GRADIENT_COPY = 3, 5
 

@@ -117,10 +117,16 @@ def _bytes(tensors) -> int:
     return sum(t.numel() * t.element_size() for t in tensors)
 
 
+def op_name(func) -> tuple[str, str]:
+    """An op's namespace and name (aten, mm): the name is its OpCall's."""
+    namespace, _, name = str(func.overloadpacket).partition(".")
+    return namespace, name
+
+
 def describe(func, args: tuple, kwargs: dict, result) -> OpCall | None:
     """The OpCall of one dispatched op, None for what is not a rank's work (collectives: their own model; prim
     ops: metadata)."""
-    namespace, _, name = str(func.overloadpacket).partition(".")
+    namespace, name = op_name(func)
     if not (namespace == "aten" or (namespace == "fsdp" and name in FSDP_OPS)) or name in NOT_THE_STEP:
         return None
     inputs, outputs = _tensors((args, kwargs)), _tensors(result)
@@ -203,7 +209,7 @@ class OpRecorder(TorchDispatchMode):
             result = 1.0 if args[0].dtype.is_floating_point else 1
         else:
             result = func(*args, **kwargs)
-        namespace, _, name = str(func.overloadpacket).partition(".")
+        namespace, name = op_name(func)
         if namespace == "_c10d_functional" and name not in FUNCTIONAL_PLUMBING:
             if not (self._propagating or self._in_redistribute):
                 self.functional_collectives[self.phase] += 1
