@@ -58,15 +58,15 @@ FSDP_SPLIT, FSDP_GRADIENT_COPY = 3, 5
 
 
 def stage_ops(cfg, layout, args, work, rows: int, blocks: int, first: bool, last: bool, kernels: str = "eager",
-              gathered: tuple[int, int] = (0, 0), microbatches: int = 1, attention: str = "flash",
+              microbatches: int = 1, attention: str = "flash",
               held: list = ()) -> dict[str, list[tuple[OpCall, int]]]:  # fmt: skip
     """{"forward": [(OpCall, count)], "backward": [...]}: one micro-batch of `rows` sequences on a rank of a stage
-    holding `blocks` blocks (and the ends `first` and `last` say). `gathered`: the bytes FSDP gathers for the stage
-    and for its blocks ((0, 0) without FSDP): all before the forward, the blocks' again before the backward (the
-    ends, the root's group, stay gathered); under a pipeline's `microbatches`, once a step, a micro-batch's share.
-    `attention`: the attention kernel (flash, or materialised: planning/kernels.materialised). `held`: the
-    parameters the rank holds before data parallelism (a Theory's, (name, shape)), whose float32 gradients a
-    pipeline accumulates and PyTorch's replicate copies without FSDP (_add_unsharded_gradient_copies)."""
+    holding `blocks` blocks (and the ends `first` and `last` say). `held`: the parameters the rank holds before
+    data parallelism (a Theory's, (name, shape)): what FSDP gathers of them (fsdp_gathered: all before the forward,
+    the blocks' again before the backward; the ends, the root's group, stay gathered; under a pipeline's
+    `microbatches`, once a step, a micro-batch's share), and without FSDP the float32 gradients a pipeline
+    accumulates and PyTorch's replicate copies (_add_unsharded_gradient_copies). `attention`: the attention kernel
+    (flash, or materialised: planning/kernels.materialised)."""
     if kernels not in KERNELS or attention not in ATTENTION:
         raise ValueError(f"kernels {kernels!r}, attention {attention!r}: one of {KERNELS} and of {ATTENTION}")
     # bf16 weights under FSDP's policy, whose bf16 stream they start; else float32 ones, under autocast in bf16
@@ -98,6 +98,7 @@ def stage_ops(cfg, layout, args, work, rows: int, blocks: int, first: bool, last
     if recompute != "none" and layout.pp == 1:
         for call, n in block["weight_casts"]:
             phases["backward"][call] += n * blocks
+    gathered = fsdp_gathered(held, layout, work)
     # under tp the first stage's embedding gradient arrives whole (tp's vocabulary split: DTensor's choice) and is
     # summed so, by FSDP or autograd, until tp.align_gradients keeps the rank's rows (a copy of them)
     whole = (cfg.vocab_size - math.ceil(cfg.vocab_size / layout.tp)) * cfg.d_model if first else 0
@@ -164,7 +165,7 @@ def _at_rows(trace, key: tuple, extra: tuple) -> dict[str, list]:
 
 
 def fsdp_gathered(held: list, layout, work) -> tuple[int, int]:
-    """What FSDP gathers for a stage and for its blocks, in bytes (stage_ops' `gathered`): the parameters the
+    """What FSDP gathers for a stage and for its blocks, in bytes: the parameters the
     stage's rank holds before data parallelism (a Theory's `held`), in the dtype FSDP gathers them, less the
     experts ep splits (FSDP leaves them out); (0, 0) without FSDP."""
     if not layout.shard_dims:

@@ -37,7 +37,7 @@ import math
 from common.gpt import parameter_count
 from common.moe import active_parameter_count
 from planning.communication import clip_collectives_seconds, own_calls, switched_shares, traffic_seconds
-from planning.compute_ops import fsdp_gathered, stage_ops
+from planning.compute_ops import stage_ops
 from planning.hardware import Hardware
 from strategies import registry
 from strategies.layout import Layout, Workload
@@ -112,7 +112,6 @@ def predict_step(
             forward_s, backward_s, optimizer = phases["forward"] / m, phases["backward"] / m, phases["step"]
             clipping = phases["clip"]
         else:
-            gathered = fsdp_gathered(t.held, layout, work)
             ops = stage_ops(
                 work.model,
                 layout,
@@ -123,7 +122,6 @@ def predict_step(
                 t.first,
                 t.last,
                 kernels,
-                gathered,
                 m,
                 attention,
                 t.held,

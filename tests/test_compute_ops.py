@@ -13,7 +13,7 @@ import pytest
 from common.config import parse_config
 from experiments.at_scale import Config
 from planning.communication import own_calls
-from planning.compute_ops import fsdp_gathered, stage_ops
+from planning.compute_ops import stage_ops
 from planning.cost_model import predict_step
 from planning.fake_ranks import meta_gpt
 from planning.hardware import load_hardware
@@ -34,9 +34,8 @@ def closed_and_recorded(flags: str) -> tuple:
     theories = stage_theories(meta_gpt(work.model), layout, cfg, work)
     first = theories[0]
     m = cfg.pp_microbatches if layout.pp > 1 else 1
-    gathered = fsdp_gathered(first.held, layout, work)
     closed = stage_ops(work.model, layout, cfg, work, work.rows // m, first.blocks, first.first, first.last,
-                       "eager", gathered, m, held=first.held)  # fmt: skip
+                       "eager", m, held=first.held)  # fmt: skip
     return cfg, layout, work, theories, recorded, closed, m
 
 
