@@ -75,6 +75,9 @@ class Flags:
     pp_microbatches: int = flag(
         4, "with --pp: micro-batches per step, each --per_rank_batch_size / this rows"
     )
+    pp_fewer_blocks_at_ends: int = flag(0, "with --pp: the first and the last stage hold this many blocks fewer "
+                                        "than the others, which the embedding and the head (and the loss's logits) "
+                                        "weigh down (Llama 3 cut 1 each)")  # fmt: skip
 
 
 def refuse(plan: Plan) -> None:
@@ -90,6 +93,11 @@ def refuse(plan: Plan) -> None:
             f"--per_rank_batch_size {work.rows} must split evenly into --pp_microbatches {m}")  # fmt: skip
     require(work.model.n_layer >= n_stages, f"--pp_schedule {args.pp_schedule} on {p} stage ranks cuts the GPT into "
             f"{n_stages} stages: --n_layer {work.model.n_layer} must be >= {n_stages}")  # fmt: skip
+    fewer = args.pp_fewer_blocks_at_ends
+    bounds = schedules.block_bounds(work.model.n_layer, n_stages, max(0, fewer))
+    sizes = [b - a for a, b in zip(bounds, bounds[1:], strict=False)]
+    require(fewer >= 0 and min(sizes) > 0, f"--pp_fewer_blocks_at_ends {fewer} with --n_layer {work.model.n_layer} on "
+            f"{n_stages} stages: it must be >= 0 and leave every stage a block (blocks a stage: {sizes})")  # fmt: skip
     rounds = max(1, m // p)
     least = {"1f1b": p, "dualpipev": 2 * p}.get(args.pp_schedule, 1)
     require(m >= least and (per_rank == 1 or "interleaved" not in args.pp_schedule or m % rounds == 0),
@@ -145,7 +153,7 @@ class Pipeline:
         if self.tied:
             gpt.head.weight = nn.Parameter(gpt.tok_emb.weight.detach().clone())
         self.aliases = {"head.weight": "tok_emb.weight"} if self.tied and self.holds_last else {}
-        bounds = schedules.block_bounds(gpt.cfg.n_layer, self.n_stages)
+        bounds = schedules.block_bounds(gpt.cfg.n_layer, self.n_stages, args.pp_fewer_blocks_at_ends)
         blocks_of = {s: [str(i) for i in range(bounds[s], bounds[s + 1])] for s in self.stage_ids}
         if args.wrong_variant == "pp_whole_model_on_every_rank":  # the mistake: nothing is cut away
             self.model = gpt

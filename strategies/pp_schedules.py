@@ -53,9 +53,14 @@ def holder(stage: int, pp: int, schedule: str) -> int:
     return stage % pp
 
 
-def block_bounds(n_layer: int, n_stages: int) -> list[int]:
-    """Stage s holds blocks [bounds[s], bounds[s + 1]): as even as whole blocks allow."""
-    return [round(i * n_layer / n_stages) for i in range(n_stages + 1)]
+def block_bounds(n_layer: int, n_stages: int, fewer_at_ends: int = 0) -> list[int]:
+    """Stage s holds blocks [bounds[s], bounds[s + 1]): as even as whole blocks allow, as if the first and the last
+    stage each held `fewer_at_ends` blocks more than they do (Llama 3's pipeline, section 3.3.2, one each: the first
+    stage also holds the embedding, the last the head and the loss; 126 blocks on 32 stages: 3, 4, ..., 4, 3). The
+    blocks are spread over n_layer + 2 x fewer_at_ends places, the first and the last `fewer_at_ends` of them
+    empty (a stage may be left with none: pp refuses that)."""
+    spread = n_layer + 2 * fewer_at_ends
+    return [min(n_layer, max(0, round(i * spread / n_stages) - fewer_at_ends)) for i in range(n_stages + 1)]
 
 
 @dataclass(frozen=True)
@@ -82,7 +87,7 @@ def holding(layout: Layout, rank: int, args, n_layer: int, tied: bool) -> Holdin
         return Holding(tuple(range(n_layer)), True, True, False)
     stage_ids = stages_of(layout.coordinate(rank, "pp"), layout.pp, args.pp_schedule)
     n_stages = layout.pp * len(stage_ids)
-    bounds = block_bounds(n_layer, n_stages)
+    bounds = block_bounds(n_layer, n_stages, args.pp_fewer_blocks_at_ends)
     blocks = tuple(i for s in stage_ids for i in range(bounds[s], bounds[s + 1]))
     last = n_stages - 1 in stage_ids
     return Holding(blocks, 0 in stage_ids, last, tied and last)

@@ -243,3 +243,18 @@ def test_a_shape_of_your_own_is_planned_and_its_check_at_scale_runs_the_same_sha
                  "--gpus", "8", "--top", "1"]) == 0  # fmt: skip
     command = capsys.readouterr().out.split("check the first at the real size: ")[1].splitlines()[0]
     assert "--model custom" in command and "--n_layer 4" in command and "--per_rank_batch_size" in command
+
+
+def test_a_pipelines_ends_can_hold_fewer_blocks_and_its_first_stage_then_holds_less(capsys):
+    """--pp_fewer_blocks_at_ends 1 (Llama 3's pipeline): llama3_8b's 32 blocks on 4 stages as 7, 9, 9, 7; the
+    first stage, which holds the embedding and the most micro-batches in flight, held the peak: it falls."""
+    base = ["--model", "llama3_8b", "--gpus", "32", "--pp", "4", "--dp_shard", "8", "--json"]
+    main(base)
+    even = json.loads(capsys.readouterr().out)[0]
+    main([*base, "--pp_fewer_blocks_at_ends", "1"])
+    lighter = json.loads(capsys.readouterr().out)[0]
+    assert lighter["peak_gib"] < even["peak_gib"]
+    main(base[:-1] + ["--pp_fewer_blocks_at_ends", "1"])
+    out = capsys.readouterr().out
+    assert "pp 4 x dp_shard 8, ends 1 block(s) lighter: peak" in out
+    assert "--pp 4 --dp_shard 8 --pp_fewer_blocks_at_ends 1 --hardware h100_sxm" in out

@@ -10,6 +10,7 @@ import dataclasses
 import inspect
 import itertools
 
+import numpy
 import pytest
 import torch
 
@@ -321,6 +322,10 @@ def test_context_parallel_ranks_join_the_data_parallel_gradient_group():
         (pp, Layout(pp=2), {"pp_microbatches": 1}, dataclasses.replace(WORK, rows=1),
          "--pp_microbatches 1 with --pp_schedule 1f1b on 2 stage ranks"),
         (pp, Layout(pp=2), {"pp_schedule": "dualpipev", "pp_microbatches": 2}, WORK, "it needs >= 4"),
+        (pp, Layout(pp=4), {"pp_fewer_blocks_at_ends": 2}, dataclasses.replace(WORK, model=GPTConfig(n_layer=4)),
+         "--pp_fewer_blocks_at_ends 2 with --n_layer 4 on 4 stages: it must be >= 0 and leave every stage a block "
+         "(blocks a stage: .0, 2, 2, 0.)"),
+        (pp, Layout(pp=2), {"pp_fewer_blocks_at_ends": -1}, WORK, "--pp_fewer_blocks_at_ends -1 with"),
     ],
 )  # fmt: skip
 def test_each_dimension_refuses_what_it_cannot_run(piece, layout, flags, work, message):
@@ -348,6 +353,12 @@ def test_pipeline_stages_sit_looped_or_in_a_v_and_split_the_blocks_evenly():
         and pp_schedules.holder(3, 2, "interleaved_zero_bubble") == 1
     )
     assert pp_schedules.block_bounds(4, 2) == [0, 2, 4] and pp_schedules.block_bounds(6, 4) == [0, 2, 3, 4, 6]
+    # the ends lighter (Llama 3: 126 blocks on 32 stages, 3 at each end and 4 on every other)
+    sizes = numpy.diff(pp_schedules.block_bounds(126, 32, fewer_at_ends=1)).tolist()
+    assert sizes == [3] + [4] * 30 + [3]
+    assert (
+        numpy.diff(pp_schedules.block_bounds(126, 32)).tolist().count(3) == 2
+    )  # as even: two 3s mid-pipeline
 
 
 def test_pipeline_ranks_hold_the_model_between_them_and_the_tie_once_more():

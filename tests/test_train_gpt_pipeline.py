@@ -20,24 +20,27 @@ TIED = 512 * 32 * 4  # the tied embedding's gradient: vocabulary 512 x width 32
 
 @pytest.mark.launch
 @pytest.mark.parametrize(
-    ("schedule", "boundaries", "tied_all_reduce"),
+    ("schedule", "boundaries", "tied_all_reduce", "extra"),
     [
         (
             "gpipe",
             1,
             True,
+            [],
         ),  # rank 0: stage 0 -> 1 (1f1b, the default, runs in the pp x dp test, the resharding
         # chain and test_activation_checkpointing)
-        ("interleaved_1f1b", 3, True),  # rank 0: stages 0 and 2: 0 -> 1, 1 -> 2, 2 -> 3
-        ("interleaved_zero_bubble", 3, True),
-        ("zbv", 2, False),  # rank 0: stages 0 and 3 (the V): 0 -> 1, 2 -> 3; it holds both ends of the tie
-        ("dualpipev", 2, False),
+        ("interleaved_1f1b", 3, True, []),  # rank 0: stages 0 and 2: 0 -> 1, 1 -> 2, 2 -> 3
+        ("interleaved_zero_bubble", 3, True, []),
+        # rank 0: stages 0 and 3 (the V): 0 -> 1, 2 -> 3; it holds both ends of the tie. 6 blocks, the ends 1
+        # lighter: stages of 1, 2, 2, 1 (as even: 2, 1, 1, 2), rank 0 holding 2 blocks (as even: 4)
+        ("zbv", 2, False, ["--n_layer", "6", "--pp_fewer_blocks_at_ends", "1"]),
+        ("dualpipev", 2, False, []),
     ],
 )
 def test_every_schedule_matches_one_process_and_sends_the_theory(
-    tmp_path, schedule, boundaries, tied_all_reduce
+    tmp_path, schedule, boundaries, tied_all_reduce, extra
 ):
-    finished = fork_launch(main, [*PP_TINY, "--pp_schedule", schedule], tmp_path / "run")
+    finished = fork_launch(main, [*PP_TINY, "--pp_schedule", schedule, *extra], tmp_path / "run")
     summary = assert_gpt_passed(finished, 2)
     assert set(summary["checks"]) == GPT_DISTRIBUTED_CHECKS
     metrics = summary["metrics"]
@@ -51,6 +54,9 @@ def test_every_schedule_matches_one_process_and_sends_the_theory(
     # the two ranks hold the whole model between them, plus the head's copy of the tied embedding
     held = [h["params"] for h in metrics["bytes_per_rank"]]
     assert sum(held) == 4 * metrics["parameters"] + TIED
+    if extra:  # rank 1: blocks 1-4; rank 0: blocks 0 and 5, the embeddings, ln_f and the head's tied copy
+        ends = 4 * (512 * 32 + 32 * 32 + 2 * 32) + TIED
+        assert held[0] == ends + 2 * (held[1] // 4)
     pipeline = metrics["pipeline"]
     assert pipeline["schedule"] == schedule and pipeline["steps_measured"] == 8 - 2
     assert 0 < pipeline["measured_bubble"] < 1 and pipeline["step_ms"] > 0

@@ -91,6 +91,8 @@ class PlanArgs(HFModelFlags, ModelFlags):
                             "two stages a rank; zbv and interleaved_zero_bubble in torch's own order, their "
                             "backward split in input and weight halves; dualpipev as 1f1b)",
                             choices=tuple(SCHEDULES))  # fmt: skip
+    pp_fewer_blocks_at_ends: int = flag(0, "with --pp (a given layout's or every pipeline enumerated): the first and "
+                                        "the last stage hold this many blocks fewer than the others (Llama 3: 1)")  # fmt: skip
     sequence_parallel: bool = flag(False, "with a given layout's --tp: Megatron's sequence parallelism (enumerated "
                                    "wherever the strategies run it, but under --pp: there, priced when given)")  # fmt: skip
     reshard_after_forward: str = flag("default", "with a given layout's --dp_shard: as train_gpt's (default: ZeRO-3; "
@@ -124,7 +126,7 @@ class PlanArgs(HFModelFlags, ModelFlags):
         load_hardware(self.hardware)
         for name in ("gpus", "top"):
             require(getattr(self, name) > 0, f"--{name} must be > 0, got {getattr(self, name)}")
-        for name in DIMS:
+        for name in (*DIMS, "pp_fewer_blocks_at_ends"):
             require(getattr(self, name) >= 0, f"--{name} must be >= 0, got {getattr(self, name)}")
         given = self.given()
         if given:
@@ -198,12 +200,17 @@ def candidates(cfg: GPTConfig, gpus: int, gpus_per_node: int, global_batch: int)
 
 
 def describe(
-    degrees: dict, checkpointing: str, schedule: str = "1f1b", sequence_parallel: bool = False
+    degrees: dict,
+    checkpointing: str,
+    schedule: str = "1f1b",
+    sequence_parallel: bool = False,
+    fewer_at_ends: int = 0,
 ) -> str:
     on = [f"{d} {degrees[d]}" for d in DIMS if degrees.get(d, 1) > 1]
     text = " x ".join(on) or "one GPU"
     text += " (sp)" if sequence_parallel else ""
     text += f", {schedule}" if degrees.get("pp", 1) > 1 and schedule != "1f1b" else ""
+    text += f", ends {fewer_at_ends} block(s) lighter" if degrees.get("pp", 1) > 1 and fewer_at_ends else ""
     return text + (f", {checkpointing} checkpointing" if checkpointing != "none" else "")
 
 
@@ -232,9 +239,11 @@ def evaluate(
         )
     flags = Candidate(**{d: getattr(layout, d) for d in DIMS}, activation_checkpointing=checkpointing,
                       pp_microbatches=rows, sequence_parallel=sequence_parallel, pp_schedule=schedule,
-                      reshard_after_forward=reshard_after_forward)  # fmt: skip
+                      reshard_after_forward=reshard_after_forward,
+                      pp_fewer_blocks_at_ends=args.pp_fewer_blocks_at_ends)  # fmt: skip
     work = Workload(cfg, rows, 1, args.mixed_precision)
-    row = {"layout": describe(degrees, checkpointing, schedule, sequence_parallel), "degrees": degrees,
+    row = {"layout": describe(degrees, checkpointing, schedule, sequence_parallel, flags.pp_fewer_blocks_at_ends),
+           "degrees": degrees,
            "checkpointing": checkpointing, "pp_schedule": schedule}  # fmt: skip
     try:
         flags.refuse_layout(layout, work, 1.0)
@@ -313,6 +322,8 @@ def at_scale_command(args: PlanArgs, row: dict) -> str:
     degrees = " ".join(f"--{d} {n}" for d, n in row["degrees"].items() if n > 1)
     extra = f" --activation_checkpointing {row['checkpointing']}" if row["checkpointing"] != "none" else ""
     extra += " --sequence_parallel" if row["sequence_parallel"] else ""
+    if row["degrees"].get("pp", 1) > 1 and args.pp_fewer_blocks_at_ends:
+        extra += f" --pp_fewer_blocks_at_ends {args.pp_fewer_blocks_at_ends}"
     # at_scale runs one stage a rank (gpipe, 1f1b): another schedule's layout is checked under 1f1b, said so
     extra += " --pp_schedule gpipe" if row["pp_schedule"] == "gpipe" else ""
     if (
