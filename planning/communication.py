@@ -23,10 +23,29 @@ def ring_steps(kind: str, n: int) -> int:
 
 
 def collective_seconds(kind: str, size: float, ranks: int, link: Link, calls: int = 1) -> float:
-    """alpha-beta: calls x latency x ring steps + bytes x bus factor / bandwidth (nothing for what is received)."""
+    """alpha-beta: calls x latency x ring steps + bytes x bus factor / bandwidth (nothing for what is received).
+    On a link with a measured bus bandwidth by payload (`Link.busbw`), an all-reduce, all-gather or reduce-scatter
+    is priced by it instead: bytes x bus factor / the bus bandwidth at its payload a call (size / calls)."""
     if kind == "recv" or ranks == 1 or not size:
         return 0.0
+    if link.busbw and kind in ("all_reduce", "all_gather", "reduce_scatter"):
+        return size * bus_factor(kind, ranks) / measured_busbw(link.busbw, size / calls)
     return calls * link.latency * ring_steps(kind, ranks) + size * bus_factor(kind, ranks) / link.bandwidth
+
+
+def measured_busbw(points: tuple, payload: float) -> float:
+    """The bus bandwidth at `payload` bytes a call, read off measured (bytes, bytes/s) points: between two, linear in
+    log2 of the payload; past the largest, the largest's; below the smallest, the smallest's time a call (a call that
+    small is its latency: the bandwidth falls with the payload)."""
+    sizes = [size for size, _ in points]
+    if payload <= sizes[0]:
+        return points[0][1] * payload / sizes[0]
+    if payload >= sizes[-1]:
+        return points[-1][1]
+    upper = next(i for i, size in enumerate(sizes) if size >= payload)
+    (low, low_bw), (high, high_bw) = points[upper - 1], points[upper]
+    share = math.log2(payload / low) / math.log2(high / low)
+    return low_bw + share * (high_bw - low_bw)
 
 
 DIMENSION_GROUP = {

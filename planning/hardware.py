@@ -17,6 +17,8 @@ PROFILES = Path(__file__).with_name("hardware.yaml")
 class Link:
     bandwidth: float  # bytes/s one way
     latency: float  # s per message step
+    # a collective's measured bus bandwidth (bytes/s) by its payload a call (bytes), ascending: ((bytes, B/s), ...)
+    busbw: tuple = ()
 
 
 @dataclass(frozen=True)
@@ -59,7 +61,8 @@ def load_hardware(name: str) -> Hardware:
 
 def hardware_from(name: str, p: dict) -> Hardware:
     """A profile's YAML mapping as a Hardware (units: TFLOP/s, GB, GB/s, us)."""
-    link = lambda spec: Link(spec["bandwidth_gbps"] * 1e9, spec["latency_us"] * 1e-6)  # noqa: E731
+    link = lambda spec: Link(spec["bandwidth_gbps"] * 1e9, spec["latency_us"] * 1e-6,  # noqa: E731
+                             tuple((size, gbps * 1e9) for size, gbps in (spec.get("busbw") or {}).get("points", ())))  # fmt: skip
     fitted = {kind: link(spec) for kind, spec in p["fitted"].items()} if p.get("fitted") else None
     fitted_shared = {kind: link(spec) for kind, spec in (p.get("fitted_shared") or {}).items()} or None
     same_group = {

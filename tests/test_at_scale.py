@@ -198,9 +198,24 @@ def test_every_stage_is_priced_by_a_rank_run_with_its_theory():
 
 def test_the_cost_model_adds_its_terms_as_its_docstring_says():
     h100 = load_hardware("h100_sxm")
-    # a ring all-reduce of 1 GB over 8 ranks of one node: 2 x 7 latency steps + 1 GB x 2 x 7/8 / 450 GB/s
-    seconds = collective_seconds("all_reduce", 1e9, 8, h100.intra_node)
-    assert seconds == pytest.approx(14 * 3e-6 + 1e9 * 1.75 / 450e9)
+    # a ring all-reduce of 1 GB over 8 ranks across nodes: 2 x 7 latency steps + 1 GB x 2 x 7/8 / 50 GB/s
+    seconds = collective_seconds("all_reduce", 1e9, 8, h100.inter_node)
+    assert seconds == pytest.approx(14 * 6e-6 + 1e9 * 1.75 / 50e9)
+    # within a node, at the bus bandwidth measured at its payload a call: 256 MiB at 441.87 GB/s; two calls of
+    # 128 MiB at 414.54; 8 KiB, under the smallest payload measured (32 KiB), in the 32 KiB call's time
+    mib = 2**20
+    assert collective_seconds("all_reduce", 256 * mib, 8, h100.intra_node) == pytest.approx(
+        256 * mib * 1.75 / 441.87e9
+    )
+    assert collective_seconds("all_reduce", 256 * mib, 8, h100.intra_node, calls=2) == pytest.approx(
+        256 * mib * 1.75 / 414.54e9
+    )
+    assert collective_seconds("all_reduce", 8192, 8, h100.intra_node) == pytest.approx(
+        collective_seconds("all_reduce", 32768, 8, h100.intra_node)
+    )
+    assert collective_seconds("send", 256 * mib, 2, h100.intra_node) == pytest.approx(
+        3e-6 + 256 * mib / 450e9
+    )
     layout = Layout(pp=2, dp_shard=4, tp=8)
     assert link_of(layout, ("tp",), h100) == h100.intra_node  # 8 consecutive ranks: one node
     assert link_of(layout, ("dp_shard",), h100) == h100.inter_node  # stride 8: across nodes

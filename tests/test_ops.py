@@ -424,6 +424,11 @@ def test_every_op_model_figure_of_a_profile_names_its_source():
                 assert figure["source"].strip() and 0 < figure["value"] <= 1, (name, key)
             if key in ("sm_count", "gemm_tiles"):
                 assert figure["source"].strip() and figure["value"], (name, key)
+        # a link's measured bus bandwidth by payload: its source, its points ascending
+        for link in ("intra_node", "inter_node"):
+            busbw = profiles[name][link].get("busbw")
+            if busbw:
+                assert busbw["source"].strip() and busbw["points"] == sorted(busbw["points"]), (name, link)
         table = (profiles[name].get("ops") or {}).get("measured_ops")
         if isinstance(table, str):
             assert (Path(PROFILES).parent / table).exists(), (name, table)
