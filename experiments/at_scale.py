@@ -256,9 +256,9 @@ def report(
     # each stage's recorded ops, priced by the hardware's op model (planning/op_model.py)
     traced = every_stage(reference, layout, cfg, work, results)
     prediction = predict_step(theories, layout, cfg, work, hardware, calls, traced)
-    flops = (
-        model_flops_per_token(work.model) * prediction["global_tokens"]
-    )  # model FLOPs: no recompute counted
+    # model FLOPs as the planner counts them (no recompute; the causal half of the attention, the work a causal
+    # model needs: an MFU that can never pass the hardware's ceiling); a published run in its paper's count, below
+    flops = model_flops_per_token(work.model, causal=True) * prediction["global_tokens"]
     tflops = flops / prediction["step_s"] / layout.world_size / 1e12
     precision = "bf16" if cfg.mixed_precision == "bf16" else "fp32"
     mfu = tflops * 1e12 / hardware.peak_flops[precision]
