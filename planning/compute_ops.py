@@ -108,7 +108,7 @@ def stage_ops(cfg, layout, args, work, rows: int, blocks: int, first: bool, last
         # (a tied weight on a stage with the head: its rows kept with the head's gradient, _vocabulary_parallel_ops)
         sliced_here = first and layout.tp > 1 and not (last and cfg.tie_weights)
         rows_kept = math.ceil(cfg.vocab_size / layout.tp) * cfg.d_model if sliced_here else 0
-        element = 2 if work.mixed_precision == "bf16" else 4
+        element = stream_dtype(layout, work).itemsize  # FSDP's parameter dtype
         if layout.pp > 1:
             fused_accumulation = kernels == "fused"
             _add_fsdp_copies_pipelined(phases, gathered[0], layout.size(layout.shard_dims), microbatches,
@@ -170,7 +170,7 @@ def fsdp_gathered(held: list, layout, work) -> tuple[int, int]:
     experts ep splits (FSDP leaves them out); (0, 0) without FSDP."""
     if not layout.shard_dims:
         return 0, 0
-    element = 2 if work.mixed_precision == "bf16" else 4
+    element = stream_dtype(layout, work).itemsize  # FSDP's parameter dtype: the stream's
     kept = [(name, math.prod(shape)) for name, shape in held if not (layout.ep > 1 and is_expert(name))]
     return (
         sum(n for _, n in kept) * element,

@@ -160,7 +160,7 @@ def memory_estimate(reference, layout: Layout, args, work: Workload, rank: int) 
     m = args.pp_microbatches if layout.pp > 1 else 1
     flying = in_flight(args.pp_schedule, layout.pp, layout.coordinate(rank, "pp"), m)
     activations = flying * activation_bytes(work, layout, args, holding.blocks, holding.first, holding.last)
-    gathered_element = 2 if work.mixed_precision == "bf16" and layout.shard_dims else 4
+    gathered_element = stream_dtype(layout, work).itemsize  # FSDP's parameter dtype
     grads = gathered * 4 // gathered_element if layout.pp > 1 and layout.shard_dims else held["grads"]
     if (
         layout.pp > 1 and layout.tp > 1 and holding.first
