@@ -60,7 +60,14 @@ import torch
 import yaml
 
 from benchmarks import compare_strategies, kernel_costs, mfu, op_costs, overhead_costs
-from benchmarks.workers import benchmark_parser, cpu_clock, dated_folder, others_share, write_table
+from benchmarks.workers import (
+    benchmark_parser,
+    command_line,
+    cpu_clock,
+    dated_folder,
+    others_share,
+    write_table,
+)
 from common.gpt import GPT, GPTConfig
 from planning.cost_model import predict_step
 from planning.fake_ranks import run_ranks
@@ -271,9 +278,7 @@ def main(argv: list[str] | None = None) -> int:
                      "measured_step_s": measured, "measured_rounds_s": steps_s[run.label],
                      "others_share_rounds": others[run.label], "predicted_step_s": predicted["step_ms"] / 1000,
                      "ratio": predicted["step_ms"] / 1000 / measured, "terms_ms": predicted["terms_ms"]})  # fmt: skip
-    command = "python -m benchmarks.at_scale_calibration " + " ".join(
-        argv if argv is not None else sys.argv[1:]
-    )
+    command = command_line("benchmarks.at_scale_calibration", argv)
     table = markdown(rows, profile, command.strip(), profile_others)
     write_table(folder, "calibration", table, rows,
                 also=", this_machine.yaml, this_machine_ops.json, this_machine_rounds.json")  # fmt: skip

@@ -18,7 +18,7 @@ from pathlib import Path
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from benchmarks.workers import benchmark_parser, dated_folder, write_table
+from benchmarks.workers import benchmark_parser, command_line, dated_folder, write_table
 from common.processes import run_process_tree
 from planning.cost_model import model_flops_per_token
 from planning.published import MODELS, PUBLISHED_RUNS, ZERO_FIGURE_1
@@ -205,9 +205,7 @@ def main(argv: list[str] | None = None) -> int:
         sections[
             "Llama 3 as it ran: the interleaved schedule and sequence parallelism (priced by tools.plan)"
         ] = as_ran_table()
-    command = "python -m benchmarks.at_scale_published " + " ".join(
-        argv if argv is not None else sys.argv[1:]
-    )
+    command = command_line("benchmarks.at_scale_published", argv)
     text = f"`{command.strip()}`\n\n" + "\n\n".join(f"**{title}**\n\n" + "\n".join(lines)
                                                   for title, lines in sections.items()) + "\n"  # fmt: skip
     write_table(folder, "published", text, sections)

@@ -25,7 +25,14 @@ from pathlib import Path
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from benchmarks.workers import accelerate_launch, checks_verdict, dated_folder, run_for_summary, write_table
+from benchmarks.workers import (
+    accelerate_launch,
+    checks_verdict,
+    command_line,
+    dated_folder,
+    run_for_summary,
+    write_table,
+)
 from common.config import finite_float  # noqa: E402
 from strategies.args import PRESETS
 from strategies.layout import DIMS, Layout
@@ -272,9 +279,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{run.label} on {run.ranks} rank(s) ...", flush=True)
         summaries.append(run_strategy(run, folder / run.label.replace(" ", ""), args))
     rows = [row(s) for s in summaries]
-    command = "python -m benchmarks.compare_strategies " + shlex.join(
-        argv if argv is not None else sys.argv[1:]
-    )
+    command = command_line("benchmarks.compare_strategies", argv)
     table = markdown(rows, command.strip())
     plot(rows, folder / "comparison.png")
     write_table(folder, "comparison", table, rows, also=", comparison.png")

@@ -22,7 +22,14 @@ import tempfile
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from benchmarks.compare_strategies import QUICK
-from benchmarks.workers import accelerate_launch, checks_verdict, dated_folder, run_for_summary, write_table
+from benchmarks.workers import (
+    accelerate_launch,
+    checks_verdict,
+    command_line,
+    dated_folder,
+    run_for_summary,
+    write_table,
+)
 from common.config import finite_float
 from strategies.args import PRESETS
 
@@ -71,7 +78,7 @@ def main(argv: list[str] | None = None) -> int:
                          "first_step_ms": metrics["first_step_ms"], "step_ms": sum(metrics["step_time_ms"].values())}  # fmt: skip
         rows.append(row)
     shutil.rmtree(cache, ignore_errors=True)
-    command = "python -m benchmarks.compile_step " + " ".join(argv if argv is not None else sys.argv[1:])
+    command = command_line("benchmarks.compile_step", argv)
     lines = [f"`{command.strip()}`", "", "| preset | first step ms: eager / compiled | steady tokens/s: eager / compiled "
              "| speed-up | checks (eager, compiled) |", "|---|---|---|---|---|"]  # fmt: skip
     for row in rows:

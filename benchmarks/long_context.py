@@ -18,7 +18,14 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from benchmarks.workers import accelerate_launch, checks_verdict, dated_folder, run_for_summary, write_table
+from benchmarks.workers import (
+    accelerate_launch,
+    checks_verdict,
+    command_line,
+    dated_folder,
+    run_for_summary,
+    write_table,
+)
 from common.config import finite_float  # noqa: E402
 
 RUNS = [  # (label, strategy, ranks, extra flags)
@@ -68,7 +75,7 @@ def main(argv: list[str] | None = None) -> int:
             "tokens_per_s": metrics["tokens_per_s"], "attention_s_per_rank": metrics.get("attention_s_per_rank"),
             "checks": checks_verdict(summary),
         })  # fmt: skip
-    command = "python -m benchmarks.long_context " + " ".join(argv if argv is not None else sys.argv[1:])
+    command = command_line("benchmarks.long_context", argv)
     table = markdown(rows, command.strip(), context)
     write_table(folder, "long_context", table, rows)
     return 0 if all(r.get("checks") == "all passed" for r in rows) else 1

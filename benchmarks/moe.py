@@ -23,7 +23,14 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from benchmarks.workers import accelerate_launch, checks_verdict, dated_folder, run_for_summary, write_table
+from benchmarks.workers import (
+    accelerate_launch,
+    checks_verdict,
+    command_line,
+    dated_folder,
+    run_for_summary,
+    write_table,
+)
 from common.config import finite_float
 
 MOE = ["--n_experts", "4", "--top_k", "2", "--d_ff", "256"]
@@ -78,7 +85,7 @@ def main(argv: list[str] | None = None) -> int:
                      "all_to_all_bytes": counted.get("all_to_all", 0), "all_reduce_bytes": counted.get("all_reduce", 0),
                      "imbalance_first": moe.get("imbalance_first"), "imbalance_last": moe.get("imbalance_last"),
                      "all_to_all_share": moe.get("all_to_all_share_of_step")})  # fmt: skip
-    command = "python -m benchmarks.moe " + " ".join(argv if argv is not None else sys.argv[1:])
+    command = command_line("benchmarks.moe", argv)
     lines = [f"`{command.strip()}`", "",
              "| run | parameters (active) | val loss | tokens/s | param bytes / rank | all-to-all / all-reduce bytes a "
              "step | tokens per expert max/mean: first -> last tenth | all-to-all share | checks |",

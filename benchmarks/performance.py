@@ -40,6 +40,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from benchmarks import compare_strategies, mfu
 from benchmarks.workers import (
     accelerate_launch,
+    command_line,
     dated_folder,
     free_port,
     run_one_thread_per_rank,
@@ -332,7 +333,7 @@ def main(argv: list[str] | None = None) -> int:
     print("5/5 overhead against bare PyTorch ...", flush=True)
     report["overhead"] = overhead(folder / "overhead", args) if args.overhead_rounds else {}
     plot_timelines(strategies_folder, rows, folder / "timelines.png")
-    command = "python -m benchmarks.performance " + " ".join(argv if argv is not None else sys.argv[1:])
+    command = command_line("benchmarks.performance", argv)
     table = markdown(report, command.strip())
     write_table(folder, "performance", table, report, also=", timelines.png")
     return 0 if compared == 0 else 1

@@ -19,7 +19,14 @@ import sys
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from benchmarks.compare_strategies import QUICK
-from benchmarks.workers import accelerate_launch, checks_verdict, dated_folder, run_for_summary, write_table
+from benchmarks.workers import (
+    accelerate_launch,
+    checks_verdict,
+    command_line,
+    dated_folder,
+    run_for_summary,
+    write_table,
+)
 from common.config import finite_float  # noqa: E402
 from strategies.pp_schedules import SCHEDULES
 
@@ -77,9 +84,7 @@ def main(argv: list[str] | None = None) -> int:
             continue
         rows.append({**summary["metrics"]["pipeline"], "tokens_per_s": summary["metrics"]["tokens_per_s"],
                      "checks": checks_verdict(summary)})  # fmt: skip
-    command = "python -m benchmarks.pipeline_schedules " + " ".join(
-        argv if argv is not None else sys.argv[1:]
-    )
+    command = command_line("benchmarks.pipeline_schedules", argv)
     table = markdown(rows, command.strip())
     write_table(folder, "schedules", table, rows, also=", <schedule>/pipeline_timeline.png")
     return 0 if all(r.get("checks") == "all passed" for r in rows) else 1

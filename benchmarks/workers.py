@@ -167,6 +167,14 @@ def scratch_folder(args) -> str:
     return os.path.dirname(os.path.abspath(args.result)) if args.result else tempfile.mkdtemp()
 
 
+def command_line(module: str, argv: list[str] | None) -> str:
+    """The command a benchmark's table names, runnable as printed: a flag's value with spaces quoted (a table
+    printed `--model_flags --n_layer 4 ...`, which its parser refuses)."""
+    import shlex
+
+    return f"python -m {module} {shlex.join(argv if argv is not None else sys.argv[1:])}".strip()
+
+
 def write_table(folder, name: str, table: str, payload, also: str = "") -> None:
     """A benchmark's table: <folder>/<name>.md (the markdown the docs take) and <name>.json (its figures), the
     table printed, then what was written (`also`: the other files it wrote, as ", a.png")."""

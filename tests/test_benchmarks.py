@@ -122,3 +122,17 @@ def test_sharding_step_times_each_variant_and_checks_it_against_one_process(tmp_
     ]
     assert rows == ["variant", "local", "ddp", "tp_plain"]
     assert "(equal within 1e-4)" in finished.stdout and "ms: tp " in finished.stdout
+
+
+def test_a_benchmarks_command_is_printed_as_it_can_be_run_again():
+    """A flag's value with spaces is quoted: the calibration's table printed `--model_flags --n_layer 4 ...`,
+    which its own parser refuses."""
+    import shlex
+
+    from benchmarks.workers import command_line
+
+    argv = ["--model_flags", "--n_layer 4 --d_model 256", "--rounds", "3"]
+    line = command_line("benchmarks.at_scale_calibration", argv)
+    quoted = "--model_flags '--n_layer 4 --d_model 256' --rounds 3"
+    assert line == f"python -m benchmarks.at_scale_calibration {quoted}"
+    assert shlex.split(line)[3:] == argv
