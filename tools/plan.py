@@ -374,10 +374,11 @@ def plan(args: PlanArgs) -> int:
           f"({args.kernels} kernels, {args.attention} attention)")  # fmt: skip
     print(ceiling(hardware, args.mixed_precision))
     if fitting:
-        print(f"\n{'layout':<62} {'micro-batches':>13} {'peak GiB':>8} {'step s':>8} {'tokens/s':>12} {'TFLOP/s':>8} "
-              f"{'MFU':>5}")  # fmt: skip
+        width = max(62, *(len(r["layout"]) for r in fitting[: args.top]))  # the longest layout's words
+        print(f"\n{'layout':<{width}} {'micro-batches':>13} {'peak GiB':>8} {'step s':>8} {'tokens/s':>12} "
+              f"{'TFLOP/s':>8} {'MFU':>5}")  # fmt: skip
         for r in fitting[: args.top]:
-            print(f"{r['layout']:<62} {r['microbatches']:>13} {r['peak_bytes'] / 2**30:>8.1f} {r['step_s']:>8.3g} "
+            print(f"{r['layout']:<{width}} {r['microbatches']:>13} {r['peak_bytes'] / 2**30:>8.1f} {r['step_s']:>8.3g} "
                   f"{r['tokens_per_s']:>12,.0f} {r['tflops_per_gpu']:>8.0f} {r['mfu']:>5.0%}")  # fmt: skip
         print(f"\ncheck the first at the real size: {at_scale_command(args, fitting[0])}")
     too_big = sorted((r for r in rows if "fits" in r and not r["fits"]), key=lambda r: r["peak_bytes"])
