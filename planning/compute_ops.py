@@ -77,14 +77,14 @@ def stage_ops(cfg, layout, args, work, rows: int, blocks: int, first: bool, last
     # a fake rank's data-parallel ranks (FSDP, or PyTorch's replicate for DDP) hold parameters that are no leaves
     wrapped = layout.world_size // (layout.tp * layout.pp * layout.ep) > 1
     block, ends = _at_rows(_block_ops, key, ()), _at_rows(_ends_ops, key, (first, last, wrapped))
-    recompute = getattr(args, "activation_checkpointing", "none")
+    checkpointing = getattr(args, "activation_checkpointing", "none")
     phases = {}
     for phase in ("forward", "backward"):
         counts = Counter()
         for call, n in block[phase]:
             counts[call] += n * blocks
-        if phase == "backward" and recompute != "none":
-            for call, n in _recomputed(block["forward"], cfg, rows, layout, args, work, recompute):
+        if phase == "backward" and checkpointing != "none":
+            for call, n in _recomputed(block["forward"], cfg, rows, layout, args, work, checkpointing):
                 counts[call] += n * blocks
         for call, n in ends[phase]:
             counts[call] += n
@@ -95,7 +95,7 @@ def stage_ops(cfg, layout, args, work, rows: int, blocks: int, first: bool, last
     share = microbatches if layout.pp > 1 else 1
     for call, n in [(c, n * blocks) for c, n in block["weight_casts"]] + ends["weight_casts"]:
         phases["forward"][dataclasses.replace(call, bytes=call.bytes // share)] += n
-    if recompute != "none" and layout.pp == 1:
+    if checkpointing != "none" and layout.pp == 1:
         for call, n in block["weight_casts"]:
             phases["backward"][call] += n * blocks
     gathered = fsdp_gathered(held, layout, work)
