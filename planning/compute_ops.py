@@ -306,9 +306,11 @@ def _block_ops(shape, rows, tp, cp, sp, ep, autocast, bf16_weights, kernels) -> 
             attn.attend, attn.positions = _context_parallel_attention(cp), _chunk_positions(cp)
         recorder.calls.clear()  # the modules' construction is not the step
         x = torch.empty(rows, sp_tokens, cfg.d_model, dtype=weights, requires_grad=True)
-        # autocast casts each weight once in its region: the next forward finds them cached
-        recorder.phase = "first"
-        _block_forward(block, x, tp if sp else 1)
+        # autocast casts each weight once in its region: the next forward finds them cached (without autocast
+        # the two forwards run the same ops: one is traced)
+        if autocast:
+            recorder.phase = "first"
+            _block_forward(block, x, tp if sp else 1)
         recorder.phase = "forward"
         out = _block_forward(block, x, tp if sp else 1)
         recorder.phase = "backward"
@@ -458,8 +460,9 @@ def _ends_ops(
         else:
             x = torch.empty(rows, tokens, cfg.d_model, dtype=weights, requires_grad=True)
         if last:
-            recorder.phase = "first"  # the head's weight cast, cached for the forward after (as a block's)
-            gpt.head(gpt.ln_f(x))
+            if autocast:  # the head's weight cast, cached for the forward after (as a block's)
+                recorder.phase = "first"
+                gpt.head(gpt.ln_f(x))
             recorder.phase = "forward"
             logits = gpt.head(gpt.ln_f(x))
             others = [torch.empty_like(logits) for _ in range(tp - 1)]  # the other ranks' shards

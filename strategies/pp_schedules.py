@@ -19,6 +19,7 @@ that take time, it gives what no closed form does."""
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 from strategies.layout import Layout, chunk_rows
@@ -225,41 +226,27 @@ def simulate(
     backward = per_chunk(backward_s)
     took_of = {"F": per_chunk(forward_s), "B": backward, "W": [b * weight_share for b in backward],
                "I": [b * (1 - weight_share) for b in backward]}  # fmt: skip
-    gradient = "I" if schedule in SPLIT_BACKWARD else "B"  # what the stage before waits for
-    # each action as (its slot, the slots it waits for, its seconds); a slot = (micro-batch, chunk, kind)
-    slot = lambda kind, microbatch, stage: (microbatch * stages + stage) * 4 + "FBIW".index(kind)  # noqa: E731
-    queues = []
-    for r in range(p):
-        queue = []
-        for a in order(schedule, r, p, m, v):
-            if a.kind == "F":
-                needs = [slot("F", a.microbatch, a.stage - 1)] if a.stage > 0 else []
-            elif a.kind == "W":
-                needs = [slot("I", a.microbatch, a.stage)]
-            else:
-                needs = [slot("F", a.microbatch, a.stage)]
-                needs += [slot(gradient, a.microbatch, a.stage + 1)] if a.stage < stages - 1 else []
-            # a neighbour's output crosses to this rank: a send (none from a chunk on the same rank)
-            sends = [send_s if holder(n // 4 % stages, p, schedule) != r else 0.0 for n in needs]
-            queue.append((slot(a.kind, a.microbatch, a.stage), needs, sends, took_of[a.kind][a.stage]))
-        queues.append(queue)
+    ranks = _dependencies(schedule, p, m, v)
+    took_at = [[took_of[kind][stage] for _, kind, stage, _, _ in actions] for actions in ranks]
     done: list[float | None] = [None] * (m * stages * 4)
     free, busy, position, late = [0.0] * p, [0.0] * p, [0] * p, [0] * p
-    remaining = sum(len(q) for q in queues)
+    remaining = sum(len(actions) for actions in ranks)
     while remaining:
         progressed = False
         for r in range(p):
-            queue = queues[r]
-            while position[r] < len(queue):
-                here, needs, sends, took = queue[position[r]]
+            actions = ranks[r]
+            while position[r] < len(actions):
+                here, _, _, needs, crossing = actions[position[r]]
                 if any(done[n] is None for n in needs):
                     break
                 # a receive posted before its data arrives ends as it arrives; posted after, late_s after it
                 ready = 0.0
-                for n, sent in zip(needs, sends, strict=True):
+                for n, crosses in zip(needs, crossing, strict=True):
+                    sent = send_s if crosses else 0.0
                     posted_late = bool(sent) and done[n] + sent <= free[r]
                     late[r] += posted_late
                     ready = max(ready, free[r] + late_s if posted_late else done[n] + sent)
+                took = took_at[r][position[r]]
                 free[r] = (free[r] if free[r] > ready else ready) + took
                 busy[r] += took
                 done[here] = free[r]
@@ -270,6 +257,32 @@ def simulate(
             raise RuntimeError(f"{schedule} on p {p}, m {m}, v {v}: the schedule deadlocks")
     step = max(free)
     return {"step_s": step, "busy_s": busy, "bubble_s": step - max(busy), "late_receives": late}
+
+
+@functools.lru_cache(maxsize=256)
+def _dependencies(schedule: str, p: int, m: int, v: int) -> tuple:
+    """Each rank's actions in its order as (slot, kind, stage, the slots it waits for, whether each of those crosses
+    from another rank): the same whatever the actions take, so a planner that prices many layouts of p stage ranks
+    orders them once. A slot = (micro-batch, chunk, kind)."""
+    stages = p * v
+    gradient = "I" if schedule in SPLIT_BACKWARD else "B"  # what the stage before waits for
+    slot = lambda kind, microbatch, stage: (microbatch * stages + stage) * 4 + "FBIW".index(kind)  # noqa: E731
+    ranks = []
+    for r in range(p):
+        actions = []
+        for a in order(schedule, r, p, m, v):
+            if a.kind == "F":
+                needs = (slot("F", a.microbatch, a.stage - 1),) if a.stage > 0 else ()
+            elif a.kind == "W":
+                needs = (slot("I", a.microbatch, a.stage),)
+            else:
+                needs = (slot("F", a.microbatch, a.stage),)
+                needs += (slot(gradient, a.microbatch, a.stage + 1),) if a.stage < stages - 1 else ()
+            # a neighbour's output crosses to this rank: a send (none from a chunk on the same rank)
+            crossing = tuple(holder(n // 4 % stages, p, schedule) != r for n in needs)
+            actions.append((slot(a.kind, a.microbatch, a.stage), a.kind, a.stage, needs, crossing))
+        ranks.append(tuple(actions))
+    return tuple(ranks)
 
 
 def step_seconds(
