@@ -21,6 +21,31 @@ def test_a_plan_lists_fitting_layouts_fastest_first_and_says_why_others_do_not(c
     assert max(peaks) <= 80.0  # an H100's memory: every listed layout fits
     assert "need more memory than a GPU has" in out and "GiB over" in out
     assert "python experiments/at_scale.py --model llama3_8b --world_size 8" in out
+    # Llama 3's pipeline (its ends a block lighter) beside the even split, each under its own words
+    assert any("ends 1 block(s) lighter" in line for line in table)
+    assert any(line.startswith("pp ") and "lighter" not in line for line in table)
+
+
+def test_the_search_weighs_a_pipelines_ends_a_block_lighter_where_that_is_another_layout_unless_told_which():
+    """Not given, --pp_fewer_blocks_at_ends is searched at 0 and 1 for every pipeline where 1 makes a layout of its
+    own: 32 blocks on 2 ranks are 16 and 16 either way (the same memory and work, listed once); given, only that."""
+    from common.config import parse_config
+    from planning.published import MODELS
+    from tools.plan import PlanArgs, candidates
+
+    shape, base = MODELS["llama3_8b"].shape, ["--model", "llama3_8b", "--gpus", "8"]
+    searched = parse_config(PlanArgs, base).fewer_at_ends_searched()
+    given = parse_config(PlanArgs, [*base, "--pp_fewer_blocks_at_ends", "0"]).fewer_at_ends_searched()
+    assert searched == (0, 1) and given == (0,)
+    layouts = list(candidates(shape, 8, 8, 2048, searched))
+    lighter = {(degrees["pp"], schedule) for degrees, _, schedule, fewer in layouts if fewer}
+    assert {(4, "1f1b"), (8, "1f1b"), (4, "interleaved_1f1b")} <= lighter
+    assert not lighter & {
+        (1, "1f1b"),
+        (2, "1f1b"),
+        (2, "interleaved_1f1b"),
+    }  # 16 and 16 blocks a rank either way
+    assert list(candidates(shape, 8, 8, 2048, given)) == [layout for layout in layouts if not layout[3]]
 
 
 def test_a_mixture_of_experts_is_planned_with_expert_parallelism_and_priced_by_its_active_parameters(capsys):

@@ -21,7 +21,8 @@ mfu, step_s, peak_gib and fits.
 Every layout of the degrees whose product is --gpus (tp within a node and dividing the heads, pp at most the
 blocks, cp for sequences of 32K tokens and more, for a mixture of experts ep dividing the experts, the
 data-parallel rest sharded (FSDP) or replicated), each
-with and without full activation checkpointing (sequence parallelism where it can run), goes through the
+with no, selective and full activation checkpointing (sequence parallelism where it can run), a pipeline also with
+its first and last stages a block lighter (Llama 3's; --pp_fewer_blocks_at_ends given: that one), goes through the
 same refusals train_gpt and experiments/at_scale.py apply (strategies/: a layout they cannot run is rejected
 with their one line), then:
   memory  each pipeline stage's first rank's bytes at its busiest moment, by theory and estimate
@@ -37,6 +38,7 @@ profile it does not know is one line and exit 2; a request nothing fits says so 
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import json
 import math
 import os
@@ -57,7 +59,7 @@ from planning.memory import memory_estimate
 from planning.published import MODELS, model_named
 from strategies.args import ParallelArgs
 from strategies.layout import DIMS, Layout, Workload
-from strategies.pp_schedules import SCHEDULES
+from strategies.pp_schedules import SCHEDULES, block_bounds, stages_of, stages_per_rank
 from strategies.shard import RESHARD
 from strategies.theory import stage_theories
 
@@ -92,7 +94,8 @@ class PlanArgs(HFModelFlags, ModelFlags):
                             "backward split in input and weight halves; dualpipev as 1f1b)",
                             choices=tuple(SCHEDULES))  # fmt: skip
     pp_fewer_blocks_at_ends: int = flag(0, "with --pp (a given layout's or every pipeline enumerated): the first and "
-                                        "the last stage hold this many blocks fewer than the others (Llama 3: 1)")  # fmt: skip
+                                        "the last stage hold this many blocks fewer than the others (Llama 3: 1); "
+                                        "not given, the search weighs 0 and 1 for every pipeline")  # fmt: skip
     sequence_parallel: bool = flag(False, "with a given layout's --tp: Megatron's sequence parallelism (enumerated "
                                    "wherever the strategies run it, but under --pp: there, priced when given)")  # fmt: skip
     reshard_after_forward: str = flag("default", "with a given layout's --dp_shard: as train_gpt's (default: ZeRO-3; "
@@ -141,6 +144,15 @@ class PlanArgs(HFModelFlags, ModelFlags):
         """--model's shape, changed by the model flags given (custom: the project's GPT)."""
         return self.model_config(GPTConfig() if self.model == "custom" else model_named(self.model).shape)
 
+    def fewer_at_ends_searched(self) -> tuple[int, ...]:
+        """The first and last stages' fewer blocks the search weighs for a pipeline: the one given, else an even
+        split and Llama 3's (one block fewer at each end: section 3.3.2 of its paper)."""
+        return (
+            (self.pp_fewer_blocks_at_ends,)
+            if "pp_fewer_blocks_at_ends" in getattr(self, "given_flags", ())
+            else (0, 1)
+        )
+
     def model_flags(self) -> str:
         """The model flags given, as at_scale takes them (the same shape checked at the real size)."""
         names = [f.name for f in (*dataclasses.fields(HFModelFlags), *dataclasses.fields(ModelFlags))]
@@ -171,8 +183,9 @@ def nearest_buildable(cfg: GPTConfig, gpus: int, gpus_per_node: int, global_batc
     return 1
 
 
-def candidates(cfg: GPTConfig, gpus: int, gpus_per_node: int, global_batch: int):
-    """Every (degrees, activation checkpointing) to consider."""
+def candidates(cfg: GPTConfig, gpus: int, gpus_per_node: int, global_batch: int, fewer_at_ends=(0,)):
+    """Every (degrees, activation checkpointing, schedule, fewer blocks at a pipeline's ends) to consider: under a
+    pipeline each of `fewer_at_ends` that makes a layout of its own (lighter_ends_tell)."""
     for tp in (
         d for d in divisors(gpus) if d <= gpus_per_node and cfg.n_head % d == 0 and cfg.kv_heads % d == 0
     ):
@@ -193,10 +206,31 @@ def candidates(cfg: GPTConfig, gpus: int, gpus_per_node: int, global_batch: int)
                     rows = global_batch // dp
                     interleaved = pp > 1 and 2 * pp <= cfg.n_layer and rows % pp == 0
                     for schedule in ("1f1b", "interleaved_1f1b")[: 2 if interleaved else 1]:
+                        ends = [
+                            n
+                            for n in fewer_at_ends
+                            if n == 0 or (pp > 1 and lighter_ends_tell(cfg, pp, schedule, n))
+                        ]
                         for data_parallel in ("dp_shard", "dp_replicate")[: 2 if rest > 1 else 1]:
-                            for checkpointing in ("none", "selective", "full"):
+                            for checkpointing, fewer in itertools.product(
+                                ("none", "selective", "full"), ends
+                            ):
                                 degrees = {"tp": tp, "pp": pp, "cp": cp, data_parallel: rest, "ep": ep}
-                                yield degrees, checkpointing, schedule
+                                yield degrees, checkpointing, schedule, fewer
+
+
+def lighter_ends_tell(cfg: GPTConfig, pp: int, schedule: str, fewer_at_ends: int) -> bool:
+    """Whether a pipeline of `pp` ranks under `schedule` with its ends `fewer_at_ends` blocks lighter is a layout of its
+    own: every stage still holds a block (pp refuses it otherwise), and some rank holds another number of blocks than
+    under the even split (on 2 ranks, 16 and 16 blocks either way: the same memory and work, not listed twice)."""
+
+    def blocks_a_rank(fewer: int) -> list[int]:
+        bounds = block_bounds(cfg.n_layer, pp * stages_per_rank(schedule), fewer)
+        return [sum(bounds[s + 1] - bounds[s] for s in stages_of(r, pp, schedule)) for r in range(pp)]
+
+    bounds = block_bounds(cfg.n_layer, pp * stages_per_rank(schedule), fewer_at_ends)
+    every_stage = all(end > start for start, end in itertools.pairwise(bounds))
+    return every_stage and blocks_a_rank(fewer_at_ends) != blocks_a_rank(0)
 
 
 def describe(
@@ -225,26 +259,30 @@ def evaluate(
     sequence_parallel: bool | None = None,
     reshard_after_forward: str = "default",
     price_all: bool = True,
+    fewer_at_ends: int | None = None,
 ) -> dict:
     """A candidate's refusal, or its memory per stage and its predicted step. Sequence parallelism (None: wherever
     the strategies run it, but under a pipeline: tp without pp, cp, experts or full checkpointing). Under a pipeline
     it is priced when asked for (`--sequence_parallel`), not enumerated: the closed form put llama3_8b on 8 GPUs at
     pp 2 x dp_shard 2 x tp 2 with it at 62 % MFU, over the 60 % no published run of eager code reaches (the GPU
-    profile prices every matmul at the best shape's efficiency)."""
+    profile prices every matmul at the best shape's efficiency). `fewer_at_ends`: a pipeline's first and last stages'
+    fewer blocks (None: --pp_fewer_blocks_at_ends)."""
     layout = Layout(**{d: degrees.get(d, 1) for d in DIMS})
     rows = args.global_batch // layout.dp
     if sequence_parallel is None:
         sequence_parallel = (
             layout.tp > 1 and layout.pp == layout.cp == 1 and checkpointing != "full" and not cfg.n_experts
         )
+    fewer_at_ends = args.pp_fewer_blocks_at_ends if fewer_at_ends is None else fewer_at_ends
     flags = Candidate(**{d: getattr(layout, d) for d in DIMS}, activation_checkpointing=checkpointing,
                       pp_microbatches=rows, sequence_parallel=sequence_parallel, pp_schedule=schedule,
                       reshard_after_forward=reshard_after_forward,
-                      pp_fewer_blocks_at_ends=args.pp_fewer_blocks_at_ends)  # fmt: skip
+                      pp_fewer_blocks_at_ends=fewer_at_ends)  # fmt: skip
     work = Workload(cfg, rows, 1, args.mixed_precision)
     row = {"layout": describe(degrees, checkpointing, schedule, sequence_parallel, flags.pp_fewer_blocks_at_ends),
            "degrees": degrees,
-           "checkpointing": checkpointing, "pp_schedule": schedule}  # fmt: skip
+           "checkpointing": checkpointing, "pp_schedule": schedule,
+           "pp_fewer_blocks_at_ends": flags.pp_fewer_blocks_at_ends if layout.pp > 1 else 0}  # fmt: skip
     try:
         flags.refuse_layout(layout, work, 1.0)
     except UsageError as refusal:
@@ -285,7 +323,8 @@ def evaluate(
 def as_json(row: dict) -> dict:
     """A priced layout as --json prints it."""
     return {"layout": {d: row["degrees"].get(d, 1) for d in DIMS}, "activation_checkpointing": row["checkpointing"],
-            "pp_schedule": row["pp_schedule"], "sequence_parallel": row["sequence_parallel"],
+            "pp_schedule": row["pp_schedule"], "pp_fewer_blocks_at_ends": row["pp_fewer_blocks_at_ends"],
+            "sequence_parallel": row["sequence_parallel"],
             "tflops_per_gpu": row["tflops_per_gpu"], "mfu": row["mfu"], "step_s": row["step_s"],
             "peak_gib": row["peak_bytes"] / 2**30, "fits": row["fits"]}  # fmt: skip
 
@@ -322,8 +361,8 @@ def at_scale_command(args: PlanArgs, row: dict) -> str:
     degrees = " ".join(f"--{d} {n}" for d, n in row["degrees"].items() if n > 1)
     extra = f" --activation_checkpointing {row['checkpointing']}" if row["checkpointing"] != "none" else ""
     extra += " --sequence_parallel" if row["sequence_parallel"] else ""
-    if row["degrees"].get("pp", 1) > 1 and args.pp_fewer_blocks_at_ends:
-        extra += f" --pp_fewer_blocks_at_ends {args.pp_fewer_blocks_at_ends}"
+    if row["pp_fewer_blocks_at_ends"]:
+        extra += f" --pp_fewer_blocks_at_ends {row['pp_fewer_blocks_at_ends']}"
     # at_scale runs one stage a rank (gpipe, 1f1b): another schedule's layout is checked under 1f1b, said so
     extra += " --pp_schedule gpipe" if row["pp_schedule"] == "gpipe" else ""
     if (
@@ -350,14 +389,16 @@ def plan(args: PlanArgs) -> int:
         require("refused" not in row, f"{row['layout']}: {row.get('refused')}")
         return print_given(args, row, hardware)
     # a layout that does not fit is not priced: listed by how far over it is
-    layouts = list(candidates(cfg, args.gpus, hardware.gpus_per_node, args.global_batch))
+    layouts = list(
+        candidates(cfg, args.gpus, hardware.gpus_per_node, args.global_batch, args.fewer_at_ends_searched())
+    )
     # no degrees multiply to --gpus under the rules (a prime past a node and the layers): that, not "nothing fits"
     require(layouts, f"--gpus {args.gpus:,}: no layout of {args.model} can be built from {args.gpus:,} GPUs (tp divides "
             f"its {cfg.n_head} heads within a node of {hardware.gpus_per_node}, pp at most its {cfg.n_layer} layers, the "
             f"data-parallel ranks divide its {args.global_batch:,} sequences a step); use a count those make up, e.g. "
             f"{nearest_buildable(cfg, args.gpus, hardware.gpus_per_node, args.global_batch):,}")  # fmt: skip
-    rows = [evaluate(reference, cfg, degrees, checkpointing, args, hardware, schedule, price_all=False)
-            for degrees, checkpointing, schedule in layouts]  # fmt: skip
+    rows = [evaluate(reference, cfg, degrees, checkpointing, args, hardware, schedule, price_all=False, fewer_at_ends=fewer)
+            for degrees, checkpointing, schedule, fewer in layouts]  # fmt: skip
     fitting = sorted((r for r in rows if r.get("fits")), key=lambda r: -r["tokens_per_s"])
     # --json: only what fits. A layout that needs more memory than a GPU has is no plan (and priced, some of them
     # read 70 % MFU and more: nothing the hardware runs)
