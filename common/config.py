@@ -305,6 +305,11 @@ def run_cli(main: Callable[[], int]) -> None:
         code = 2
     except SystemExit as stop:  # the parser's exit 2, or a run that ended early (RunEnded: a Ctrl-C's 130)
         code = stop.code
+    except BrokenPipeError:  # its reader closed stdout (`| head`): the lines it read were all it asked for
+        # stdout pointed at devnull, so that the interpreter's flush at exit does not fail on the pipe again (the
+        # signal module's docs, "Note on SIGPIPE"); exit 1, as they do
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        code = 1
     except KeyboardInterrupt:  # Ctrl-C before a run started (a run says where it stopped itself)
         if int(os.environ.get("RANK", "0")) == 0:
             print(f"{os.path.basename(sys.argv[0])}: interrupted (Ctrl-C)", file=sys.stderr)

@@ -160,3 +160,26 @@ def test_a_ctrl_c_leaves_no_warning_of_a_collective_it_left_in_flight(tmp_path):
     assert done.returncode == 130 and done.stderr.strip() == "interrupted.py: interrupted (Ctrl-C)", (
         done.stderr
     )
+
+
+@pytest.mark.launch
+def test_a_reader_that_stops_reading_ends_the_program_without_a_traceback(tmp_path):
+    """`python -m tools.plan ... | head`: head closes the pipe after its lines, and the next print fails with
+    BrokenPipeError. run_cli ends the program there, exit 1, its stderr empty (no traceback, and none from the
+    interpreter's flush at exit)."""
+    script = tmp_path / "talkative.py"
+    script.write_text(
+        "import sys\n"
+        f"sys.path.insert(0, {str(REPO)!r})\n"
+        "from common.config import run_cli\n"
+        "def main():\n"
+        "    for line in range(1_000_000):\n"
+        "        print(f'line {line}')\n"
+        "    return 0\n"
+        "run_cli(main)\n"
+    )
+    writer = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    assert writer.stdout.readline() == b"line 0\n"
+    writer.stdout.close()  # as head does, having read what it wanted
+    assert writer.wait(timeout=120) == 1
+    assert writer.stderr.read() == b""
