@@ -196,6 +196,8 @@ class GPT(nn.Module):
         if cfg.tie_weights:
             self.head.weight = self.tok_emb.weight
         self.positions = token_positions
+        if self.tok_emb.weight.is_meta:  # shapes only (the planner's, a fake rank's): no values to draw
+            return
         self.apply(self._init_weights)
         for name, param in self.named_parameters():  # GPT-2: residual projections scaled by depth
             if name.endswith(("o_proj.weight", "fc_out.weight")):

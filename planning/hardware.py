@@ -4,6 +4,7 @@ names its source there."""
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -50,10 +51,18 @@ class Hardware:
     late_receive_s: float = 0.0
 
 
-def load_hardware(name: str) -> Hardware:
+@functools.cache
+def _profiles() -> dict:
+    """planning/hardware.yaml's profiles, read once a process: a fake rank, the predictor and the planner each load
+    theirs (40 ms a read in pure Python, which the suite paid some hundred times); libyaml's loader where PyYAML
+    has it. Read only: hardware_from builds each Hardware's own values."""
     import yaml
 
-    profiles = yaml.safe_load(PROFILES.read_text())
+    return yaml.load(PROFILES.read_text(), Loader=getattr(yaml, "CSafeLoader", yaml.SafeLoader))
+
+
+def load_hardware(name: str) -> Hardware:
+    profiles = _profiles()
     require(name in profiles, f"--hardware {name!r} is not a profile in planning/hardware.yaml; known: "
             f"{', '.join(profiles)}")  # fmt: skip
     return hardware_from(name, profiles[name])
@@ -79,6 +88,4 @@ def hardware_from(name: str, p: dict) -> Hardware:
 
 
 def hardware_names() -> list[str]:
-    import yaml
-
-    return list(yaml.safe_load(PROFILES.read_text()))
+    return list(_profiles())
