@@ -200,8 +200,9 @@ def marking_ctrl_c(output_dir: str, rank: int):
     """While the body runs, a Ctrl-C on this rank first leaves a mark beside its heartbeat, then raises
     KeyboardInterrupt as usual; the handler that was there before is restored after. A peer whose collective
     fails because this rank stopped reads the mark (is_interrupt): the launcher signals the ranks one after
-    another, and the rank that stops first must not look like a crash to the others. A signal handler can only
-    be set from the main thread; elsewhere nothing is marked."""
+    another, and the rank that stops first must not look like a crash to the others; a SIGTERM after a peer's mark
+    (torchrun ending the rest of the ranks) is that Ctrl-C too. A signal handler can only be set from the main
+    thread; elsewhere nothing is marked."""
     folder = os.path.join(output_dir, "heartbeat")
     mark = os.path.join(folder, INTERRUPTED.format(rank=rank))
 
@@ -214,8 +215,18 @@ def marking_ctrl_c(output_dir: str, rank: int):
             pass  # an unwritable folder: the peers fall back to waiting for their own signal
         raise KeyboardInterrupt
 
+    def on_end(signum, frame):
+        # the launcher ends the other ranks once one has stopped: after a peer's Ctrl-C (its mark here), this rank
+        # was interrupted too, and says so as a Ctrl-C (before this, the launcher's SIGTERM could end it before its
+        # failed collective said so, under load); after anything else, SIGTERM does what it did
+        if os.path.isdir(folder) and any(name.startswith("interrupted.rank") for name in os.listdir(folder)):
+            raise KeyboardInterrupt
+        signal.signal(signal.SIGTERM, previous_term)
+        os.kill(os.getpid(), signal.SIGTERM)
+
     try:
         previous = signal.signal(signal.SIGINT, on_ctrl_c)
+        previous_term = signal.signal(signal.SIGTERM, on_end)
     except ValueError:  # not the main thread
         yield
         return
@@ -223,6 +234,7 @@ def marking_ctrl_c(output_dir: str, rank: int):
         yield
     finally:
         signal.signal(signal.SIGINT, previous)
+        signal.signal(signal.SIGTERM, previous_term)
 
 
 def clear_ctrl_c_marks(output_dir: str) -> None:
