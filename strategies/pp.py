@@ -94,8 +94,7 @@ def refuse(plan: Plan) -> None:
     require(work.model.n_layer >= n_stages, f"--pp_schedule {args.pp_schedule} on {p} stage ranks cuts the GPT into "
             f"{n_stages} stages: --n_layer {work.model.n_layer} must be >= {n_stages}")  # fmt: skip
     fewer = args.pp_fewer_blocks_at_ends
-    bounds = schedules.block_bounds(work.model.n_layer, n_stages, max(0, fewer))
-    sizes = [b - a for a, b in zip(bounds, bounds[1:], strict=False)]
+    sizes = schedules.blocks_a_stage(work.model.n_layer, n_stages, max(0, fewer))
     require(fewer >= 0 and min(sizes) > 0, f"--pp_fewer_blocks_at_ends {fewer} with --n_layer {work.model.n_layer} on "
             f"{n_stages} stages: it must be >= 0 and leave every stage a block (blocks a stage: {sizes})")  # fmt: skip
     rounds = max(1, m // p)

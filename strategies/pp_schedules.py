@@ -64,6 +64,12 @@ def block_bounds(n_layer: int, n_stages: int, fewer_at_ends: int = 0) -> list[in
     return [min(n_layer, max(0, round(i * spread / n_stages) - fewer_at_ends)) for i in range(n_stages + 1)]
 
 
+def blocks_a_stage(n_layer: int, n_stages: int, fewer_at_ends: int = 0) -> list[int]:
+    """How many blocks each stage holds under block_bounds (0 where the split leaves a stage none)."""
+    bounds = block_bounds(n_layer, n_stages, fewer_at_ends)
+    return [end - start for start, end in zip(bounds, bounds[1:], strict=False)]
+
+
 @dataclass(frozen=True)
 class Holding:
     """What a rank of a pipeline holds: its stages' blocks, whether it holds the embeddings (`first`) and the

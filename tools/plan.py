@@ -59,7 +59,7 @@ from planning.memory import memory_estimate
 from planning.published import MODELS, model_named
 from strategies.args import ParallelArgs
 from strategies.layout import DIMS, Layout, Workload
-from strategies.pp_schedules import SCHEDULES, block_bounds, stages_of, stages_per_rank
+from strategies.pp_schedules import SCHEDULES, blocks_a_stage, stages_of, stages_per_rank
 from strategies.shard import RESHARD
 from strategies.theory import stage_theories
 
@@ -223,14 +223,13 @@ def lighter_ends_tell(cfg: GPTConfig, pp: int, schedule: str, fewer_at_ends: int
     """Whether a pipeline of `pp` ranks under `schedule` with its ends `fewer_at_ends` blocks lighter is a layout of its
     own: every stage still holds a block (pp refuses it otherwise), and some rank holds another number of blocks than
     under the even split (on 2 ranks, 16 and 16 blocks either way: the same memory and work, not listed twice)."""
+    n_stages = pp * stages_per_rank(schedule)
+    even, lighter = (blocks_a_stage(cfg.n_layer, n_stages, fewer) for fewer in (0, fewer_at_ends))
 
-    def blocks_a_rank(fewer: int) -> list[int]:
-        bounds = block_bounds(cfg.n_layer, pp * stages_per_rank(schedule), fewer)
-        return [sum(bounds[s + 1] - bounds[s] for s in stages_of(r, pp, schedule)) for r in range(pp)]
+    def blocks_a_rank(sizes: list[int]) -> list[int]:
+        return [sum(sizes[stage] for stage in stages_of(r, pp, schedule)) for r in range(pp)]
 
-    bounds = block_bounds(cfg.n_layer, pp * stages_per_rank(schedule), fewer_at_ends)
-    every_stage = all(end > start for start, end in itertools.pairwise(bounds))
-    return every_stage and blocks_a_rank(fewer_at_ends) != blocks_a_rank(0)
+    return min(lighter) > 0 and blocks_a_rank(lighter) != blocks_a_rank(even)
 
 
 def describe(
