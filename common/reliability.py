@@ -219,7 +219,7 @@ def marking_ctrl_c(output_dir: str, rank: int):
         # the launcher ends the other ranks once one has stopped: after a peer's Ctrl-C (its mark here), this rank
         # was interrupted too, and says so as a Ctrl-C (before this, the launcher's SIGTERM could end it before its
         # failed collective said so, under load); after anything else, SIGTERM does what it did
-        if os.path.isdir(folder) and any(name.startswith("interrupted.rank") for name in os.listdir(folder)):
+        if a_rank_was_interrupted(output_dir):
             raise KeyboardInterrupt
         signal.signal(signal.SIGTERM, previous_term)
         os.kill(os.getpid(), signal.SIGTERM)
@@ -235,6 +235,12 @@ def marking_ctrl_c(output_dir: str, rank: int):
     finally:
         signal.signal(signal.SIGINT, previous)
         signal.signal(signal.SIGTERM, previous_term)
+
+
+def a_rank_was_interrupted(output_dir: str) -> bool:
+    """Whether some rank of the run left its Ctrl-C mark (marking_ctrl_c) beside the heartbeats."""
+    folder = os.path.join(output_dir, "heartbeat")
+    return os.path.isdir(folder) and any(name.startswith("interrupted.rank") for name in os.listdir(folder))
 
 
 def clear_ctrl_c_marks(output_dir: str) -> None:
@@ -263,10 +269,8 @@ def is_interrupt(error: BaseException | None, output_dir: str | None = None) -> 
             return True
         error = error.__cause__ or error.__context__
     peer_gone = any(sign in str(first) for sign in PEER_GONE)
-    if peer_gone and output_dir is not None:
-        folder = os.path.join(output_dir, "heartbeat")
-        if os.path.isdir(folder) and any(name.startswith("interrupted.rank") for name in os.listdir(folder)):
-            return True
+    if peer_gone and output_dir is not None and a_rank_was_interrupted(output_dir):
+        return True
     grace_s = PEER_SIGNAL_GRACE_S if peer_gone else 0.0
     try:
         _a_python_call()  # a Ctrl-C that arrived while C++ code waited runs its handler here
